@@ -1,0 +1,19 @@
+"""ops-transformer: exact, low-overhead tensor parallelism for Transformers on PyTorch."""
+
+from .comm import (CommLedger, all_gather_along, all_to_all, copy_to_tp_region,
+                   gather_from_tp_region, reduce_from_tp_region, reduce_scatter_along,
+                   scatter_to_tp_region)
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                     vocab_parallel_cross_entropy)
+from .parallel import (ParallelContext, RankError, ShardSpec, gather_full, gather_full_state_dict,
+                       init_parallel, launch)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ParallelContext", "init_parallel", "launch", "RankError",
+    "CommLedger", "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
+    "gather_from_tp_region", "all_gather_along", "reduce_scatter_along", "all_to_all",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy", "ShardSpec", "gather_full", "gather_full_state_dict",
+]

@@ -1,0 +1,153 @@
+"""The communication ledger: one recorder for every collective the library issues.
+
+Every collective in ``ops_transformer`` goes through :mod:`ops_transformer.comm.primitives`, which
+reports it here. A :class:`CommLedger` is a context manager; while it is open it records each call
+issued **by this process** (this rank). Ledgers nest: every open ledger sees every call.
+
+Element convention (``elements`` in a record and in :meth:`CommLedger.summary`) — the size of the
+*full logical tensor* the collective works on, seen from this rank:
+
+============== ==========================================================================
+kind           elements counted
+============== ==========================================================================
+all_reduce     the tensor reduced (what this rank contributes, equal to what it receives)
+all_gather     the gathered output (``group_size`` × this rank's shard)
+reduce_scatter the unscattered input (``group_size`` × this rank's output shard)
+all_to_all     the elements this rank sends
+broadcast      the tensor broadcast
+send / recv    the tensor sent / received
+============== ==========================================================================
+
+With this convention a sequence-parallel reduce-scatter + all-gather pair reports the same volume as
+the all-reduce it replaces (``b·s·h`` each), as Korthikanti et al. (2022) count it. The bytes that a
+ring algorithm actually moves per rank are given by :func:`wire_elements`.
+
+The registry of open ledgers is the one piece of process-wide state in the package: collectives in
+backward run on autograd's threads, where a context variable would not be visible. When no ledger is
+open, recording is a single truthiness test.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
+
+_open_ledgers: list[CommLedger] = []
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective call as seen by this rank."""
+
+    kind: str
+    elements: int
+    bytes: int
+    dtype: torch.dtype
+    group_size: int
+    group_ranks: tuple[int, ...]
+    label: str = ""
+
+
+def wire_elements(kind: str, elements: int, group_size: int) -> float:
+    """Elements each rank sends with bandwidth-optimal ring algorithms (Patarasuk & Yuan 2009).
+
+    all-reduce ``2(p-1)/p·n``; all-gather and reduce-scatter ``(p-1)/p·n``; all-to-all ``(p-1)/p·n``
+    (the part of its input a rank keeps is not sent); broadcast/send/recv ``n``.
+    """
+    p = group_size
+    if p <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (p - 1) / p * elements
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (p - 1) / p * elements
+    return float(elements)
+
+
+class CommLedger:
+    """Records the collectives issued by this rank while it is open.
+
+    >>> with CommLedger() as ledger:
+    ...     y = mlp(x)
+    >>> ledger.summary()["all_reduce"]
+    {'calls': 1, 'elements': 4096, 'bytes': 16384}
+    """
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+
+    def __enter__(self) -> CommLedger:
+        with _lock:
+            _open_ledgers.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _lock:
+            _open_ledgers.remove(self)
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """``{kind: {"calls", "elements", "bytes"}}`` for every kind that was called."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.records:
+            entry = out.setdefault(r.kind, {"calls": 0, "elements": 0, "bytes": 0})
+            entry["calls"] += 1
+            entry["elements"] += r.elements
+            entry["bytes"] += r.bytes
+        return out
+
+    def by_group(self) -> dict[tuple[int, ...], dict[str, dict[str, int]]]:
+        """The summary split by the ranks of the group each collective ran on."""
+        grouped: dict[tuple[int, ...], CommLedger] = defaultdict(CommLedger)
+        for r in self.records:
+            grouped[r.group_ranks].records.append(r)
+        return {ranks: ledger.summary() for ranks, ledger in grouped.items()}
+
+    def by_dtype(self) -> dict[str, dict[str, int]]:
+        """Calls and bytes per dtype (e.g. to check that gradients travel in fp32)."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.records:
+            entry = out.setdefault(str(r.dtype).replace("torch.", ""), {"calls": 0, "bytes": 0})
+            entry["calls"] += 1
+            entry["bytes"] += r.bytes
+        return out
+
+    @property
+    def calls(self) -> int:
+        return len(self.records)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.records)
+
+    def wire_bytes(self) -> float:
+        """Bytes this rank sends with ring algorithms (see :func:`wire_elements`)."""
+        return sum(
+            wire_elements(r.kind, r.elements, r.group_size) * r.bytes / max(r.elements, 1)
+            for r in self.records
+        )
+
+    def __repr__(self) -> str:
+        return f"CommLedger(calls={self.calls}, bytes={self.total_bytes})"
+
+
+def ledger_active() -> bool:
+    return bool(_open_ledgers)
+
+
+def record(kind: str, tensor: torch.Tensor, elements: int, group_ranks: tuple[int, ...],
+           label: str = "") -> None:
+    """Report one collective to every open ledger (call only when :func:`ledger_active`)."""
+    rec = CommRecord(kind, int(elements), int(elements) * tensor.element_size(), tensor.dtype,
+                     len(group_ranks), group_ranks, label)
+    with _lock:
+        for ledger in _open_ledgers:
+            ledger.records.append(rec)

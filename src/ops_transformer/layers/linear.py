@@ -1,0 +1,212 @@
+"""Column- and row-parallel linear layers (Megatron-LM's partition, Shoeybi et al. 2019).
+
+Both follow ``nn.Linear``: ``y = x Wᵀ + b`` with ``W`` of shape ``[out, in]``. Global sizes stay
+global (``in_features``, ``out_features``); the per-rank size is ``*_per_rank``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import collectives as C
+from ..comm.primitives import gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
+from ..parallel.sharding import ShardSpec, divide, gather_full, set_shard_spec
+
+
+class _LinearAllReduceInputGrad(torch.autograd.Function):
+    """``F.linear`` whose backward all-reduces the input gradient asynchronously, overlapping the
+    all-reduce with the weight-gradient matmul (Megatron's async grad all-reduce). It fuses
+    ``copy_to_tp_region`` with the column-parallel matmul."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = handle = None
+        if need_x:
+            grad_x = grad.matmul(weight)  # (..., in): this rank's partial sum
+            handle = C.all_reduce(grad_x, ctx.group, async_op=True, label="column_linear.bwd")
+        grad_2d = grad.reshape(-1, grad.shape[-1])  # (tokens, out/tp)
+        if need_w:
+            grad_w = grad_2d.t().mm(x.reshape(-1, x.shape[-1]))
+        if need_b and ctx.has_bias:
+            grad_b = grad_2d.sum(0)
+        if handle is not None:
+            handle.wait()
+        return grad_x, grad_w, grad_b, None
+
+
+def _dense_linear(in_features, out_features, bias, device, dtype) -> nn.Linear:
+    """The dense layer whose slices initialise a parallel one: with the same RNG state on every
+    rank, a parallel layer starts from exactly the weights ``nn.Linear`` would have."""
+    return nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x Wᵀ + b`` with ``W`` split along its output features (rows)::
+
+                 ┌ W_0 (out/tp × in) ┐          y_0 = x W_0ᵀ + b_0   on rank 0
+        W  =     │ W_1               │   ⇒      y_1 = x W_1ᵀ + b_1   on rank 1
+                 └ …                 ┘          …
+
+    The input ``x`` is replicated; each rank produces its slice of the output features.
+
+    * forward: no communication; with ``gather_output=True`` an all-gather of ``y`` along the last
+      dimension (backward of that gather: keep this rank's slice, no communication).
+    * backward: one all-reduce of the input gradient ``∂L/∂x`` (size of ``x``), overlapped with the
+      weight-gradient matmul.
+
+    ``sub_blocks`` (sizes summing to ``out_features``) marks a fused weight such as Q|K|V: each block
+    is split separately, so every rank holds whole slices of each block.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ctx, *, bias: bool = True,
+                 gather_output: bool = False, sub_blocks: tuple[int, ...] | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        tp = ctx.tp_size
+        if sub_blocks is not None:
+            if sum(sub_blocks) != out_features:
+                raise ValueError(f"sub_blocks {tuple(sub_blocks)} sum to {sum(sub_blocks)}, "
+                                 f"expected out_features ({out_features})")
+            for i, block in enumerate(sub_blocks):
+                divide(block, tp, f"ColumnParallelLinear: sub-block {i} of out_features")
+            sub_blocks = tuple(sub_blocks)
+        self.in_features, self.out_features = in_features, out_features
+        self.out_features_per_rank = divide(out_features, tp, "ColumnParallelLinear: out_features")
+        self.gather_output, self.sub_blocks = gather_output, sub_blocks
+        self.tp_group, self.tp_size, self.tp_rank = ctx.tp_group, tp, ctx.tp_rank
+        self.weight_spec = ShardSpec((out_features, in_features), 0, ctx.tp_rank, tp, sub_blocks)
+        self.bias_spec = ShardSpec((out_features,), 0, ctx.tp_rank, tp, sub_blocks)
+        order = self.weight_spec.dense_order() if gather_output else None
+        if order is not None and device is not None and torch.device(device).type != "meta":
+            order = order.to(device)
+        self.register_buffer("_gather_order", order, persistent=False)
+        dense = _dense_linear(in_features, out_features, bias, device, dtype)
+        self._load_dense(dense)
+
+    def _load_dense(self, dense: nn.Module) -> None:
+        self.weight = set_shard_spec(nn.Parameter(self.weight_spec.shard(dense.weight.detach())),
+                                     self.weight_spec)
+        if dense.bias is not None:
+            self.bias = set_shard_spec(nn.Parameter(self.bias_spec.shard(dense.bias.detach())),
+                                       self.bias_spec)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Module, ctx, *, gather_output: bool = False,
+                   sub_blocks: tuple[int, ...] | None = None) -> ColumnParallelLinear:
+        """This rank's exact slice of a dense ``nn.Linear`` (``weight [out, in]``)."""
+        out_features, in_features = linear.weight.shape
+        layer = cls(in_features, out_features, ctx, bias=linear.bias is not None,
+                    gather_output=gather_output, sub_blocks=sub_blocks, device="meta",
+                    dtype=linear.weight.dtype)
+        layer._load_dense(linear)
+        if layer._gather_order is not None:
+            layer._gather_order = layer.weight_spec.dense_order().to(linear.weight.device)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = _LinearAllReduceInputGrad.apply(x, self.weight, self.bias, self.tp_group)
+        if self.gather_output:
+            y = gather_from_tp_region(y, self.tp_group, -1)
+            if self._gather_order is not None:
+                y = y.index_select(-1, self._gather_order)
+        return y
+
+    def to_dense(self) -> nn.Linear:
+        """The dense ``nn.Linear`` (collective over the TP group; every rank gets it)."""
+        return _to_dense_linear(self)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"out_features_per_rank={self.out_features_per_rank}, tp={self.tp_size}, "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}"
+                + (f", sub_blocks={self.sub_blocks}" if self.sub_blocks else ""))
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x Wᵀ + b`` with ``W`` split along its input features (columns)::
+
+        W = [ W_0 | W_1 | … ]   (out × in/tp each)      y = Σ_r x_r W_rᵀ  + b
+
+    Each rank multiplies its slice ``x_r`` of the input features; the partial outputs are summed.
+
+    * forward: one all-reduce of the output (size of ``y``); the bias, replicated, is added once
+      after it. With ``input_is_parallel=False`` the full ``x`` is taken and sliced locally (its
+      backward then all-gathers the input gradient).
+    * backward: no communication (the gradient of ``y`` is already replicated).
+    """
+
+    def __init__(self, in_features: int, out_features: int, ctx, *, bias: bool = True,
+                 input_is_parallel: bool = True, device=None, dtype=None):
+        super().__init__()
+        tp = ctx.tp_size
+        self.in_features, self.out_features = in_features, out_features
+        self.in_features_per_rank = divide(in_features, tp, "RowParallelLinear: in_features")
+        self.input_is_parallel = input_is_parallel
+        self.tp_group, self.tp_size, self.tp_rank = ctx.tp_group, tp, ctx.tp_rank
+        self.weight_spec = ShardSpec((out_features, in_features), 1, ctx.tp_rank, tp)
+        self._load_dense(_dense_linear(in_features, out_features, bias, device, dtype))
+
+    def _load_dense(self, dense: nn.Module) -> None:
+        self.weight = set_shard_spec(nn.Parameter(self.weight_spec.shard(dense.weight.detach())),
+                                     self.weight_spec)
+        if dense.bias is not None:
+            self.bias = nn.Parameter(dense.bias.detach().clone())  # replicated, added once
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Module, ctx, *,
+                   input_is_parallel: bool = True) -> RowParallelLinear:
+        """This rank's exact slice of a dense ``nn.Linear`` (``weight [out, in]``)."""
+        out_features, in_features = linear.weight.shape
+        layer = cls(in_features, out_features, ctx, bias=linear.bias is not None,
+                    input_is_parallel=input_is_parallel, device="meta",
+                    dtype=linear.weight.dtype)
+        layer._load_dense(linear)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        x_local = x if self.input_is_parallel else scatter_to_tp_region(x, self.tp_group, -1)
+        if x_local.shape[-1] != self.in_features_per_rank:
+            raise ValueError(
+                f"RowParallelLinear expects the last dimension of its input to be "
+                f"in_features_per_rank ({self.in_features_per_rank} = {self.in_features} / tp "
+                f"{self.tp_size}) with input_is_parallel=True, got {x_local.shape[-1]}")
+        y = reduce_from_tp_region(F.linear(x_local, self.weight), self.tp_group, inplace=True)
+        return y + self.bias if self.bias is not None else y
+
+    def to_dense(self) -> nn.Linear:
+        """The dense ``nn.Linear`` (collective over the TP group; every rank gets it)."""
+        return _to_dense_linear(self)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"in_features_per_rank={self.in_features_per_rank}, tp={self.tp_size}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+
+
+def _to_dense_linear(layer) -> nn.Linear:
+    weight = gather_full(layer.weight, layer.tp_group)
+    dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        dense.weight.copy_(weight)
+        if layer.bias is not None:
+            dense.bias.copy_(gather_full(layer.bias, layer.tp_group))
+    return dense

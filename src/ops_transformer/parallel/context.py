@@ -1,0 +1,150 @@
+"""The rank grid: a frozen :class:`ParallelContext` over a ``DeviceMesh`` with axes ``dp, ep, tp``.
+
+Ranks are laid out ``tp``-fastest: ranks ``0..tp-1`` form the first tensor-parallel group, so TP
+groups stay inside a node whenever ``tp`` divides the GPUs per node (as in Megatron-LM and
+torchtitan). The context owns the process groups and is handed down explicitly; nothing in the
+package keeps a process group in a global.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+MESH_AXES = ("dp", "ep", "tp")
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True, eq=False)
+class ParallelContext:
+    """Where this rank sits in the ``dp × ep × tp`` grid, and the groups along each axis.
+
+    A group of ``None`` stands for a group of one rank: every primitive is then the identity, so a
+    single process needs no ``torch.distributed`` at all (see :meth:`single`).
+    """
+
+    rank: int
+    world_size: int
+    tp_size: int
+    tp_rank: int
+    dp_size: int
+    dp_rank: int
+    ep_size: int = 1
+    ep_rank: int = 0
+    tp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    mesh: object | None = field(default=None, repr=False)  # torch DeviceMesh, or None for one rank
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> ParallelContext:
+        """A one-rank context that needs no process group: every layer runs dense."""
+        return cls(rank=0, world_size=1, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0,
+                   device=torch.device(device))
+
+    @classmethod
+    def from_mesh(cls, mesh, device: torch.device, backend: str | None = None) -> ParallelContext:
+        """Build the context from a ``DeviceMesh`` whose dimension names include ``tp`` and
+        optionally ``dp`` and ``ep``."""
+        names = tuple(mesh.mesh_dim_names or ())
+        if "tp" not in names:
+            raise ValueError(f"the device mesh needs a dimension named 'tp'; it has {names}")
+
+        def axis(name: str):
+            if name not in names:
+                return 1, 0, None
+            sub = mesh[name]
+            size = sub.size()
+            return size, sub.get_local_rank(), (sub.get_group() if size > 1 else None)
+
+        tp_size, tp_rank, tp_group = axis("tp")
+        dp_size, dp_rank, dp_group = axis("dp")
+        ep_size, ep_rank, ep_group = axis("ep")
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                   tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank,
+                   ep_size=ep_size, ep_rank=ep_rank, tp_group=tp_group, dp_group=dp_group,
+                   ep_group=ep_group, mesh=mesh, device=device, backend=backend)
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def __str__(self) -> str:
+        return (f"rank {self.rank}/{self.world_size} (dp {self.dp_rank}/{self.dp_size}, "
+                f"ep {self.ep_rank}/{self.ep_size}, tp {self.tp_rank}/{self.tp_size}) "
+                f"on {self.device}")
+
+
+def check_degrees(world_size: int, tp: int, dp: int | None, ep: int) -> tuple[int, int, int]:
+    """Validate the parallel degrees against the world size; returns ``(dp, ep, tp)``."""
+    for name, value in (("tp", tp), ("ep", ep), ("dp", dp)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if dp is None:
+        if world_size % (tp * ep) != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp ({tp}) × ep ({ep}) = {tp * ep}, "
+                f"so dp cannot be inferred; choose tp and ep whose product divides {world_size}")
+        dp = world_size // (tp * ep)
+    if dp * ep * tp != world_size:
+        raise ValueError(
+            f"dp ({dp}) × ep ({ep}) × tp ({tp}) = {dp * ep * tp} must equal the world size "
+            f"({world_size})")
+    return dp, ep, tp
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str | None = None,
+                  timeout: timedelta | float = DEFAULT_TIMEOUT) -> ParallelContext:
+    """Set up the ``dp × ep × tp`` rank grid and return this rank's :class:`ParallelContext`.
+
+    Reuses an initialised default process group, or initialises one from the ``torchrun``
+    environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+    Without either, a single process gets :meth:`ParallelContext.single`. ``backend`` defaults to
+    ``nccl`` when CUDA is available, else ``gloo``. ``dp=None`` means ``world_size // (tp*ep)``.
+    ``timeout`` (a ``timedelta`` or seconds) bounds every collective, so a dead peer ends in an
+    error instead of a hang.
+    """
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    if dist.is_available() and dist.is_initialized():
+        world_size = dist.get_world_size()
+        backend = dist.get_backend()
+    else:
+        world_size = _env_int("WORLD_SIZE")
+        if world_size is None:
+            if tp * (dp or 1) * ep != 1:
+                check_degrees(1, tp, dp, ep)  # names the factors in the error
+            return ParallelContext.single("cuda" if backend == "nccl" else "cpu")
+        rank = _env_int("RANK")
+        if rank is None:
+            raise ValueError("WORLD_SIZE is set but RANK is not: start the job with torchrun or "
+                             "ops_transformer.launch")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dp, ep, tp = check_degrees(world_size, tp, dp, ep)  # fail before any rendezvous
+        if backend == "nccl":
+            torch.cuda.set_device(_local_rank(rank))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    dp, ep, tp = check_degrees(world_size, tp, dp, ep)
+    device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+              else torch.device("cpu"))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dp, ep, tp), mesh_dim_names=MESH_AXES)
+    return ParallelContext.from_mesh(mesh, device, backend)
+
+
+def _local_rank(rank: int) -> int:
+    local = _env_int("LOCAL_RANK")
+    return local if local is not None else rank % max(torch.cuda.device_count(), 1)

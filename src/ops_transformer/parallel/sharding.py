@@ -1,0 +1,131 @@
+"""Sharding metadata carried by every tensor-parallel parameter, and the way back to dense.
+
+A sharded parameter has a ``shard_spec`` attribute (:class:`ShardSpec`): the dense parameter's
+shape, the dimension it is split along, this rank's place, and — for fused weights such as QKV or
+SwiGLU's gate/up — the sub-blocks that are split one by one, so that each rank holds whole pieces of
+every block. With it, gathering, checkpointing and resharding need no model-specific code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm import collectives as C
+
+
+def divide(size: int, tp: int, what: str) -> int:
+    """``size // tp``, or a ``ValueError`` naming the dimension, its size and the degree."""
+    if size % tp != 0:
+        raise ValueError(f"{what} ({size}) is not divisible by the tensor-parallel degree "
+                         f"tp ({tp}); choose a tp that divides {size}")
+    return size // tp
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How this rank's tensor relates to the dense one.
+
+    ``full_shape`` is the dense (user-visible) shape. ``padded_size`` is the size of ``split_dim``
+    after zero padding to a multiple of ``tp_size`` (vocabularies), ``None`` when not padded.
+    ``sub_blocks`` are the sizes along ``split_dim`` of fused blocks, each split separately.
+    """
+
+    full_shape: tuple[int, ...]
+    split_dim: int
+    tp_rank: int
+    tp_size: int
+    sub_blocks: tuple[int, ...] | None = None
+    padded_size: int | None = None
+
+    @property
+    def split_size(self) -> int:
+        return self.padded_size or self.full_shape[self.split_dim]
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        shape[self.split_dim] = self.split_size // self.tp_size
+        return tuple(shape)
+
+    def blocks(self) -> tuple[int, ...]:
+        return self.sub_blocks or (self.split_size,)
+
+    def slices(self) -> list[tuple[int, int]]:
+        """``(start, length)`` ranges of the (padded) dense ``split_dim`` held by this rank."""
+        out, offset = [], 0
+        for block in self.blocks():
+            part = block // self.tp_size
+            out.append((offset + self.tp_rank * part, part))
+            offset += block
+        return out
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the dense tensor ``full``."""
+        if tuple(full.shape) != self.full_shape:
+            raise ValueError(f"expected a dense tensor of shape {self.full_shape}, "
+                             f"got {tuple(full.shape)}")
+        full = self._pad(full)
+        pieces = [full.narrow(self.split_dim, start, n) for start, n in self.slices()]
+        return torch.cat(pieces, self.split_dim) if len(pieces) > 1 else pieces[0].clone()
+
+    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The dense tensor from the shards of all ranks (ordered by tp rank)."""
+        parts = [b // self.tp_size for b in self.blocks()]
+        per_rank = [s.split(parts, self.split_dim) for s in shards]
+        blocks = [torch.cat([pr[i] for pr in per_rank], self.split_dim) for i in range(len(parts))]
+        full = torch.cat(blocks, self.split_dim) if len(blocks) > 1 else blocks[0]
+        return full.narrow(self.split_dim, 0, self.full_shape[self.split_dim])
+
+    def _pad(self, full: torch.Tensor) -> torch.Tensor:
+        extra = self.split_size - self.full_shape[self.split_dim]
+        if extra == 0:
+            return full
+        pad_shape = list(full.shape)
+        pad_shape[self.split_dim] = extra
+        return torch.cat([full, full.new_zeros(pad_shape)], self.split_dim)
+
+    def dense_order(self) -> torch.Tensor | None:
+        """Indices that put an all-gathered (rank-major) ``split_dim`` back in dense order, or
+        ``None`` when the rank-major order already is the dense order."""
+        if not self.sub_blocks or len(self.sub_blocks) == 1:
+            return None
+        gathered = torch.arange(self.split_size)  # position k of the gathered tensor holds...
+        specs = [ShardSpec(self.full_shape, self.split_dim, r, self.tp_size, self.sub_blocks)
+                 for r in range(self.tp_size)]
+        dense_index = torch.cat([torch.cat([torch.arange(s, s + n) for s, n in sp.slices()])
+                                 for sp in specs])  # ...this dense index
+        order = torch.empty_like(gathered)
+        order[dense_index] = gathered
+        return order
+
+
+def set_shard_spec(param: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
+    param.shard_spec = spec
+    return param
+
+
+def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
+    return getattr(tensor, "shard_spec", None)
+
+
+@torch.no_grad()
+def gather_full(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The dense tensor behind a sharded parameter (every rank gets it); others are copied."""
+    spec = shard_spec(tensor)
+    if spec is None:
+        return tensor.detach().clone()
+    local = tensor.detach().movedim(spec.split_dim, 0).contiguous()
+    out = local.new_empty((spec.tp_size * local.shape[0], *local.shape[1:]))
+    C.all_gather_into(out, local, group, label="gather_full")
+    shards = [s.movedim(0, spec.split_dim) for s in out.chunk(spec.tp_size, 0)]
+    return spec.unshard(shards).contiguous()
+
+
+def gather_full_state_dict(model: nn.Module, ctx) -> dict[str, torch.Tensor]:
+    """The dense state dict of a tensor-parallel model, with the keys and shapes of the model
+    before it was parallelised. Every rank of the TP group receives it (collective call)."""
+    return {name: gather_full(value, ctx.tp_group)
+            for name, value in model.state_dict(keep_vars=True).items()}

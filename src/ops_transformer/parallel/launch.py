@@ -68,21 +68,20 @@ def _child(rank, nprocs, port, conn, stack_file, fn, args, kwargs):
     try:
         payload = ("ok", fn(*args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        tb = traceback.format_exc()
+        failed_at, tb = time.time(), traceback.format_exc()
         try:
             pickle.dumps(exc)
-            payload = ("error", (exc, tb))
         except Exception:  # unpicklable exception: send its text
-            payload = ("error", (RuntimeError(f"{type(exc).__name__}: {exc}"), tb))
-    finally:
-        _destroy_process_group()
+            exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+        payload = ("error", (exc, tb, failed_at))
     try:
         data = pickle.dumps(payload)
     except Exception as exc:
-        data = pickle.dumps(("error", (TypeError(f"the return value of rank {rank} cannot be "
-                                                 f"pickled: {exc}"), "")))
-    conn.send_bytes(data)
+        error = TypeError(f"the return value of rank {rank} cannot be pickled: {exc}")
+        data = pickle.dumps(("error", (error, "", time.time())))
+    conn.send_bytes(data)  # before tearing down: peers then fail after the parent knows why
     conn.close()
+    _destroy_process_group()
 
 
 def _destroy_process_group() -> None:
@@ -151,7 +150,7 @@ def launch(fn, nprocs: int, *args, timeout: float = DEFAULT_LAUNCH_TIMEOUT,
 
 def _collect(procs, conns, nprocs, timeout, stack_dir) -> list:
     results: dict[int, object] = {}
-    errors: list[tuple[int, BaseException, str]] = []
+    errors: list[tuple[int, BaseException, str, float]] = []  # (rank, exception, traceback, time)
     pending = {conns[r]: r for r in range(nprocs)}
     sentinels = {procs[r].sentinel: r for r in range(nprocs)}
     deadline = time.monotonic() + timeout
@@ -169,7 +168,7 @@ def _collect(procs, conns, nprocs, timeout, stack_dir) -> list:
                 try:
                     status, value = pickle.loads(obj.recv_bytes())
                 except EOFError:  # the process ended without a word
-                    errors.append((rank, _died(procs[rank], rank), ""))
+                    errors.append((rank, _died(procs[rank], rank), "", time.time()))
                     continue
                 if status == "ok":
                     results[rank] = value
@@ -180,12 +179,13 @@ def _collect(procs, conns, nprocs, timeout, stack_dir) -> list:
                 conn = conns[rank]
                 if conn in pending and not conn.poll():
                     pending.pop(conn)
-                    errors.append((rank, _died(procs[rank], rank), ""))
+                    errors.append((rank, _died(procs[rank], rank), "", time.time()))
         if errors and fail_deadline is None:
             fail_deadline = time.monotonic() + _GRACE_S
     if errors:
-        rank, exc, tb = errors[0]  # the first to fail is the cause; the others usually follow it
-        others = [r for r, _, _ in errors[1:]]
+        errors.sort(key=lambda e: e[3])  # the first to fail is the cause; the others follow it
+        rank, exc, tb, _ = errors[0]
+        others = [e[0] for e in errors[1:]]
         err = _as_rank_error(exc, rank, nprocs, tb)
         if others:
             err.add_note(f"ranks {others} failed after it") if hasattr(err, "add_note") else None

@@ -1,0 +1,28 @@
+"""Shared assertions for the tests (imported by test modules; pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+
+FP32_RTOL = 1e-5
+# bf16 keeps 8 significant bits (unit roundoff 2^-8 ≈ 3.9e-3). A TP layer rounds each rank's
+# partial result to bf16 before the all-reduce and rounds the sum again, where the dense layer rounds
+# once, so a few bf16 ulps of difference relative to the largest value are expected.
+BF16_RTOL = 2e-2
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected| (computed in fp64)."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    scale = expected.abs().max().clamp_min(1e-12)
+    return float((actual - expected).abs().max() / scale)
+
+
+def assert_rel(actual, expected, rtol=FP32_RTOL, what=""):
+    err = rel_err(actual, expected)
+    assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.1e}"
+
+
+def rank_chunk(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    return full.chunk(world, dim)[rank]

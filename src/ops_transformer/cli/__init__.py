@@ -1,0 +1,1 @@
+"""The ``ops-transformer`` command line: one module per command."""

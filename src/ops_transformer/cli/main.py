@@ -1,0 +1,40 @@
+"""``ops-transformer <command>``: argument parsing and uniform error handling.
+
+A user error (``ValueError``, also when raised on a rank) prints one clear line and exits with code
+2; nothing else is caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import demo
+
+COMMANDS = {"demo": demo}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ops-transformer",
+        description="Exact, low-overhead tensor parallelism for Transformers on PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        module.add_parser(sub.add_parser(name, help=module.HELP, description=module.HELP))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args) or 0
+    except ValueError as exc:
+        print(f"ops-transformer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,13 +12,14 @@ run in the same job, interleaved round by round (the order rotates each round):
 Every rank runs one intra-op thread (``ops_transformer.launch`` sets ``torch.set_num_threads(1)``),
 so ``plain`` is one core and ``ours`` / ``dtensor`` are two cores over gloo. Reported times are
 rank 0's per-step wall times (its collectives wait for rank 1, so a step ends on rank 0 only once
-both ranks have contributed); rank 1's medians are kept in the JSON output.
+both ranks have contributed); rank 1's pooled medians are printed beside them and kept in the
+JSON output with every per-step time.
 
 Before timing, each size is checked once (untimed): the output and input gradient of ``ours`` and
 ``dtensor`` against the dense MLP, and the collectives of one step (our ``CommLedger``; DTensor's
 ``CommDebugMode``).
 
-    python benchmarks/bench_mlp.py --sizes small,medium --rounds 9 --steps 30 --json out.json
+    python benchmarks/bench_mlp.py --sizes small,medium --rounds 15 --json out.json
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 
@@ -45,17 +47,19 @@ TP = 2
 
 @dataclass(frozen=True)
 class Size:
-    """One problem size: batch ``b``, sequence ``s``, hidden ``h`` (the FFN is ``4h`` wide)."""
+    """One problem size: batch ``b``, sequence ``s``, hidden ``h`` (the FFN is ``4h`` wide), and
+    the default number of timed steps per block (more for short steps, to smooth gloo's jitter)."""
 
     name: str
     b: int
     s: int
     h: int
+    steps: int
 
 
 SIZES = {
-    "small": Size("small", b=4, s=32, h=64),  # tiny: per-step overhead dominates
-    "medium": Size("medium", b=4, s=128, h=512),  # matmuls dominate
+    "small": Size("small", b=4, s=32, h=64, steps=60),  # tiny: per-step overhead dominates
+    "medium": Size("medium", b=4, s=128, h=512, steps=15),  # matmuls dominate
 }
 
 
@@ -73,7 +77,7 @@ class MLP(nn.Module):
 
 
 def build_models(size: Size, ctx) -> dict[str, nn.Module]:
-    """The three models of one size, all from the same dense weights (seeded, equal on all ranks)."""
+    """The three models of one size, from the same dense weights (seeded: equal on all ranks)."""
     torch.manual_seed(1234)
     dense = MLP(size.h)
     ours = MLP(size.h)
@@ -89,7 +93,7 @@ def build_models(size: Size, ctx) -> dict[str, nn.Module]:
 
 
 def make_inputs(size: Size) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input ``x`` (b, s, h) that requires grad, as inside a network, and a fixed output gradient."""
+    """Input ``x`` (b, s, h) requiring grad, as inside a network, and a fixed output gradient."""
     gen = torch.Generator().manual_seed(size.b * 1000 + size.h)
     x = torch.randn(size.b, size.s, size.h, generator=gen).requires_grad_()
     grad_out = torch.randn(size.b, size.s, size.h, generator=gen)
@@ -169,21 +173,24 @@ def run_rounds(models, x, grad_out, rounds: int, steps: int, warmup: int) -> dic
     return times
 
 
-def bench_size(size: Size, ctx, rounds: int, steps: int, warmup: int) -> dict:
-    """Check, count and time one size on this rank."""
+def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int) -> dict:
+    """Check, count and time one size on this rank (``steps=None``: the size's default)."""
     models = build_models(size, ctx)
     x, grad_out = make_inputs(size)
     errors = check_correctness(models, x, grad_out)
     comms = count_collectives(models, x, grad_out)
+    steps = steps or size.steps
     times = run_rounds(models, x, grad_out, rounds, steps, warmup)
-    return {"size": asdict(size), "errors": errors, "comms": comms, "times": times}
+    return {"size": asdict(size), "steps": steps, "errors": errors, "comms": comms,
+            "times": times}
 
 
-def rank_main(sizes: list[Size], rounds: int, steps: int, warmup: int) -> dict:
+def rank_main(sizes: list[Size], rounds: int, steps: int | None, warmup: int) -> dict:
     """What each rank runs under ``ops_transformer.launch``."""
     ctx = ops_transformer.init_parallel(tp=TP)
     results = [bench_size(size, ctx, rounds, steps, warmup) for size in sizes]
-    return {"rank": ctx.rank, "threads": torch.get_num_threads(), "results": results}
+    return {"rank": ctx.rank, "backend": ctx.backend, "threads": torch.get_num_threads(),
+            "results": results}
 
 
 def _median_ms(blocks: list[list[float]]) -> float | None:
@@ -191,32 +198,43 @@ def _median_ms(blocks: list[list[float]]) -> float | None:
     return 1e3 * statistics.median(flat) if flat else None
 
 
+def _paired_ratio(times: dict[str, list], num: str, den: str) -> dict[str, float]:
+    """Median, min and max over rounds of ``num``'s round median over ``den``'s round median.
+
+    Blocks of one round run seconds apart, so pairing them cancels slow drifts of the machine.
+    """
+    ratios = [_median_ms([a]) / _median_ms([b]) for a, b in zip(times[num], times[den])]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
 def summarise(per_rank: list[dict]) -> list[dict]:
-    """One row per size: rank 0's median step time per method, spread over rounds, ratios."""
+    """One row per size: rank 0's median step time per method (all steps of all rounds pooled),
+    the spread of its per-round medians, and the ratios (pooled and paired by round)."""
     rows = []
     for i, res0 in enumerate(per_rank[0]["results"]):
-        row = {"size": res0["size"], "errors": res0["errors"], "comms": res0["comms"]}
+        times = res0["times"]
+        row = {"size": res0["size"], "steps": res0["steps"], "errors": res0["errors"],
+               "comms": res0["comms"]}
         for m in METHODS:
-            row[f"{m}_ms"] = _median_ms(res0["times"][m])
-            rounds = [_median_ms([block]) for block in res0["times"][m]]
+            row[f"{m}_ms"] = _median_ms(times[m])
+            rounds = [_median_ms([block]) for block in times[m]]
             row[f"{m}_round_ms"] = [min(rounds), max(rounds)]
             for rk in per_rank[1:]:
                 row[f"{m}_rank{rk['rank']}_ms"] = _median_ms(rk["results"][i]["times"][m])
         row["ours_over_dtensor"] = row["ours_ms"] / row["dtensor_ms"]
         row["ours_over_plain"] = row["ours_ms"] / row["plain_ms"]
+        row["ours_over_dtensor_paired"] = _paired_ratio(times, "ours", "dtensor")
+        row["ours_over_plain_paired"] = _paired_ratio(times, "ours", "plain")
         rows.append(row)
     return rows
 
 
-def print_report(rows: list[dict], meta: dict) -> None:
-    """The correctness checks, the collectives per step, then the timing table."""
-    print(f"torch {meta['torch']}, {meta['backend']}, tp={TP} on {TP} local ranks, "
-          f"{meta['threads_per_rank']} intra-op thread per rank (plain: 1 process, 1 thread), "
-          f"{meta['cpus']} CPUs; rounds={meta['rounds']} steps={meta['steps']} "
-          f"warmup={meta['warmup']}; times are rank 0's per-step medians")
+def print_checks(rows: list[dict]) -> None:
+    """Per size: the error of ``ours``/``dtensor`` against dense, and one step's collectives."""
     for row in rows:
         s = row["size"]
-        print(f"\n[{s['name']}] b={s['b']} s={s['s']} h={s['h']} (ffn {4 * s['h']})")
+        print(f"\n[{s['name']}] b={s['b']} s={s['s']} h={s['h']} (ffn {4 * s['h']}), "
+              f"{row['steps']} timed steps per block")
         for name, err in row["errors"].items():
             print(f"  max rel err vs dense  {name:8s} output {err['output']:.2e}  "
                   f"input grad {err['input_grad']:.2e}")
@@ -225,24 +243,48 @@ def print_report(rows: list[dict], meta: dict) -> None:
         theirs = ", ".join(f"{k} x{v}" for k, v in row["comms"]["dtensor"].items())
         print(f"  collectives per step  ours    {ours}  [CommLedger]")
         print(f"                        dtensor {theirs}  [CommDebugMode]")
+
+
+def print_table(rows: list[dict]) -> None:
+    """Median step times, pooled ratios, and per-round paired ratios (median [min-max])."""
     head = (f"{'size':8s} {'ours ms':>9s} {'dtensor ms':>11s} {'plain ms':>9s} "
-            f"{'ours/dtensor':>13s} {'ours/plain':>11s}   per-round medians (min-max)")
+            f"{'ours/dtensor':>13s} {'ours/plain':>11s}   paired by round: "
+            f"ours/dtensor, ours/plain (median [min-max])")
     print("\n" + head + "\n" + "-" * len(head))
+    for row in rows:
+        paired = "  ".join(f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]"
+                           for r in (row["ours_over_dtensor_paired"],
+                                     row["ours_over_plain_paired"]))
+        print(f"{row['size']['name']:8s} {row['ours_ms']:9.3f} {row['dtensor_ms']:11.3f} "
+              f"{row['plain_ms']:9.3f} {row['ours_over_dtensor']:13.2f} "
+              f"{row['ours_over_plain']:11.2f}   {paired}")
+    print("\nper-round medians, ms (min-max):")
     for row in rows:
         spread = "  ".join(f"{m} {row[f'{m}_round_ms'][0]:.2f}-{row[f'{m}_round_ms'][1]:.2f}"
                            for m in METHODS)
-        print(f"{row['size']['name']:8s} {row['ours_ms']:9.3f} {row['dtensor_ms']:11.3f} "
-              f"{row['plain_ms']:9.3f} {row['ours_over_dtensor']:13.2f} "
-              f"{row['ours_over_plain']:11.2f}   {spread}")
+        rank1 = "  ".join(f"{m} {row[f'{m}_rank1_ms']:.3f}" for m in ("ours", "dtensor"))
+        print(f"  {row['size']['name']:8s} {spread}   (rank 1 pooled medians: {rank1})")
+
+
+def print_report(rows: list[dict], meta: dict) -> None:
+    """The setup line, the correctness checks, then the timing tables."""
+    print(f"ops_transformer {meta['ops_transformer']}, torch {meta['torch']}, {meta['backend']}, "
+          f"tp={TP} on {TP} local ranks, "
+          f"{meta['threads_per_rank']} intra-op thread per rank (plain: 1 process, 1 thread), "
+          f"{meta['cpus']} CPUs; rounds={meta['rounds']} warmup={meta['warmup']}; "
+          f"times are rank 0's per-step medians")
+    print_checks(rows)
+    print_table(rows)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; sizes, counts and the JSON path are validated here."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="small,medium",
                    help=f"comma-separated, from {', '.join(SIZES)} (default: small,medium)")
-    p.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
-    p.add_argument("--steps", type=int, default=30,
-                   help="timed steps per method per round (default 30)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per method per round (default: 60 small, 15 medium)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps before each block (default 3)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -250,16 +292,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [s for s in args.sizes.split(",") if s not in SIZES]
     if unknown:
         p.error(f"unknown size(s) {unknown}; choose from {list(SIZES)}")
+    for name in ("rounds", "steps", "warmup"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "warmup" else 1):
+            p.error(f"--{name} must be {'>= 0' if name == 'warmup' else '>= 1'}, got {value}")
     return args
 
 
+def _source_version() -> str:
+    """The git commit of this checkout (``+dirty`` with uncommitted changes), or ``unknown``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "src"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def main(argv=None) -> None:
+    """Run all sizes in one 2-rank job, print the report, optionally write it as JSON."""
     args = parse_args(argv)
     sizes = [SIZES[s] for s in args.sizes.split(",")]
     t0 = time.perf_counter()
     per_rank = ops_transformer.launch(rank_main, TP, sizes, args.rounds, args.steps, args.warmup,
                                       timeout=900)
-    meta = {"torch": torch.__version__, "backend": "gloo", "cpus": os.cpu_count(),
+    meta = {"torch": torch.__version__, "ops_transformer": _source_version(),
+            "backend": per_rank[0]["backend"], "cpus": os.cpu_count(),
             "threads_per_rank": per_rank[0]["threads"], "python": platform.python_version(),
             "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
             "reported": "rank 0 per-step median"}

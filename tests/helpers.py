@@ -11,16 +11,16 @@ FP32_RTOL = 1e-5
 BF16_RTOL = 2e-2
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected| (computed in fp64)."""
+def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-12) -> float:
+    """max |actual - expected| / max(max |expected|, floor) (computed in fp64)."""
     actual, expected = actual.detach().double(), expected.detach().double()
     assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    scale = expected.abs().max().clamp_min(1e-12)
+    scale = expected.abs().max().clamp_min(floor)
     return float((actual - expected).abs().max() / scale)
 
 
-def assert_rel(actual, expected, rtol=FP32_RTOL, what=""):
-    err = rel_err(actual, expected)
+def assert_rel(actual, expected, rtol=FP32_RTOL, what="", floor=1e-12):
+    err = rel_err(actual, expected, floor)
     assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.1e}"
 
 

@@ -5,6 +5,9 @@ from .comm import (CommLedger, all_gather_along, all_to_all, copy_to_tp_region,
                    scatter_to_tp_region)
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                      vocab_parallel_cross_entropy)
+from .models import GPT, GPTConfig
+from .parallel.data_parallel import no_sync
+from .parallelize import Plan, parallelize
 from .parallel import (ParallelContext, RankError, ShardSpec, gather_full, gather_full_state_dict,
                        init_parallel, launch)
 
@@ -16,4 +19,5 @@ __all__ = [
     "gather_from_tp_region", "all_gather_along", "reduce_scatter_along", "all_to_all",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "ShardSpec", "gather_full", "gather_full_state_dict",
+    "GPT", "GPTConfig", "Plan", "parallelize", "no_sync",
 ]

@@ -44,6 +44,14 @@ class _LinearAllReduceInputGrad(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+def linear_with_grad_all_reduce(x, weight, bias, group):
+    """``F.linear(x, weight, bias)`` whose backward all-reduces ``∂L/∂x`` over ``group``,
+    overlapped with the weight-gradient matmul (``copy_to_tp_region`` fused with the matmul)."""
+    if group is None or group.size() == 1:
+        return F.linear(x, weight, bias)
+    return _LinearAllReduceInputGrad.apply(x, weight, bias, group)
+
+
 def _dense_linear(in_features, out_features, bias, device, dtype) -> nn.Linear:
     """The dense layer whose slices initialise a parallel one: with the same RNG state on every
     rank, a parallel layer starts from exactly the weights ``nn.Linear`` would have."""
@@ -65,27 +73,40 @@ class ColumnParallelLinear(nn.Module):
       weight-gradient matmul.
 
     ``sub_blocks`` (sizes summing to ``out_features``) marks a fused weight such as Q|K|V: each block
-    is split separately, so every rank holds whole slices of each block.
+    is split separately, so every rank holds whole slices of each block. ``replicas=k`` splits the
+    output features into ``tp/k`` shards held by ``k`` consecutive ranks each (key/value heads when
+    there are fewer KV heads than ranks). ``reduce_input_grad=False`` leaves the all-reduce of the
+    input gradient to the caller: several layers reading the same input (Q, K and V) then share one
+    ``copy_to_tp_region`` and one all-reduce.
     """
 
     def __init__(self, in_features: int, out_features: int, ctx, *, bias: bool = True,
                  gather_output: bool = False, sub_blocks: tuple[int, ...] | None = None,
-                 device=None, dtype=None):
+                 replicas: int = 1, reduce_input_grad: bool = True, device=None, dtype=None):
         super().__init__()
         tp = ctx.tp_size
+        if replicas < 1 or tp % replicas or (replicas > 1 and (gather_output or sub_blocks)):
+            raise ValueError(f"replicas ({replicas}) must divide tp ({tp}) and cannot be combined "
+                             f"with gather_output or sub_blocks")
+        shards = tp // replicas
         if sub_blocks is not None:
             if sum(sub_blocks) != out_features:
                 raise ValueError(f"sub_blocks {tuple(sub_blocks)} sum to {sum(sub_blocks)}, "
                                  f"expected out_features ({out_features})")
             for i, block in enumerate(sub_blocks):
-                divide(block, tp, f"ColumnParallelLinear: sub-block {i} of out_features")
+                divide(block, shards, f"ColumnParallelLinear: sub-block {i} of out_features")
             sub_blocks = tuple(sub_blocks)
         self.in_features, self.out_features = in_features, out_features
-        self.out_features_per_rank = divide(out_features, tp, "ColumnParallelLinear: out_features")
+        what = "ColumnParallelLinear: out_features" + (f" (held by {replicas} replicas per shard)"
+                                                       if replicas > 1 else "")
+        self.out_features_per_rank = divide(out_features, shards, what)
         self.gather_output, self.sub_blocks = gather_output, sub_blocks
+        self.replicas, self.reduce_input_grad = replicas, reduce_input_grad
         self.tp_group, self.tp_size, self.tp_rank = ctx.tp_group, tp, ctx.tp_rank
-        self.weight_spec = ShardSpec((out_features, in_features), 0, ctx.tp_rank, tp, sub_blocks)
-        self.bias_spec = ShardSpec((out_features,), 0, ctx.tp_rank, tp, sub_blocks)
+        self.weight_spec = ShardSpec((out_features, in_features), 0, ctx.tp_rank, tp, sub_blocks,
+                                     replicas=replicas)
+        self.bias_spec = ShardSpec((out_features,), 0, ctx.tp_rank, tp, sub_blocks,
+                                   replicas=replicas)
         order = self.weight_spec.dense_order() if gather_output else None
         if order is not None and device is not None and torch.device(device).type != "meta":
             order = order.to(device)
@@ -104,12 +125,13 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Module, ctx, *, gather_output: bool = False,
-                   sub_blocks: tuple[int, ...] | None = None) -> ColumnParallelLinear:
+                   sub_blocks: tuple[int, ...] | None = None, replicas: int = 1,
+                   reduce_input_grad: bool = True) -> ColumnParallelLinear:
         """This rank's exact slice of a dense ``nn.Linear`` (``weight [out, in]``)."""
         out_features, in_features = linear.weight.shape
         layer = cls(in_features, out_features, ctx, bias=linear.bias is not None,
-                    gather_output=gather_output, sub_blocks=sub_blocks, device="meta",
-                    dtype=linear.weight.dtype)
+                    gather_output=gather_output, sub_blocks=sub_blocks, replicas=replicas,
+                    reduce_input_grad=reduce_input_grad, device="meta", dtype=linear.weight.dtype)
         layer._load_dense(linear)
         if layer._gather_order is not None:
             layer._gather_order = layer.weight_spec.dense_order().to(linear.weight.device)
@@ -118,7 +140,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = _LinearAllReduceInputGrad.apply(x, self.weight, self.bias, self.tp_group)
+        if self.reduce_input_grad:
+            y = linear_with_grad_all_reduce(x, self.weight, self.bias, self.tp_group)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group, -1)
             if self._gather_order is not None:
@@ -133,7 +158,9 @@ class ColumnParallelLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"out_features_per_rank={self.out_features_per_rank}, tp={self.tp_size}, "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}"
-                + (f", sub_blocks={self.sub_blocks}" if self.sub_blocks else ""))
+                + (f", sub_blocks={self.sub_blocks}" if self.sub_blocks else "")
+                + (f", replicas={self.replicas}" if self.replicas > 1 else "")
+                + ("" if self.reduce_input_grad else ", reduce_input_grad=False"))
 
 
 class RowParallelLinear(nn.Module):

@@ -31,6 +31,8 @@ class ShardSpec:
     ``full_shape`` is the dense (user-visible) shape. ``padded_size`` is the size of ``split_dim``
     after zero padding to a multiple of ``tp_size`` (vocabularies), ``None`` when not padded.
     ``sub_blocks`` are the sizes along ``split_dim`` of fused blocks, each split separately.
+    ``replicas > 1`` splits into ``tp_size / replicas`` shards, each held by ``replicas``
+    consecutive ranks (key/value heads when there are fewer KV heads than ranks).
     """
 
     full_shape: tuple[int, ...]
@@ -39,15 +41,24 @@ class ShardSpec:
     tp_size: int
     sub_blocks: tuple[int, ...] | None = None
     padded_size: int | None = None
+    replicas: int = 1
 
     @property
     def split_size(self) -> int:
         return self.padded_size or self.full_shape[self.split_dim]
 
     @property
+    def num_shards(self) -> int:
+        return self.tp_size // self.replicas
+
+    @property
+    def shard_index(self) -> int:
+        return self.tp_rank // self.replicas
+
+    @property
     def local_shape(self) -> tuple[int, ...]:
         shape = list(self.full_shape)
-        shape[self.split_dim] = self.split_size // self.tp_size
+        shape[self.split_dim] = self.split_size // self.num_shards
         return tuple(shape)
 
     def blocks(self) -> tuple[int, ...]:
@@ -57,8 +68,8 @@ class ShardSpec:
         """``(start, length)`` ranges of the (padded) dense ``split_dim`` held by this rank."""
         out, offset = [], 0
         for block in self.blocks():
-            part = block // self.tp_size
-            out.append((offset + self.tp_rank * part, part))
+            part = block // self.num_shards
+            out.append((offset + self.shard_index * part, part))
             offset += block
         return out
 
@@ -72,8 +83,10 @@ class ShardSpec:
         return torch.cat(pieces, self.split_dim) if len(pieces) > 1 else pieces[0].clone()
 
     def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The dense tensor from the shards of all ranks (ordered by tp rank)."""
-        parts = [b // self.tp_size for b in self.blocks()]
+        """The dense tensor from the shards of all ranks (ordered by tp rank; with replicas, one
+        shard per replica set is used)."""
+        shards = shards[::self.replicas] if len(shards) == self.tp_size else shards
+        parts = [b // self.num_shards for b in self.blocks()]
         per_rank = [s.split(parts, self.split_dim) for s in shards]
         blocks = [torch.cat([pr[i] for pr in per_rank], self.split_dim) for i in range(len(parts))]
         full = torch.cat(blocks, self.split_dim) if len(blocks) > 1 else blocks[0]
@@ -93,8 +106,8 @@ class ShardSpec:
         if not self.sub_blocks or len(self.sub_blocks) == 1:
             return None
         gathered = torch.arange(self.split_size)  # position k of the gathered tensor holds...
-        specs = [ShardSpec(self.full_shape, self.split_dim, r, self.tp_size, self.sub_blocks)
-                 for r in range(self.tp_size)]
+        specs = [ShardSpec(self.full_shape, self.split_dim, r, self.num_shards, self.sub_blocks)
+                 for r in range(self.num_shards)]
         dense_index = torch.cat([torch.cat([torch.arange(s, s + n) for s, n in sp.slices()])
                                  for sp in specs])  # ...this dense index
         order = torch.empty_like(gathered)

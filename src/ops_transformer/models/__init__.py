@@ -1,0 +1,5 @@
+"""Reference models: plain single-device PyTorch with no knowledge of parallelism."""
+
+from .gpt import GPT, PRESETS, GPTConfig, preset
+
+__all__ = ["GPT", "GPTConfig", "PRESETS", "preset"]

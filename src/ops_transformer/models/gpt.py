@@ -1,0 +1,264 @@
+"""The reference decoder: a GPT/Llama-family Transformer in plain single-device PyTorch.
+
+It knows nothing about parallelism. Tensor parallelism is applied from outside by a plan
+(:mod:`ops_transformer.parallelize`) that swaps its linears for parallel ones. Two habits make that
+possible without touching this file: head counts are read from the projected tensors (a rank that
+holds 2 of 8 heads sees 2 heads), and the LM head owns its loss (a parallel head can swap in the
+vocab-parallel cross-entropy).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Global sizes of the whole model (never per-rank sizes)."""
+
+    vocab_size: int = 256
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: same as n_heads (MHA); 1: MQA; else GQA
+    d_ff: int = 256
+    max_seq_len: int = 64
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
+    pos: str = "learned"  # "learned" | "rope"
+    mlp: str = "gelu"  # "gelu" | "swiglu"
+    bias: bool = True
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        object.__setattr__(self, "n_kv_heads", kv)
+        choices = {"norm": ("layernorm", "rmsnorm"), "pos": ("learned", "rope"),
+                   "mlp": ("gelu", "swiglu")}
+        for name, valid in choices.items():
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} must be one of {valid}, got {getattr(self, name)!r}")
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff",
+                     "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads "
+                             f"({self.n_heads})")
+        if self.n_heads % kv:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({kv})")
+        if self.pos == "rope" and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head dimension, got {self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def with_(self, **changes) -> GPTConfig:
+        return replace(self, **changes)
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=256,
+                      max_seq_len=128),
+    "small": GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=8, d_ff=1024,
+                       max_seq_len=256),
+    "llama-tiny": GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
+                            d_ff=176, max_seq_len=128, norm="rmsnorm", pos="rope", mlp="swiglu",
+                            bias=False, tie_embeddings=False),
+    "llama-style": GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=8, n_kv_heads=2,
+                             d_ff=688, max_seq_len=256, norm="rmsnorm", pos="rope", mlp="swiglu",
+                             bias=False, tie_embeddings=False),
+    "gpt2-124m": GPTConfig(vocab_size=50257, n_layers=12, d_model=768, n_heads=12, d_ff=3072,
+                           max_seq_len=1024),
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+    """A named configuration (``tiny``, ``small``, ``llama-tiny``, ``llama-style``,
+    ``gpt2-124m``), optionally with some fields changed."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].with_(**overrides)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x_f = x.float()
+        return (x_f * torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, seq: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of rotary embeddings (Su et al. 2021), rotate-half convention."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)  # (T, hd/2)
+    angles = torch.cat([angles, angles], -1)  # (T, hd)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([-x2, x1], -1) * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with MHA/GQA/MQA. Head counts come from the projections' outputs."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        # No key bias even with bias=True: q·(k + b) shifts every score of a query by the same
+        # q·b, which softmax ignores, so its gradient is zero in exact arithmetic and pure rounding
+        # noise in practice (which Adam would amplify into arbitrary updates).
+        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x, rope=None):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if k.shape[1] != q.shape[1]:  # GQA: each KV head serves a group of query heads
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh·hd)
+        return self.wo(y)
+
+
+class MLP(nn.Module):
+    """GELU: ``w_out(gelu(w_in x))``. SwiGLU: ``w_out(silu(gate) * up)`` with ``w_in`` = [gate; up]
+    fused into one matrix of ``2·d_ff`` outputs."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        width = 2 * cfg.d_ff if self.swiglu else cfg.d_ff
+        self.w_in = nn.Linear(cfg.d_model, width, bias=cfg.bias)
+        self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x):
+        h = self.w_in(x)  # (B, T, d_ff or 2·d_ff), per rank: its slice
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return self.w_out(F.silu(gate) * up)
+        return self.w_out(F.gelu(h))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm1, self.attn = make_norm(cfg), Attention(cfg)
+        self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, rope=None):
+        x = x + self.drop(self.attn(self.norm1(x), rope))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class LMHead(nn.Module):
+    """Logits and the next-token loss. ``forward(x, targets)`` returns ``(logits, loss)``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x, targets=None):
+        logits = F.linear(x, self.weight)  # (B, T, V)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class GPT(nn.Module):
+    """``model(idx, targets=None) -> (logits, loss)``; ``loss`` is ``None`` without targets."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg)
+        self.lm_head = LMHead(cfg)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith(("attn.wo.weight", "mlp.w_out.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len ({self.cfg.max_seq_len})")
+        x = self.tok_emb(idx)  # (B, T, d)
+        rope = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+        else:
+            rope = rope_tables(self.cfg.head_dim, T, self.cfg.rope_theta, idx.device)
+        x = self.drop(x)
+        for block in self.layers:
+            x = block(x, rope)
+        return self.lm_head(self.norm(x), targets)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None):
+        """Sample ``max_new_tokens`` tokens (greedy when ``temperature == 0``)."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.cfg.max_seq_len:]
+            logits, _ = self(context)
+            logits = logits[:, -1, :]  # (B, V)
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx

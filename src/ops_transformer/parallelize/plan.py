@@ -1,0 +1,148 @@
+"""A tensor-parallel plan is data: module-name pattern → style (with options).
+
+It prints, serialises to JSON and compares like any dict; :func:`apply_plan` applies it with one
+short loop. Patterns use ``fnmatch`` syntax on ``named_modules()`` names (``layers.*.attn.wq``);
+every pattern must match at least one module.
+
+Styles (what each does to the module it names):
+
+============== =============================================================================
+style          effect
+============== =============================================================================
+``colwise``    ``nn.Linear`` → :class:`ColumnParallelLinear` (options: ``sub_blocks``,
+               ``kv_heads`` for key/value projections, replicated when fewer than ranks,
+               ``reduce_input_grad``)
+``rowwise``    ``nn.Linear`` → :class:`RowParallelLinear` (input already split by features)
+``gather_in``  keep the module replicated; all-gather its input along the last dimension first
+``region``     one ``copy_to_tp_region`` on the module's first input: the column-parallel children
+               that share it (Q, K, V) then need a single backward all-reduce between them
+``vocab``      ``nn.Embedding`` → :class:`VocabParallelEmbedding` (vocabulary padded if needed)
+``vocab_head`` an LM head with ``weight [V, d]`` → :class:`VocabParallelLMHead` (``tied_to``:
+               the embedding whose sharded table it shares)
+============== =============================================================================
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..comm.primitives import copy_to_tp_region, gather_from_tp_region
+from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..layers.head import VocabParallelLMHead
+
+STYLES = ("colwise", "rowwise", "gather_in", "region", "vocab", "vocab_head")
+
+
+@dataclass
+class Plan:
+    """Module pattern → ``{"style": ..., **options}``, plus the attention strategy and why."""
+
+    rules: dict[str, dict] = field(default_factory=dict)
+    attention: str = "heads"
+    reason: str = ""
+
+    def __post_init__(self):
+        self.rules = {k: ({"style": v} if isinstance(v, str) else dict(v))
+                      for k, v in self.rules.items()}
+        for pattern, rule in self.rules.items():
+            if rule.get("style") not in STYLES:
+                raise ValueError(f"plan rule {pattern!r} has style {rule.get('style')!r}; valid "
+                                 f"styles are {STYLES}")
+
+    def to_dict(self) -> dict:
+        return {"attention": self.attention, "reason": self.reason, "rules": self.rules}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        if "rules" not in data:  # a bare {pattern: style} mapping
+            return cls(rules=data)
+        return cls(rules=data["rules"], attention=data.get("attention", "heads"),
+                   reason=data.get("reason", ""))
+
+    def __str__(self) -> str:
+        width = max((len(k) for k in self.rules), default=0)
+        lines = [f"attention: {self.attention}" + (f" ({self.reason})" if self.reason else "")]
+        for pattern, rule in self.rules.items():
+            options = ", ".join(f"{k}={v}" for k, v in rule.items() if k != "style")
+            lines.append(f"  {pattern:<{width}}  {rule['style']}" + (f"({options})" if options else ""))
+        return "\n".join(lines)
+
+
+def _colwise(module, ctx, groups, sub_blocks=None, kv_heads=None, reduce_input_grad=True):
+    replicas = 1
+    if kv_heads is not None and kv_heads < ctx.tp_size:
+        replicas = ctx.tp_size // kv_heads  # fewer KV heads than ranks: replicate them
+    layer = ColumnParallelLinear.from_dense(module, ctx, sub_blocks=tuple(sub_blocks or ()) or None,
+                                            replicas=replicas, reduce_input_grad=reduce_input_grad)
+    if replicas > 1:
+        group = groups.replica_group(replicas)
+        for p in layer.parameters():  # each replica saw only its query heads: sum the gradients
+            p.register_hook(lambda g, group=group: _summed(g, group))
+    return layer
+
+
+def _summed(grad, group):
+    from ..comm import collectives as C
+
+    grad = grad.clone()
+    C.all_reduce(grad, group, label="kv_replica_grads")
+    return grad
+
+
+def _gather_in(module, ctx, groups):
+    module.register_forward_pre_hook(
+        lambda m, args: (gather_from_tp_region(args[0], ctx.tp_group, -1), *args[1:]))
+    return module
+
+
+def _region(module, ctx, groups):
+    module.register_forward_pre_hook(
+        lambda m, args: (copy_to_tp_region(args[0], ctx.tp_group), *args[1:]))
+    return module
+
+
+def _vocab_head(module, ctx, groups, tied_to=None, **loss_kwargs):
+    shared = groups.module(tied_to).weight if tied_to else None
+    return VocabParallelLMHead.from_dense(module, ctx, shared_weight=shared, **loss_kwargs)
+
+
+_APPLY = {
+    "colwise": _colwise,
+    "rowwise": lambda m, ctx, groups: RowParallelLinear.from_dense(m, ctx),
+    "gather_in": _gather_in,
+    "region": _region,
+    "vocab": lambda m, ctx, groups: VocabParallelEmbedding.from_dense(m, ctx, pad_vocab=True),
+    "vocab_head": _vocab_head,
+}
+
+
+def match_rules(model: nn.Module, plan: Plan) -> list[tuple[str, dict]]:
+    """``(module name, rule)`` in plan order; every pattern must match a module."""
+    names = [n for n, _ in model.named_modules() if n]
+    matched = []
+    for pattern, rule in plan.rules.items():
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ValueError(f"plan rule {pattern!r} matches no module of "
+                             f"{type(model).__name__}")
+        matched += [(n, rule) for n in hits]
+    return matched
+
+
+def apply_plan(model: nn.Module, plan: Plan, ctx, groups) -> nn.Module:
+    """Swap or hook every module the plan names, in plan order (so a tied head follows its
+    embedding)."""
+    for name, rule in match_rules(model, plan):
+        options = {k: v for k, v in rule.items() if k != "style"}
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        new = _APPLY[rule["style"]](getattr(parent, child), ctx, groups, **options)
+        setattr(parent, child, new)
+    return model

@@ -1,21 +1,66 @@
-"""The command line: the demo is exact, and user errors exit with code 2 and one clear line."""
+"""The command line: demo and train run end to end; user errors exit with code 2, one clear line,
+no traceback and no process left behind."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from ops_transformer.cli.main import main
 
+DEMO_KEYS = {"tp", "dp", "steps", "loss_first", "loss_last", "tokens_per_s",
+             "max_rel_loss_diff_vs_tp1", "comm_per_step", "expected_allreduce_per_step"}
 
-def test_demo_is_exact_and_counts_its_communication(capsys):
-    assert main(["demo", "--tp", "2", "--steps", "3", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out.split("...\n", 1)[1])
-    assert result["max_rel_loss_diff_vs_dense"] <= 1e-5
+
+def _json_tail(text: str) -> dict:
+    return json.loads(text[text.index("\n{") + 1:])
+
+
+def test_demo_is_exact_and_communicates_the_minimum(tmp_path, capsys):
+    assert main(["demo", "--steps", "12", "--out", str(tmp_path), "--json"]) == 0
+    result = _json_tail(capsys.readouterr().out)
+    assert DEMO_KEYS <= set(result)
+    assert result["tp"] == 2 and result["dp"] == 1 and result["steps"] == 12
+    assert result["max_rel_loss_diff_vs_tp1"] <= 1e-5
+    assert result["comm_per_step"] == result["tp_comm_per_step"]
+    measured = {k: {"calls": v["calls"], "elements": v["elements"]}
+                for k, v in result["comm_per_step"].items()}
+    assert measured == result["expected_tp_comm_per_step"]
     assert result["comm_per_step"]["all_reduce"]["calls"] == result["expected_allreduce_per_step"]
-    assert set(result["comm_per_step"]) == {"all_reduce"}
+    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 12
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bad_argument_exits_2_with_a_clear_message(capsys):
-    assert main(["demo", "--tp", "3"]) == 2
+def test_train_hybrid_dp_tp(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--nproc", "4", "--tp", "2", "--dp", "2", "--steps", "3", "--batch",
+                 "4", "--seq", "32", "--out", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "dp=2 × tp=2" in text and "sample:" in text
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["dp"] == 2 and len(metrics["losses"]) == 3
+    # rank 0 also took part in the data-parallel gradient all-reduce (one bucket)
+    assert metrics["comm_per_step"]["all_reduce"]["calls"] == \
+        metrics["expected_tp_comm_per_step"]["all_reduce"]["calls"] + 1
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--nproc", "2", "--tp", "4"], "--tp (4) is larger than the number of processes (2)"),
+    (["train", "--nproc", "4", "--tp", "4", "--preset", "huge"], "unknown preset 'huge'"),
+    (["train", "--nproc", "8", "--tp", "8"], "n_heads (4) is not divisible by tp (8)"),
+    (["train", "--nproc", "4", "--tp", "2", "--batch", "3"], "--batch (3) must be divisible by dp (2)"),
+    (["train", "--nproc", "3", "--tp", "2"], "world size 3 is not divisible by tp (2)"),
+    (["train", "--steps", "0"], "--steps must be at least 1, got 0"),
+])
+def test_user_errors_exit_2_with_one_clear_line(argv, needle, capsys):
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "--tp (3) must divide" in err and "Traceback" not in err
+    assert needle in err and "Traceback" not in err
+
+
+def test_corpus_too_small_for_the_sequence(tmp_path, capsys):
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("print('hello')\n")
+    assert main(["train", "--data", str(corpus), "--seq", "64", "--steps", "1"]) == 2
+    assert "corpus has 15 bytes" in capsys.readouterr().err

@@ -1,118 +1,69 @@
-"""``ops-transformer demo``: the layers at work on local ranks, checked against one process.
+"""``ops-transformer demo``: the main job in one command (what ``make demo`` runs).
 
-A small next-token model — vocab-parallel embedding, a column→row MLP block with a residual, a
-column-parallel LM head and the vocab-parallel loss — trains for a few SGD steps at ``tp`` ranks;
-the same dense model trains in the parent process. It prints both loss curves, their largest
-relative difference and the communication per step next to what the partition predicts.
+Trains the ``tiny`` GPT preset with ``tp=2`` on 2 local ranks, runs its first steps again at
+``tp=1`` on one process and reports the largest relative loss difference, the communication per
+step against the theoretical minimum, tokens/s and a generated sample. Writes
+``runs/demo-<timestamp>/metrics.json`` and ``loss.png``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from ..parallel import launch
+from ..train import TrainConfig, train_worker, validate, write_outputs
+from .train import summary
 
-from ..comm.ledger import CommLedger
-from ..layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                      vocab_parallel_cross_entropy)
-from ..parallel import init_parallel, launch
-
-HELP = "train a small model with tensor-parallel layers on local ranks and check it is exact"
+HELP = "train the tiny GPT at tp=2 on 2 local ranks and check it against tp=1"
+CHECK_STEPS = 10  # steps re-run at tp=1 for the exactness check
 
 
 def add_parser(p) -> None:
+    p.add_argument("--steps", type=int, default=600, help="training steps at tp=2 (default 600)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
-    p.add_argument("--steps", type=int, default=8, help="SGD steps (default 8)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--out", help="output directory (default runs/demo-<timestamp>)")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
 
 
-class TinyLM(nn.Module):
-    """Single-device reference: embed → x + MLP(x) → LM head."""
-
-    def __init__(self, vocab=64, dim=32, ffn=128):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, ffn), nn.Linear(ffn, dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def hidden(self, idx):
-        x = self.embed(idx)
-        return x + self.fc2(F.gelu(self.fc1(x)))  # (B, T, dim)
-
-    def forward(self, idx, targets):
-        logits = self.head(self.hidden(idx))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def _parallelize(model: TinyLM, ctx) -> TinyLM:
-    model.embed = VocabParallelEmbedding.from_dense(model.embed, ctx)
-    model.fc1 = ColumnParallelLinear.from_dense(model.fc1, ctx)
-    model.fc2 = RowParallelLinear.from_dense(model.fc2, ctx)
-    model.head = ColumnParallelLinear.from_dense(model.head, ctx)  # logits stay vocab-sharded
-    return model
-
-
-def _batch(step: int, vocab=64, batch=8, seq=16):
-    g = torch.Generator().manual_seed(1000 + step)
-    idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-    return idx[:, :-1], (idx[:, 1:] * 7 + 3) % vocab  # a learnable mapping
-
-
-def _train(model, steps, loss_fn):
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses, comm = [], None
-    for step in range(steps):
-        idx, targets = _batch(step)
-        with CommLedger() as ledger:
-            loss = loss_fn(model, idx, targets)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        comm = ledger.summary()
-    return losses, comm
-
-
-def _rank_main(tp, steps):
-    ctx = init_parallel(tp=tp)
-    torch.manual_seed(0)
-    model = _parallelize(TinyLM(), ctx)
-    start = time.perf_counter()
-    losses, comm = _train(model, steps, lambda m, i, t: vocab_parallel_cross_entropy(
-        m.head(m.hidden(i)), t, ctx))
-    return losses, comm, time.perf_counter() - start
+def _comm_lines(measured: dict, expected: dict) -> list[str]:
+    lines = []
+    for kind in sorted(set(measured) | set(expected)):
+        m, e = measured.get(kind, {}), expected.get(kind, {})
+        ok = m.get("calls") == e.get("calls") and m.get("elements") == e.get("elements")
+        lines.append(f"  {kind:<14} {m.get('calls', 0):>3} calls {m.get('elements', 0):>9,} "
+                     f"elements   minimum {e.get('calls', 0):>3} calls {e.get('elements', 0):>9,}"
+                     f"   {'= minimum' if ok else 'DIFFERS'}")
+    return lines
 
 
 def run(args) -> int:
-    if args.tp < 1 or args.steps < 1:
-        raise ValueError(f"--tp ({args.tp}) and --steps ({args.steps}) must be at least 1")
-    if 64 % args.tp or 32 % args.tp:
-        raise ValueError(f"--tp ({args.tp}) must divide the demo's vocab (64) and width (32)")
-    print(f"demo: training TinyLM at tp={args.tp} on {args.tp} local ranks and on one process ...",
-          flush=True)
-    torch.manual_seed(0)
-    dense_losses, _ = _train(TinyLM(), args.steps, lambda m, i, t: m(i, t))
-    tp_losses, comm, seconds = launch(_rank_main, args.tp, args.tp, args.steps)[0]
-    rel = max(abs(a - b) / abs(b) for a, b in zip(tp_losses, dense_losses))
-    tokens = 8 * 16
-    # forward: embedding, fc2 (row), loss max + loss sums; backward: input grads of fc1 and head
-    expected = {"all_reduce": 4 + 2 if args.tp > 1 else 0}
-    result = {"tp": args.tp, "steps": args.steps, "loss_first": tp_losses[0],
-              "loss_last": tp_losses[-1], "max_rel_loss_diff_vs_dense": rel,
-              "comm_per_step": comm, "expected_allreduce_per_step": expected["all_reduce"],
-              "tokens_per_s": tokens * args.steps / seconds}
+    out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = TrainConfig(preset="tiny", tp=args.tp, steps=args.steps, batch=16, seq=64, lr=3e-3)
+    validate(cfg, args.tp)
+    check = dataclasses.replace(cfg, tp=1, steps=min(CHECK_STEPS, cfg.steps), sample_tokens=0,
+                                progress=False)
+    print(f"demo: GPT preset 'tiny' on {args.tp} local ranks (tp={args.tp}), {cfg.steps} steps of "
+          f"{cfg.batch}×{cfg.seq} bytes of the Python standard library", flush=True)
+    metrics = launch(train_worker, args.tp, cfg)[0]
+    print(f"demo: re-running the first {check.steps} steps at tp=1 on one process ...", flush=True)
+    reference = launch(train_worker, 1, check)[0]
+    pairs = list(zip(metrics["losses"], reference["losses"]))
+    metrics["max_rel_loss_diff_vs_tp1"] = max(abs(a - b) / abs(b) for a, b in pairs)
+    expected = metrics["expected_tp_comm_per_step"]
+    metrics["expected_allreduce_per_step"] = expected.get("all_reduce", {}).get("calls", 0)
+    write_outputs(out, metrics)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(metrics, indent=2))
         return 0
-    print(f"{'step':>4}  {'loss tp=' + str(args.tp):>12}  {'loss dense':>12}")
-    for step, (a, b) in enumerate(zip(tp_losses, dense_losses)):
-        print(f"{step:>4}  {a:>12.6f}  {b:>12.6f}")
-    print(f"largest relative loss difference vs one process: {rel:.2e}")
-    for kind, c in (comm or {}).items():
-        print(f"communication per step: {kind}: {c['calls']} calls, {c['elements']} elements "
-              f"({c['bytes'] / 1024:.1f} KiB); partition predicts {expected.get(kind, '?')} calls")
-    print(f"throughput: {result['tokens_per_s']:.0f} tokens/s on {args.tp} CPU ranks")
-    return 0 if rel <= 1e-5 else 1
+    print(summary(metrics))
+    print(f"\nexactness: the first {len(pairs)} losses at tp={args.tp} differ from tp=1 by at most "
+          f"{metrics['max_rel_loss_diff_vs_tp1']:.2e} (relative)")
+    print(f"communication per step on rank 0 (plan: attention={metrics['attention']}: "
+          f"{metrics['attention_reason'] or 'as requested'})")
+    print("\n".join(_comm_lines(metrics["tp_comm_per_step"], expected)))
+    print(f"\nsample after {cfg.steps} steps: {metrics['sample']!r}")
+    print(f"\nwrote {out / 'metrics.json'} and {out / 'loss.png'}")
+    return 0 if metrics["max_rel_loss_diff_vs_tp1"] <= 1e-5 else 1

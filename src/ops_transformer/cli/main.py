@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import demo
+from . import demo, train
 
-COMMANDS = {"demo": demo}
+COMMANDS = {"demo": demo, "train": train}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,82 @@
+"""``ops-transformer train``: the reference GPT with ``dp × tp`` parallelism on local ranks or under
+``torchrun``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ..models.gpt import PRESETS
+from ..parallel import launch
+from ..train import TrainConfig, train_worker, validate
+from ..utils.progress import format_table
+
+HELP = "train the reference GPT with tensor (and data) parallelism"
+ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
+
+
+def add_parser(p) -> None:
+    p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
+                   "run under torchrun (or as one process)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / tp)")
+    p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
+    p.add_argument("--data", help="a text file or a directory (default: the Python standard "
+                   "library's sources on this machine)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=8, help="global batch in sequences")
+    p.add_argument("--seq", type=int, default=64, help="sequence length in bytes")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention", default="auto", choices=ATTENTION)
+    p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args, out_prefix: str) -> TrainConfig:
+    out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return TrainConfig(preset=args.preset, tp=args.tp, dp=args.dp, steps=args.steps,
+                       batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
+                       attention=args.attention, data=args.data, out=out,
+                       progress=not args.no_progress)
+
+
+def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:
+    """Validate, then train on ``nproc`` local ranks or on the ranks of this torchrun job."""
+    if nproc is not None:
+        if nproc < 1:
+            raise ValueError(f"--nproc must be at least 1, got {nproc}")
+        validate(cfg, nproc)
+        return launch(train_worker, nproc, cfg)[0]
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    return train_worker(cfg)
+
+
+def summary(metrics: dict) -> str:
+    rows = [
+        {"": "layout", "value": f"dp={metrics['dp']} × tp={metrics['tp']}"},
+        {"": "attention", "value": metrics["attention"]},
+        {"": "parameters", "value": f"{metrics['params']:,}"},
+        {"": "loss first → last", "value": f"{metrics['loss_first']:.4f} → "
+                                           f"{metrics['loss_last']:.4f}"},
+        {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s']:,.0f}"},
+        {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
+    ]
+    return format_table(rows)
+
+
+def run(args) -> int:
+    cfg = config_from_args(args, "train")
+    metrics = run_training(cfg, args.nproc)
+    if metrics is None:  # not rank 0 of a torchrun job
+        return 0
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+        return 0
+    print(summary(metrics))
+    print(f"\nsample: {metrics['sample']!r}")
+    print(f"\nwrote {Path(cfg.out) / 'metrics.json'} and {Path(cfg.out) / 'loss.png'}")
+    return 0

@@ -1,0 +1,184 @@
+"""Training the reference GPT with ``dp × tp`` parallelism: the loop behind ``train`` and ``demo``.
+
+:func:`validate` checks a :class:`TrainConfig` before any process starts; :func:`train_worker` runs on
+every rank (under ``launch`` or ``torchrun``) and returns the metrics on rank 0. The loop is the plain
+one a user writes — ``loss = model(x, y)[1]; loss.backward(); opt.step()`` — on a model that
+:func:`parallelize` prepared; each data-parallel rank feeds its rows of the global batch, which
+depends only on ``(seed, step)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .comm import collectives as C
+from .comm.ledger import CommLedger
+from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
+from .models.gpt import GPT, GPTConfig, preset
+from .parallel.context import check_degrees, init_parallel
+from .parallelize import parallelize
+from .parallelize.gpt_plan import gpt_plan
+from .utils.plot import write_line_plot_png
+from .utils.progress import Progress
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. ``batch`` is the global batch in sequences (split over ``dp``)."""
+
+    preset: str = "tiny"
+    tp: int = 1
+    dp: int | None = None
+    steps: int = 200
+    batch: int = 8
+    seq: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+    attention: str = "auto"
+    data: str | None = None
+    out: str | None = None
+    sample_tokens: int = 160
+    sample_prompt: str = "def "
+    progress: bool = True
+
+    def model_config(self) -> GPTConfig:
+        base = preset(self.preset)
+        return base.with_(max_seq_len=max(base.max_seq_len, self.seq))
+
+
+def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
+    """Every check that needs no process group; returns ``(dp, tp)``."""
+    for name in ("steps", "batch", "seq"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.lr <= 0:
+        raise ValueError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.tp > world_size:
+        raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
+    dp, _, tp = check_degrees(world_size, cfg.tp, cfg.dp, 1)
+    model_cfg = cfg.model_config()
+    if model_cfg.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; byte-level "
+                         f"data needs at least {VOCAB_SIZE}")
+    gpt_plan(model_cfg, tp, cfg.attention)  # heads, KV heads and d_ff against tp
+    if cfg.batch % dp:
+        raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})")
+    check_corpus(load_corpus(cfg.data), cfg.seq)
+    return dp, tp
+
+
+def expected_tp_comm(n_layers: int, d_model: int, tokens: int, tp: int,
+                     attention: str) -> dict[str, dict[str, int]]:
+    """The TP collectives of one training step of the parallelised GPT (SPEC F4), for ``tokens``
+    tokens on this data-parallel rank (``b·s``). Per layer: forward 2 all-reduces of ``b·s·h``
+    (1 all-gather + 1 all-reduce with ``heads_allgather``), backward 2. Outside the layers: the
+    embedding's all-reduce (``b·s·h``) and the loss's two (``N`` and ``2N``) in forward, the LM
+    head's input gradient (``b·s·h``) in backward. (Replicated KV heads add their weight-gradient
+    sums over the replicas' group, not counted here.)"""
+    if tp == 1:
+        return {}
+    bsh, layer_ar = tokens * d_model, 4 if attention == "heads" else 3
+    out = {"all_reduce": {"calls": layer_ar * n_layers + 4,
+                          "elements": (layer_ar * n_layers + 2) * bsh + 3 * tokens}}
+    if attention == "heads_allgather":
+        out["all_gather"] = {"calls": n_layers, "elements": n_layers * bsh}
+    return out
+
+
+def _global_loss(loss: torch.Tensor, ctx) -> float:
+    loss = loss.detach().clone()
+    if ctx.dp_size > 1:  # the global-batch loss, for reporting (not part of the step's ledger)
+        C.all_reduce(loss, ctx.dp_group, label="report_loss")
+        loss /= ctx.dp_size
+    return float(loss)
+
+
+def train_worker(cfg: TrainConfig) -> dict | None:
+    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere."""
+    ctx = init_parallel(tp=cfg.tp, dp=cfg.dp)
+    model_cfg = cfg.model_config()
+    data = load_corpus(cfg.data)
+    torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
+    model = parallelize(GPT(model_cfg), ctx, attention=cfg.attention)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    lead = ctx.rank == 0
+    losses, step_times, last = [], [], None
+    bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)
+    for step in range(cfg.steps):
+        x, y = slice_for_rank(*get_batch(data, step, batch=cfg.batch, seq=cfg.seq, seed=cfg.seed),
+                              ctx.dp_rank, ctx.dp_size)
+        start = time.perf_counter()
+        with CommLedger() as ledger:
+            loss = model(x, y)[1]
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_times.append(time.perf_counter() - start)
+        losses.append(_global_loss(loss, ctx))
+        last = ledger
+        if not math.isfinite(losses[-1]):
+            raise ValueError(f"the loss became {losses[-1]} at step {step}; lower --lr "
+                             f"(now {cfg.lr})")
+        tokens_per_s = cfg.batch * cfg.seq / step_times[-1]
+        bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
+                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"})
+    bar.close()
+    sample = _sample(model, cfg)
+    if not lead:
+        return None
+    return _metrics(cfg, ctx, model, losses, step_times, last, sample)
+
+
+def _sample(model, cfg: TrainConfig) -> str:
+    model.eval()
+    prompt = torch.tensor([encode(cfg.sample_prompt)], dtype=torch.long)
+    generator = torch.Generator().manual_seed(cfg.seed)  # same tokens on every rank
+    out = model.generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=20, generator=generator)
+    model.train()
+    return decode(out[0].tolist())
+
+
+def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
+    warm = step_times[min(2, len(step_times) - 1):]  # the first steps pay one-off costs
+    median_step = sorted(warm)[len(warm) // 2]
+    comm = ledger.summary()
+    tp_ranks = tuple(range(ctx.rank, ctx.rank + ctx.tp_size))  # rank 0's TP group
+    metrics = {
+        "preset": cfg.preset, "tp": ctx.tp_size, "dp": ctx.dp_size, "steps": cfg.steps,
+        "batch": cfg.batch, "seq": cfg.seq, "lr": cfg.lr, "seed": cfg.seed,
+        "attention": model.tp_plan.attention, "attention_reason": model.tp_plan.reason,
+        "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
+        "median_step_s": median_step, "tokens_per_s": cfg.batch * cfg.seq / median_step,
+        "comm_per_step": comm,
+        "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()),
+        "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
+        "expected_tp_comm_per_step": expected_tp_comm(
+            model.cfg.n_layers, model.cfg.d_model, cfg.batch // ctx.dp_size * cfg.seq,
+            ctx.tp_size, model.tp_plan.attention),
+        "params": _dense_param_count(model.cfg),
+        "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
+        "plan": model.tp_plan.to_dict(),
+    }
+    if cfg.out:
+        write_outputs(Path(cfg.out), metrics)
+    return metrics
+
+
+def _dense_param_count(model_cfg: GPTConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(model_cfg).parameters())
+
+
+def write_outputs(out: Path, metrics: dict) -> None:
+    """``metrics.json`` and ``loss.png`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    write_line_plot_png(out / "loss.png", {f"tp={metrics['tp']} dp={metrics['dp']}":
+                                           metrics["losses"]},
+                        title=f"{metrics['preset']} training loss")

@@ -105,7 +105,7 @@ def train_worker(cfg: TrainConfig) -> dict | None:
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
-    model = parallelize(GPT(model_cfg), ctx, attention=cfg.attention)
+    model = parallelize(GPT(model_cfg).to(ctx.device), ctx, attention=cfg.attention)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     lead = ctx.rank == 0
     losses, step_times, last = [], [], None
@@ -113,6 +113,7 @@ def train_worker(cfg: TrainConfig) -> dict | None:
     for step in range(cfg.steps):
         x, y = slice_for_rank(*get_batch(data, step, batch=cfg.batch, seq=cfg.seq, seed=cfg.seed),
                               ctx.dp_rank, ctx.dp_size)
+        x, y = x.to(ctx.device), y.to(ctx.device)
         start = time.perf_counter()
         with CommLedger() as ledger:
             loss = model(x, y)[1]
@@ -129,16 +130,16 @@ def train_worker(cfg: TrainConfig) -> dict | None:
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
                                        "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"})
     bar.close()
-    sample = _sample(model, cfg)
+    sample = _sample(model, cfg, ctx.device)
     if not lead:
         return None
     return _metrics(cfg, ctx, model, losses, step_times, last, sample)
 
 
-def _sample(model, cfg: TrainConfig) -> str:
+def _sample(model, cfg: TrainConfig, device) -> str:
     model.eval()
-    prompt = torch.tensor([encode(cfg.sample_prompt)], dtype=torch.long)
-    generator = torch.Generator().manual_seed(cfg.seed)  # same tokens on every rank
+    prompt = torch.tensor([encode(cfg.sample_prompt)], dtype=torch.long, device=device)
+    generator = torch.Generator(device).manual_seed(cfg.seed)  # same tokens on every rank
     out = model.generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=20, generator=generator)
     model.train()
     return decode(out[0].tolist())

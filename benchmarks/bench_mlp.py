@@ -29,17 +29,17 @@ import copy
 import json
 import os
 import platform
-import statistics
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import ops_transformer
 from ops_transformer import ColumnParallelLinear, CommLedger, RowParallelLinear
+
+from _common import (check_counts, format_paired, interleave, median_ms, paired_ratio, rel_err,
+                     source_version, time_steps)
 
 METHODS = ("ours", "dtensor", "plain")
 TP = 2
@@ -112,18 +112,7 @@ def train_step(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> tor
 
 def time_block(model, x, grad_out, warmup: int, steps: int) -> list[float]:
     """Per-step wall times (s) of ``steps`` steps after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        train_step(model, x, grad_out)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        train_step(model, x, grad_out)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    return time_steps(lambda: train_step(model, x, grad_out), warmup, steps)
 
 
 def check_correctness(models, x, grad_out) -> dict[str, dict[str, float]]:
@@ -140,7 +129,7 @@ def check_correctness(models, x, grad_out) -> dict[str, dict[str, float]]:
         if name == "plain":
             ref = out
         else:
-            errors[name] = {k: _rel_err(out[k], ref[k]) for k in out}
+            errors[name] = {k: rel_err(out[k], ref[k]) for k in out}
     return errors
 
 
@@ -161,16 +150,9 @@ def run_rounds(models, x, grad_out, rounds: int, steps: int, warmup: int) -> dic
 
     ``plain`` runs on rank 0 only; the other rank waits at the barrier that ends the block.
     """
-    rank = dist.get_rank()
-    times: dict[str, list[list[float]]] = {m: [] for m in METHODS}
-    for r in range(rounds):
-        order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]
-        for method in order:
-            dist.barrier()  # start each block together
-            if method != "plain" or rank == 0:
-                times[method].append(time_block(models[method], x, grad_out, warmup, steps))
-    dist.barrier()
-    return times
+    return interleave(METHODS, rounds,
+                      lambda method: time_block(models[method], x, grad_out, warmup, steps),
+                      rank0_only=("plain",))
 
 
 def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int) -> dict:
@@ -193,20 +175,6 @@ def rank_main(sizes: list[Size], rounds: int, steps: int | None, warmup: int) ->
             "results": results}
 
 
-def _median_ms(blocks: list[list[float]]) -> float | None:
-    flat = [t for block in blocks for t in block]
-    return 1e3 * statistics.median(flat) if flat else None
-
-
-def _paired_ratio(times: dict[str, list], num: str, den: str) -> dict[str, float]:
-    """Median, min and max over rounds of ``num``'s round median over ``den``'s round median.
-
-    Blocks of one round run seconds apart, so pairing them cancels slow drifts of the machine.
-    """
-    ratios = [_median_ms([a]) / _median_ms([b]) for a, b in zip(times[num], times[den])]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-
-
 def summarise(per_rank: list[dict]) -> list[dict]:
     """One row per size: rank 0's median step time per method (all steps of all rounds pooled),
     the spread of its per-round medians, and the ratios (pooled and paired by round)."""
@@ -216,15 +184,15 @@ def summarise(per_rank: list[dict]) -> list[dict]:
         row = {"size": res0["size"], "steps": res0["steps"], "errors": res0["errors"],
                "comms": res0["comms"]}
         for m in METHODS:
-            row[f"{m}_ms"] = _median_ms(times[m])
-            rounds = [_median_ms([block]) for block in times[m]]
+            row[f"{m}_ms"] = median_ms(times[m])
+            rounds = [median_ms([block]) for block in times[m]]
             row[f"{m}_round_ms"] = [min(rounds), max(rounds)]
             for rk in per_rank[1:]:
-                row[f"{m}_rank{rk['rank']}_ms"] = _median_ms(rk["results"][i]["times"][m])
+                row[f"{m}_rank{rk['rank']}_ms"] = median_ms(rk["results"][i]["times"][m])
         row["ours_over_dtensor"] = row["ours_ms"] / row["dtensor_ms"]
         row["ours_over_plain"] = row["ours_ms"] / row["plain_ms"]
-        row["ours_over_dtensor_paired"] = _paired_ratio(times, "ours", "dtensor")
-        row["ours_over_plain_paired"] = _paired_ratio(times, "ours", "plain")
+        row["ours_over_dtensor_paired"] = paired_ratio(times, "ours", "dtensor")
+        row["ours_over_plain_paired"] = paired_ratio(times, "ours", "plain")
         rows.append(row)
     return rows
 
@@ -252,9 +220,8 @@ def print_table(rows: list[dict]) -> None:
             f"ours/dtensor, ours/plain (median [min-max])")
     print("\n" + head + "\n" + "-" * len(head))
     for row in rows:
-        paired = "  ".join(f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]"
-                           for r in (row["ours_over_dtensor_paired"],
-                                     row["ours_over_plain_paired"]))
+        paired = "  ".join(format_paired(r) for r in (row["ours_over_dtensor_paired"],
+                                                      row["ours_over_plain_paired"]))
         print(f"{row['size']['name']:8s} {row['ours_ms']:9.3f} {row['dtensor_ms']:11.3f} "
               f"{row['plain_ms']:9.3f} {row['ours_over_dtensor']:13.2f} "
               f"{row['ours_over_plain']:11.2f}   {paired}")
@@ -289,27 +256,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="untimed steps before each block (default 3)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
-    unknown = [s for s in args.sizes.split(",") if s not in SIZES]
-    if unknown:
-        p.error(f"unknown size(s) {unknown}; choose from {list(SIZES)}")
-    for name in ("rounds", "steps", "warmup"):
-        value = getattr(args, name)
-        if value is not None and value < (0 if name == "warmup" else 1):
-            p.error(f"--{name} must be {'>= 0' if name == 'warmup' else '>= 1'}, got {value}")
+    check_counts(p, args, SIZES)
     return args
-
-
-def _source_version() -> str:
-    """The git commit of this checkout (``+dirty`` with uncommitted changes), or ``unknown``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "src"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def main(argv=None) -> None:
@@ -319,7 +267,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     per_rank = ops_transformer.launch(rank_main, TP, sizes, args.rounds, args.steps, args.warmup,
                                       timeout=900)
-    meta = {"torch": torch.__version__, "ops_transformer": _source_version(),
+    meta = {"torch": torch.__version__, "ops_transformer": source_version(),
             "backend": per_rank[0]["backend"], "cpus": os.cpu_count(),
             "threads_per_rank": per_rank[0]["threads"], "python": platform.python_version(),
             "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,

@@ -153,7 +153,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
     metrics = {
         "preset": cfg.preset, "tp": ctx.tp_size, "dp": ctx.dp_size, "steps": cfg.steps,
         "batch": cfg.batch, "seq": cfg.seq, "lr": cfg.lr, "seed": cfg.seed,
-        "attention": model.tp_plan.attention, "attention_reason": model.tp_plan.reason,
+        "attention": model.parallel_plan.attention, "attention_reason": model.parallel_plan.reason,
         "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
         "median_step_s": median_step, "tokens_per_s": cfg.batch * cfg.seq / median_step,
         "comm_per_step": comm,
@@ -161,10 +161,10 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
         "expected_tp_comm_per_step": expected_tp_comm(
             model.cfg.n_layers, model.cfg.d_model, cfg.batch // ctx.dp_size * cfg.seq,
-            ctx.tp_size, model.tp_plan.attention),
+            ctx.tp_size, model.parallel_plan.attention),
         "params": _dense_param_count(model.cfg),
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
-        "plan": model.tp_plan.to_dict(),
+        "plan": model.parallel_plan.to_dict(),
     }
     if cfg.out:
         write_outputs(Path(cfg.out), metrics)

@@ -27,34 +27,44 @@ class VocabParallelLMHead(nn.Module):
     parameter as a :class:`VocabParallelEmbedding`'s (tied embeddings): the two shard identically.
     """
 
-    def __init__(self, weight: nn.Parameter, vocab_size: int, ctx, *, loss_kwargs=None):
+    def __init__(self, weight: nn.Parameter, vocab_size: int, ctx, **options):
         super().__init__()
         self.weight = weight  # (V_padded/tp, d), carries its ShardSpec
         self.vocab_size, self.ctx = vocab_size, ctx
-        self.loss_kwargs = dict(loss_kwargs or {})
+        self.options = options
 
     @classmethod
     def from_dense(cls, head: nn.Module, ctx, *, shared_weight: nn.Parameter | None = None,
-                   **loss_kwargs) -> VocabParallelLMHead:
+                   **options):
         """Shard a dense head whose ``weight`` is ``[V, d]`` (padding the vocabulary if needed), or
         reuse ``shared_weight`` — the already sharded embedding table of a tied model."""
         vocab, dim = head.weight.shape
+        if getattr(head, "bias", None) is not None:
+            raise ValueError(f"{cls.__name__} supports LM heads without bias; this one has a bias "
+                             f"of shape {tuple(head.bias.shape)}")
         if shared_weight is None:
             tp = ctx.tp_size
             padded = -(-vocab // tp) * tp
             spec = ShardSpec((vocab, dim), 0, ctx.tp_rank, tp,
                              padded_size=padded if padded != vocab else None)
             shared_weight = set_shard_spec(nn.Parameter(spec.shard(head.weight.detach())), spec)
-        return cls(shared_weight, vocab, ctx, loss_kwargs=loss_kwargs)
+        return cls(shared_weight, vocab, ctx, **options)
+
+    def logits_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's logit columns ``(…, V_padded/tp)``; backward all-reduces ``∂L/∂x``."""
+        return linear_with_grad_all_reduce(x, self.weight, None, self.ctx.tp_group)
+
+    def full_logits(self, logits_shard: torch.Tensor) -> torch.Tensor:
+        """All-gather the shards and drop the padding columns: ``(…, V)``."""
+        logits = gather_from_tp_region(logits_shard, self.ctx.tp_group, -1)
+        return logits[..., :self.vocab_size]
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
-        group = self.ctx.tp_group
-        logits_shard = linear_with_grad_all_reduce(x, self.weight, None, group)  # (B, T, V_pad/tp)
+        logits_shard = self.logits_shard(x)  # (B, T, V_pad/tp)
         if targets is None:
-            logits = gather_from_tp_region(logits_shard, group, -1)
-            return logits[..., :self.vocab_size], None
+            return self.full_logits(logits_shard), None
         loss = vocab_parallel_cross_entropy(logits_shard, targets, self.ctx,
-                                            vocab_size=self.vocab_size, **self.loss_kwargs)
+                                            vocab_size=self.vocab_size, **self.options)
         return logits_shard, loss
 
     def to_dense(self) -> nn.Module:
@@ -66,3 +76,14 @@ class VocabParallelLMHead(nn.Module):
     def extra_repr(self) -> str:
         return (f"vocab_size={self.vocab_size}, vocab_per_rank={self.weight.shape[0]}, "
                 f"tp={self.ctx.tp_size}")
+
+
+class GatheredLMHead(VocabParallelLMHead):
+    """A vocabulary-parallel ``nn.Linear`` LM head for models that compute their own loss from the
+    logits (Hugging Face): ``forward(x)`` returns the full logits ``(…, V)`` — an all-gather of
+    ``N·V_padded`` elements — so ``generate`` and the model's loss work unchanged. With
+    ``gather=False`` it returns this rank's shard instead, for a vocab-parallel loss."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shard = self.logits_shard(x)
+        return self.full_logits(shard) if self.options.get("gather", True) else shard

@@ -6,6 +6,8 @@ global (``in_features``, ``out_features``); the per-rank size is ``*_per_rank``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,6 +52,14 @@ def linear_with_grad_all_reduce(x, weight, bias, group):
     if group is None or group.size() == 1:
         return F.linear(x, weight, bias)
     return _LinearAllReduceInputGrad.apply(x, weight, bias, group)
+
+
+def dense_weight(module: nn.Module) -> tuple[torch.Tensor, bool]:
+    """``(weight [out, in], transposed)`` of an ``nn.Linear`` or of a GPT-2 style ``Conv1D``
+    (which computes ``x W + b`` with ``W [in, out]``)."""
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return module.weight.detach().t(), True
+    return module.weight.detach(), False
 
 
 def _dense_linear(in_features, out_features, bias, device, dtype) -> nn.Linear:
@@ -115,8 +125,10 @@ class ColumnParallelLinear(nn.Module):
         self._load_dense(dense)
 
     def _load_dense(self, dense: nn.Module) -> None:
-        self.weight = set_shard_spec(nn.Parameter(self.weight_spec.shard(dense.weight.detach())),
-                                     self.weight_spec)
+        weight, transposed = dense_weight(dense)
+        if transposed:
+            self.weight_spec = dataclasses.replace(self.weight_spec, transposed=True)
+        self.weight = set_shard_spec(nn.Parameter(self.weight_spec.shard(weight)), self.weight_spec)
         if dense.bias is not None:
             self.bias = set_shard_spec(nn.Parameter(self.bias_spec.shard(dense.bias.detach())),
                                        self.bias_spec)
@@ -127,8 +139,9 @@ class ColumnParallelLinear(nn.Module):
     def from_dense(cls, linear: nn.Module, ctx, *, gather_output: bool = False,
                    sub_blocks: tuple[int, ...] | None = None, replicas: int = 1,
                    reduce_input_grad: bool = True) -> ColumnParallelLinear:
-        """This rank's exact slice of a dense ``nn.Linear`` (``weight [out, in]``)."""
-        out_features, in_features = linear.weight.shape
+        """This rank's exact slice of a dense ``nn.Linear`` (``weight [out, in]``) or GPT-2
+        ``Conv1D`` (``weight [in, out]``)."""
+        out_features, in_features = dense_weight(linear)[0].shape
         layer = cls(in_features, out_features, ctx, bias=linear.bias is not None,
                     gather_output=gather_output, sub_blocks=sub_blocks, replicas=replicas,
                     reduce_input_grad=reduce_input_grad, device="meta", dtype=linear.weight.dtype)
@@ -188,8 +201,10 @@ class RowParallelLinear(nn.Module):
         self._load_dense(_dense_linear(in_features, out_features, bias, device, dtype))
 
     def _load_dense(self, dense: nn.Module) -> None:
-        self.weight = set_shard_spec(nn.Parameter(self.weight_spec.shard(dense.weight.detach())),
-                                     self.weight_spec)
+        weight, transposed = dense_weight(dense)
+        if transposed:
+            self.weight_spec = dataclasses.replace(self.weight_spec, transposed=True)
+        self.weight = set_shard_spec(nn.Parameter(self.weight_spec.shard(weight)), self.weight_spec)
         if dense.bias is not None:
             self.bias = nn.Parameter(dense.bias.detach().clone())  # replicated, added once
         else:
@@ -198,8 +213,9 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_dense(cls, linear: nn.Module, ctx, *,
                    input_is_parallel: bool = True) -> RowParallelLinear:
-        """This rank's exact slice of a dense ``nn.Linear`` (``weight [out, in]``)."""
-        out_features, in_features = linear.weight.shape
+        """This rank's exact slice of a dense ``nn.Linear`` (``weight [out, in]``) or GPT-2
+        ``Conv1D`` (``weight [in, out]``)."""
+        out_features, in_features = dense_weight(linear)[0].shape
         layer = cls(in_features, out_features, ctx, bias=linear.bias is not None,
                     input_is_parallel=input_is_parallel, device="meta",
                     dtype=linear.weight.dtype)
@@ -230,6 +246,8 @@ class RowParallelLinear(nn.Module):
 
 def _to_dense_linear(layer) -> nn.Linear:
     weight = gather_full(layer.weight, layer.tp_group)
+    if layer.weight_spec.transposed:  # gather_full gives the Conv1D layout; nn.Linear wants [out, in]
+        weight = weight.t()
     dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
                       device=weight.device, dtype=weight.dtype)
     with torch.no_grad():

@@ -32,7 +32,9 @@ class ShardSpec:
     after zero padding to a multiple of ``tp_size`` (vocabularies), ``None`` when not padded.
     ``sub_blocks`` are the sizes along ``split_dim`` of fused blocks, each split separately.
     ``replicas > 1`` splits into ``tp_size / replicas`` shards, each held by ``replicas``
-    consecutive ranks (key/value heads when there are fewer KV heads than ranks).
+    consecutive ranks (key/value heads when there are fewer KV heads than ranks). ``transposed``
+    marks a parameter whose dense form is the transpose of ``full_shape`` (GPT-2's ``Conv1D``
+    stores ``[in, out]`` where the parallel layer keeps ``[out, in]``).
     """
 
     full_shape: tuple[int, ...]
@@ -42,6 +44,7 @@ class ShardSpec:
     sub_blocks: tuple[int, ...] | None = None
     padded_size: int | None = None
     replicas: int = 1
+    transposed: bool = False
 
     @property
     def split_size(self) -> int:
@@ -134,7 +137,8 @@ def gather_full(tensor: torch.Tensor, group) -> torch.Tensor:
     out = local.new_empty((spec.tp_size * local.shape[0], *local.shape[1:]))
     C.all_gather_into(out, local, group, label="gather_full")
     shards = [s.movedim(0, spec.split_dim) for s in out.chunk(spec.tp_size, 0)]
-    return spec.unshard(shards).contiguous()
+    full = spec.unshard(shards)
+    return (full.t() if spec.transposed else full).contiguous()
 
 
 def gather_full_state_dict(model: nn.Module, ctx) -> dict[str, torch.Tensor]:

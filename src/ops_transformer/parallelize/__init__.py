@@ -10,10 +10,11 @@ from torch import nn
 from ..models.gpt import GPT
 from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, no_sync
 from .gpt_plan import gpt_plan
+from .hf_plans import FAMILIES, hf_plan
 from .plan import Plan, apply_plan
 
 log = logging.getLogger("ops_transformer")
-SUPPORTED = ("ops_transformer.models.GPT",)
+SUPPORTED = ("ops_transformer.models.GPT",) + tuple(f"Hugging Face {f}" for f in FAMILIES)
 
 
 class _Groups:
@@ -41,7 +42,12 @@ class _Groups:
         return self._replica[replicas]
 
 
-def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto") -> Plan:
+def _is_hf(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(model.config, "model_type")
+
+
+def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
+                 loss_parallel: bool = False) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):
@@ -50,11 +56,17 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto") ->
         raise ValueError(f"plan must be 'auto', a Plan or a dict, got {plan!r}")
     if isinstance(model, GPT):
         return gpt_plan(model.cfg, ctx.tp_size, attention)
+    if _is_hf(model):
+        if attention not in ("auto", "heads"):
+            raise ValueError(f"Hugging Face models support attention='heads' (or 'auto'), got "
+                             f"{attention!r}")
+        return hf_plan(model, ctx.tp_size, loss_parallel)
     raise ValueError(f"no automatic plan for {type(model).__name__}; supported models: "
                      f"{', '.join(SUPPORTED)} (or pass plan= a Plan / dict)")
 
 
 def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
+                loss_parallel: bool = False,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> nn.Module:
     """Apply tensor parallelism over ``ctx.tp_group`` and data-parallel gradient averaging over
     ``ctx.dp_group`` to ``model`` (in place) and return it.
@@ -62,20 +74,47 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     Build the dense model with the same RNG seed on every rank first: each rank keeps its slices.
     Afterwards a plain loop — ``loss = model(x, y)[1]; loss.backward(); optimizer.step()`` — is
     correct for any ``dp × tp``, each data-parallel rank feeding its own rows of the global batch.
-    The applied plan is ``model.tp_plan``.
+    The applied plan is ``model.parallel_plan``.
+
+    Hugging Face models (GPT-2, Llama, Mistral, Qwen2, BERT; others through their
+    ``base_model_tp_plan``) return what the unsharded model returns: full-vocabulary logits, so
+    ``generate`` works unchanged. With ``loss_parallel=True`` the logits stay sharded and the loss
+    (``labels=``) is the vocab-parallel cross-entropy — the full logits are never gathered.
     """
-    if getattr(model, "tp_plan", None) is not None:
-        raise ValueError("this model is already parallelised (model.tp_plan is set)")
-    resolved = resolve_plan(model, ctx, plan, attention)
+    if getattr(model, "parallel_plan", None) is not None:
+        raise ValueError("this model is already parallelised (model.parallel_plan is set)")
+    resolved = resolve_plan(model, ctx, plan, attention, loss_parallel)
     if ctx.tp_size > 1:
         apply_plan(model, resolved, ctx, _Groups(model, ctx))
-    model.tp_plan = resolved
+        if loss_parallel and _is_hf(model):
+            model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
+    model.parallel_plan = resolved
     if ctx.dp_size > 1:
         model._ops_transformer_grad_sync = GradSync(model.parameters(), ctx.dp_group,
                                                     bucket_bytes=bucket_bytes)
     log.info("parallelize: tp=%d dp=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
              resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model
+
+
+def vocab_parallel_causal_lm_loss(model: nn.Module, ctx):
+    """A drop-in for ``transformers``' ``ForCausalLMLoss`` on vocab-sharded logits."""
+    from ..layers.loss import vocab_parallel_cross_entropy
+
+    vocab = model.config.vocab_size
+
+    def loss_fn(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+                shift_labels=None, **kwargs):
+        if shift_labels is None:
+            labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:]
+        shift_labels = shift_labels.to(logits.device)
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        loss = vocab_parallel_cross_entropy(logits, shift_labels, ctx, ignore_index=ignore_index,
+                                            reduction=reduction, vocab_size=vocab)
+        return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+    return loss_fn
 
 
 __all__ = ["Plan", "parallelize", "no_sync", "gpt_plan", "resolve_plan"]

@@ -1,7 +1,9 @@
 """A tensor-parallel plan is data: module-name pattern → style (with options).
 
 It prints, serialises to JSON and compares like any dict; :func:`apply_plan` applies it with one
-short loop. Patterns use ``fnmatch`` syntax on ``named_modules()`` names (``layers.*.attn.wq``);
+short loop. Patterns match ``named_modules()`` names component by component with ``fnmatch``
+syntax, so ``*`` stands for exactly one component (``layers.*.attn.wq`` matches
+``layers.3.attn.wq``, and ``layer.*.output.dense`` does not match ``layer.0.attention.output.dense``);
 every pattern must match at least one module.
 
 Styles (what each does to the module it names):
@@ -14,11 +16,16 @@ style          effect
                ``reduce_input_grad``)
 ``rowwise``    ``nn.Linear`` → :class:`RowParallelLinear` (input already split by features)
 ``gather_in``  keep the module replicated; all-gather its input along the last dimension first
-``region``     one ``copy_to_tp_region`` on the module's first input: the column-parallel children
-               that share it (Q, K, V) then need a single backward all-reduce between them
+``region``     one ``copy_to_tp_region`` on the module's first input (positional, or the
+               ``hidden_states`` keyword): the column-parallel children that share it (Q, K, V)
+               then need a single backward all-reduce between them (``set``: as ``attrs``)
 ``vocab``      ``nn.Embedding`` → :class:`VocabParallelEmbedding` (vocabulary padded if needed)
 ``vocab_head`` an LM head with ``weight [V, d]`` → :class:`VocabParallelLMHead` (``tied_to``:
                the embedding whose sharded table it shares)
+``vocab_logits`` an ``nn.Linear`` LM head → :class:`GatheredLMHead`: full logits out (``tied_to``
+               as above; ``gather=False`` keeps them sharded for a vocab-parallel loss)
+``attrs``      set the module's per-rank attributes (``set``: name → value), e.g. the split size of
+               a fused QKV output in Hugging Face's GPT-2
 ============== =============================================================================
 """
 
@@ -32,9 +39,10 @@ from torch import nn
 
 from ..comm.primitives import copy_to_tp_region, gather_from_tp_region
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from ..layers.head import VocabParallelLMHead
+from ..layers.head import GatheredLMHead, VocabParallelLMHead
 
-STYLES = ("colwise", "rowwise", "gather_in", "region", "vocab", "vocab_head")
+STYLES = ("colwise", "rowwise", "gather_in", "region", "vocab", "vocab_head", "vocab_logits",
+          "attrs")
 
 
 @dataclass
@@ -102,15 +110,38 @@ def _gather_in(module, ctx, groups):
     return module
 
 
-def _region(module, ctx, groups):
-    module.register_forward_pre_hook(
-        lambda m, args: (copy_to_tp_region(args[0], ctx.tp_group), *args[1:]))
+def _region(module, ctx, groups, set=None):
+    _attrs(module, ctx, groups, set)
+
+    def enter(m, args, kwargs):
+        if args:
+            return (copy_to_tp_region(args[0], ctx.tp_group), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": copy_to_tp_region(kwargs["hidden_states"],
+                                                                       ctx.tp_group)}
+        raise ValueError(f"region style: {type(m).__name__} was called without a positional "
+                         f"input or a hidden_states keyword")
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    return module
+
+
+def _attrs(module, ctx, groups, set=None):
+    for name, value in (set or {}).items():
+        if not hasattr(module, name):
+            raise ValueError(f"attrs style: {type(module).__name__} has no attribute {name!r}")
+        setattr(module, name, value)
     return module
 
 
 def _vocab_head(module, ctx, groups, tied_to=None, **loss_kwargs):
     shared = groups.module(tied_to).weight if tied_to else None
     return VocabParallelLMHead.from_dense(module, ctx, shared_weight=shared, **loss_kwargs)
+
+
+def _vocab_logits(module, ctx, groups, tied_to=None, gather=True):
+    shared = groups.module(tied_to).weight if tied_to else None
+    return GatheredLMHead.from_dense(module, ctx, shared_weight=shared, gather=gather)
 
 
 _APPLY = {
@@ -120,7 +151,16 @@ _APPLY = {
     "region": _region,
     "vocab": lambda m, ctx, groups: VocabParallelEmbedding.from_dense(m, ctx, pad_vocab=True),
     "vocab_head": _vocab_head,
+    "vocab_logits": _vocab_logits,
+    "attrs": _attrs,
 }
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Component-wise ``fnmatch``: ``*`` never crosses a ``.``."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(fnmatch.fnmatchcase(a, b)
+                                             for a, b in zip(parts, wanted))
 
 
 def match_rules(model: nn.Module, plan: Plan) -> list[tuple[str, dict]]:
@@ -128,7 +168,7 @@ def match_rules(model: nn.Module, plan: Plan) -> list[tuple[str, dict]]:
     names = [n for n, _ in model.named_modules() if n]
     matched = []
     for pattern, rule in plan.rules.items():
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        hits = [n for n in names if matches(n, pattern)]
         if not hits:
             raise ValueError(f"plan rule {pattern!r} matches no module of "
                              f"{type(model).__name__}")

@@ -26,7 +26,7 @@ each size is checked once (untimed): the loss of the first step and of the secon
 AdamW update) of every method against ``plain``'s, and the collectives of one step as the process
 group sees them (all tp=2 methods) and as our ``CommLedger`` records them (ours).
 
-    python benchmarks/bench_gpt.py --sizes small,medium --rounds 15 --json out.json
+    python benchmarks/bench_gpt.py --sizes small,medium --rounds 12 --json out.json
 """
 
 from __future__ import annotations
@@ -65,19 +65,20 @@ N_BATCHES = 8  # a pool of random batches, cycled
 
 @dataclass(frozen=True)
 class Size:
-    """A GPT preset, the batch (``batch`` sequences of ``seq`` tokens), and the default number of
-    timed steps per block."""
+    """A GPT preset, the batch (``batch`` sequences of ``seq`` tokens), and the default numbers of
+    timed and untimed (warm-up) steps per block."""
 
     name: str
     preset: str
     batch: int
     seq: int
     steps: int
+    warmup: int
 
 
 SIZES = {
-    "small": Size("small", "tiny", batch=8, seq=64, steps=30),  # 2 layers, d 64: overhead
-    "medium": Size("medium", "small", batch=8, seq=128, steps=4),  # 4 layers, d 256: matmuls
+    "small": Size("small", "tiny", batch=8, seq=64, steps=30, warmup=3),  # 2 layers, d 64
+    "medium": Size("medium", "small", batch=8, seq=128, steps=3, warmup=1),  # 4 layers, d 256
 }
 
 
@@ -187,16 +188,18 @@ def count_collectives(models, opts, batch) -> dict[str, dict]:
     return out
 
 
-def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int) -> dict:
-    """Check, count and time one size on this rank (``steps=None``: the size's default)."""
+def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | None) -> dict:
+    """Check, count and time one size on this rank (``None``: the size's default)."""
     cfg = preset(size.preset)
     models = build_models(cfg, ctx)
     opts = {m: torch.optim.AdamW(model.parameters(), lr=LR) for m, model in models.items()}
     batches = make_batches(size, cfg.vocab_size)
     losses = check_losses(models, opts, batches)
+    same_tp1 = repr(models["tp1"]) == repr(models["plain"]) if "tp1" in models else None
     comms = count_collectives(models, opts, batches[2])
     cycles = {m: itertools.cycle(batches) for m in models}  # per method: ranks stay in step
     steps = steps or size.steps
+    warmup = size.warmup if warmup is None else warmup
 
     def block(method: str) -> list[float]:
         model, opt, cycle = models[method], opts[method], cycles[method]
@@ -204,12 +207,13 @@ def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int) -> 
 
     times = interleave(METHODS, rounds, block, rank0_only=RANK0_ONLY)
     last = {m: float(train_step(models[m], opts[m], *batches[0])) for m in models}
-    return {"size": asdict(size), "config": cfg.to_dict(), "steps": steps, "losses": losses,
+    return {"size": asdict(size), "config": cfg.to_dict(), "steps": steps, "warmup": warmup,
+            "tp1_same_as_plain": same_tp1, "losses": losses,
             "last_losses": last, "comms": comms, "times": times,
             "params": {m: sum(p.numel() for p in models[m].parameters()) for m in models}}
 
 
-def rank_main(sizes: list[Size], rounds: int, steps: int | None, warmup: int) -> dict:
+def rank_main(sizes: list[Size], rounds: int, steps: int | None, warmup: int | None) -> dict:
     """What each rank runs under ``ops_transformer.launch``."""
     ctx = ops_transformer.init_parallel(tp=TP)
     results = [bench_size(size, ctx, rounds, steps, warmup) for size in sizes]
@@ -228,7 +232,8 @@ def summarise(per_rank: list[dict]) -> list[dict]:
     for i, res0 in enumerate(per_rank[0]["results"]):
         times = res0["times"]
         plain = res0["losses"]["plain"]
-        row = {k: res0[k] for k in ("size", "config", "steps", "comms", "params", "last_losses")}
+        row = {k: res0[k] for k in ("size", "config", "steps", "warmup", "tp1_same_as_plain",
+                                    "comms", "params", "last_losses")}
         row["loss_rel_diff"] = {m: [abs(a - b) / abs(b) for a, b in zip(loss, plain)]
                                 for m, loss in res0["losses"].items() if m != "plain"}
         row["plain_losses"] = plain
@@ -251,7 +256,9 @@ def print_checks(rows: list[dict]) -> None:
         s, c = row["size"], row["config"]
         print(f"\n[{s['name']}] preset {s['preset']}: {c['n_layers']} layers, d={c['d_model']}, "
               f"{c['n_heads']} heads, d_ff={c['d_ff']}, vocab {c['vocab_size']}, {c['mlp']}; "
-              f"batch {s['batch']} x seq {s['seq']}; {row['steps']} timed steps per block")
+              f"batch {s['batch']} x seq {s['seq']}; {row['warmup']} untimed + {row['steps']} "
+              f"timed steps per block")
+        print(f"  tp1 module tree identical to plain's: {row['tp1_same_as_plain']}")
         print(f"  plain loss: step 1 {row['plain_losses'][0]:.6f}, step 2 "
               f"{row['plain_losses'][1]:.6f}")
         for m, diff in row["loss_rel_diff"].items():
@@ -296,8 +303,8 @@ def print_report(rows: list[dict], meta: dict) -> None:
     """The setup line, the checks, then the timing tables."""
     print(f"ops_transformer {meta['ops_transformer']}, torch {meta['torch']}, {meta['backend']}, "
           f"tp={TP} on {TP} local ranks, {meta['threads_per_rank']} intra-op thread per rank "
-          f"(plain, tp1: 1 process, 1 thread), {meta['cpus']} CPUs; rounds={meta['rounds']} "
-          f"warmup={meta['warmup']}; AdamW lr={LR}; times are rank 0's per-step medians")
+          f"(plain, tp1: 1 process, 1 thread), {meta['cpus']} CPUs; rounds={meta['rounds']}; "
+          f"AdamW lr={LR}; times are rank 0's per-step medians")
     print_checks(rows)
     print_table(rows)
 
@@ -307,12 +314,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="small,medium",
                    help=f"comma-separated, from {', '.join(SIZES)} (default: small,medium)")
-    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
+    p.add_argument("--rounds", type=int, default=12, help="interleaved rounds (default 12)")
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps per method per round (default: "
                         + ", ".join(f"{s.steps} {s.name}" for s in SIZES.values()) + ")")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="untimed steps before each block (default 2)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps before each block (default: "
+                        + ", ".join(f"{s.warmup} {s.name}" for s in SIZES.values()) + ")")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     check_counts(p, args, SIZES)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import demo, train
+from . import demo, embed, generate, train
 
-COMMANDS = {"demo": demo, "train": train}
+COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,10 @@ def _tied(model: nn.Module) -> bool:
     return out is not None and inp is not None and out.weight is inp.weight
 
 
+def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
+    return next((name for name, m in model.named_modules() if m is module and name), None)
+
+
 def _divides(what: str, size: int, tp: int, hint: str = "") -> None:
     if size % tp:
         raise ValueError(f"{what} ({size}) is not divisible by tp ({tp}){hint}")
@@ -125,18 +129,38 @@ _TRANSLATE = {"colwise": "colwise", "rowwise": "rowwise", "local_colwise": "colw
 
 
 def translated_plan(model, tp: int, loss_parallel: bool = False) -> Plan:
-    """Hugging Face's own ``base_model_tp_plan`` in our styles."""
-    hf_plan = getattr(model.config, "base_model_tp_plan", None) or {}
-    p = _prefix(model)
+    """Hugging Face's own ``base_model_tp_plan`` in our styles. Key/value projections are told the
+    number of KV heads (split or replicated as in :func:`llama_plan`); each column layer reduces
+    its own input gradient, so Q/K/V cost three backward all-reduces instead of one."""
+    c, p = model.config, _prefix(model)
+    heads = getattr(c, "num_attention_heads", None)
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    if heads:
+        _divides("num_attention_heads", heads, tp, "; each rank needs whole query heads")
+        if kv % tp and tp % kv:
+            raise ValueError(f"num_key_value_heads ({kv}) and tp ({tp}): KV heads can be split when "
+                             f"tp divides them or replicated when they divide tp; neither holds")
     rules = {}
-    for pattern, style in hf_plan.items():
+    for pattern, style in c.base_model_tp_plan.items():
         if style not in _TRANSLATE:
-            raise ValueError(f"{model.config.model_type}: base_model_tp_plan entry {pattern!r} has "
-                             f"style {style!r}, which has no translation (known: "
-                             f"{sorted(_TRANSLATE)})")
-        rules[p + pattern] = _TRANSLATE[style]
+            raise ValueError(f"{c.model_type}: base_model_tp_plan entry {pattern!r} has style "
+                             f"{style!r}, which has no translation (known: {sorted(_TRANSLATE)})")
+        rule = {"style": _TRANSLATE[style]}
+        if pattern.endswith(("k_proj", "v_proj")) and heads:
+            rule["kv_heads"] = kv
+            if tp > kv:  # replicated KV heads: fewer query heads per KV head on each rank
+                rules[p + pattern.rsplit(".", 1)[0]] = {
+                    "style": "attrs", "set": {"num_key_value_groups": heads // tp}}
+        rules[p + pattern] = rule
+    embedding = model.get_input_embeddings()
+    # Only a plain nn.Embedding can be swapped (Gemma's scaled embedding, for one, cannot): the
+    # others stay replicated, with their LM head.
+    embed = _module_name(model, embedding) if type(embedding) is nn.Embedding else None
+    if embed is not None:  # vocab-parallel embedding first, so a tied head can share its shard
+        rules = {embed: "vocab", **rules}
+        rules.update(_head(model, "", embed, loss_parallel))
     return Plan(rules=rules, attention="heads",
-                reason=f"translated from {model.config.model_type}'s base_model_tp_plan")
+                reason=f"translated from {c.model_type}'s base_model_tp_plan")
 
 
 def hf_plan(model, tp: int, loss_parallel: bool = False) -> Plan:

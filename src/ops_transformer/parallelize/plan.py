@@ -83,7 +83,23 @@ class Plan:
         return "\n".join(lines)
 
 
+def _plain(module: nn.Module, cls: type) -> nn.Module:
+    """Styles that swap a module for a parallel one must not drop behaviour a subclass adds."""
+    if type(module) is not cls:
+        raise ValueError(f"this style replaces a plain {cls.__name__}; got "
+                         f"{type(module).__name__}, whose forward may differ")
+    return module
+
+
+def _linear(module: nn.Module) -> nn.Module:
+    if type(module) is nn.Linear or (type(module).__name__ == "Conv1D" and hasattr(module, "nf")):
+        return module
+    raise ValueError(f"colwise/rowwise replace an nn.Linear (or GPT-2's Conv1D); got "
+                     f"{type(module).__name__}, whose forward may differ")
+
+
 def _colwise(module, ctx, groups, sub_blocks=None, kv_heads=None, reduce_input_grad=True):
+    _linear(module)
     replicas = 1
     if kv_heads is not None and kv_heads < ctx.tp_size:
         replicas = ctx.tp_size // kv_heads  # fewer KV heads than ranks: replicate them
@@ -146,10 +162,11 @@ def _vocab_logits(module, ctx, groups, tied_to=None, gather=True):
 
 _APPLY = {
     "colwise": _colwise,
-    "rowwise": lambda m, ctx, groups: RowParallelLinear.from_dense(m, ctx),
+    "rowwise": lambda m, ctx, groups: RowParallelLinear.from_dense(_linear(m), ctx),
     "gather_in": _gather_in,
     "region": _region,
-    "vocab": lambda m, ctx, groups: VocabParallelEmbedding.from_dense(m, ctx, pad_vocab=True),
+    "vocab": lambda m, ctx, groups: VocabParallelEmbedding.from_dense(_plain(m, nn.Embedding), ctx,
+                                                                      pad_vocab=True),
     "vocab_head": _vocab_head,
     "vocab_logits": _vocab_logits,
     "attrs": _attrs,

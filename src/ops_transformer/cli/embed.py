@@ -1,0 +1,57 @@
+"""``ops-transformer embed``: sentence embeddings from a local Hugging Face encoder, tensor-parallel.
+
+Mean pooling over the attention mask, then L2 normalisation (the sentence-transformers recipe of
+all-MiniLM-L6-v2); prints the pairwise cosine similarities.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+from ._hf import check_model_dir, load_parallel, load_tokenizer, run_on_ranks
+
+HELP = "sentence embeddings from a local Hugging Face encoder split over tp ranks"
+
+
+def add_parser(p) -> None:
+    p.add_argument("--model", required=True, help="a local model directory (save_pretrained)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument("--nproc", type=int, help="local ranks to launch (default: --tp)")
+    p.add_argument("--text", action="append", required=True, help="a sentence (repeat the flag)")
+    p.add_argument("--json", action="store_true")
+
+
+def mean_pooled(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+    return F.normalize((hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9), dim=-1)
+
+
+def _worker(root, tp, texts):
+    ctx, model = load_parallel(root, "AutoModel", tp)
+    encoded = load_tokenizer(root)(texts, padding=True, return_tensors="pt")
+    batch = {k: torch.as_tensor(v) for k, v in encoded.items()
+             if k in ("input_ids", "attention_mask", "token_type_ids")}
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    emb = mean_pooled(hidden, batch["attention_mask"])
+    return {"tp": ctx.tp_size, "texts": texts, "dim": emb.shape[-1],
+            "similarity": (emb @ emb.T).tolist(), "embeddings": emb.tolist()}
+
+
+def run(args) -> int:
+    root = check_model_dir(args.model)
+    result = run_on_ranks(_worker, args.tp, args.nproc, root, args.tp, args.text)
+    if result is None:
+        return 0
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    texts = result["texts"]
+    print(f"{len(texts)} embeddings of dimension {result['dim']} at tp={result['tp']}; "
+          f"cosine similarity:")
+    for i, row in enumerate(result["similarity"]):
+        print(f"  [{i}] " + "  ".join(f"{v:6.4f}" for v in row) + f"   {texts[i]}")
+    return 0

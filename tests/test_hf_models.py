@@ -104,8 +104,9 @@ def _train(family, loss_parallel):
 
 
 @pytest.mark.parametrize("family,tp,loss_parallel", [
-    ("gpt2", 2, False), ("llama", 4, False), ("qwen2", 2, True), ("gpt2", 4, True),
-    ("bert", 2, False),
+    ("gpt2", 2, False), ("gpt2", 4, True), ("llama", 4, False), ("llama", 2, True),
+    ("mistral", 4, False), ("qwen2", 2, True), ("qwen2", 4, False), ("bert", 2, False),
+    ("bert", 4, False),
 ])
 def test_training_equals_unsharded(run_ranks, family, tp, loss_parallel):
     ref_losses, ref_state = run_ranks(_train, 1, family, False)[0]

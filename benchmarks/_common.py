@@ -99,3 +99,40 @@ def source_version() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
+
+
+class OtherLoad:
+    """CPU time that other processes used while this one (and its children) ran — the machine's
+    background load during a benchmark, in cores on average. Linux only (``/proc/stat``); elsewhere
+    :meth:`cores` is ``None``.
+
+    >>> load = OtherLoad()          # before the job
+    >>> ...                         # run it; its processes must have been joined
+    >>> load.cores()                # e.g. 0.4: others kept 0.4 of a core busy meanwhile
+    """
+
+    def __init__(self):
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        import resource
+
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        busy = sum(fields[:3]) + sum(fields[5:7])  # user nice system, irq softirq
+        own = 0.0
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+            usage = resource.getrusage(who)
+            own += usage.ru_utime + usage.ru_stime
+        return busy / os.sysconf("SC_CLK_TCK"), own, time.monotonic()
+
+    def cores(self) -> float | None:
+        end = self._sample()
+        if self._start is None or end is None:
+            return None
+        busy, own, wall = (b - a for a, b in zip(self._start, end))
+        return max(busy - own, 0.0) / wall if wall > 0 else None

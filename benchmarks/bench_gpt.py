@@ -51,8 +51,8 @@ from ops_transformer import GPT, CommLedger, ParallelContext, Plan, parallelize
 from ops_transformer.models import preset
 from ops_transformer.parallelize import gpt_plan
 
-from _common import (check_counts, format_paired, interleave, median_ms, paired_ratio,
-                     source_version, time_steps)
+from _common import (OtherLoad, check_counts, format_paired, interleave, median_ms,
+                     paired_ratio, source_version, time_steps)
 
 METHODS = ("ours", "ours-proj", "dtensor", "plain", "tp1")
 RANK0_ONLY = ("plain", "tp1")
@@ -331,17 +331,20 @@ def main(argv=None) -> None:
     """Run all sizes in one 2-rank job, print the report, optionally write it as JSON."""
     args = parse_args(argv)
     sizes = [SIZES[s] for s in args.sizes.split(",")]
-    t0 = time.perf_counter()
+    t0, other = time.perf_counter(), OtherLoad()
     per_rank = ops_transformer.launch(rank_main, TP, sizes, args.rounds, args.steps, args.warmup,
                                       timeout=900)
+    other_cores = other.cores()
     meta = {"torch": torch.__version__, "ops_transformer": source_version(),
             "backend": per_rank[0]["backend"], "cpus": os.cpu_count(),
             "threads_per_rank": per_rank[0]["threads"], "python": platform.python_version(),
             "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "lr": LR,
-            "reported": "rank 0 per-step median"}
+            "other_load_cores": other_cores, "reported": "rank 0 per-step median"}
     rows = summarise(per_rank)
     print_report(rows, meta)
-    print(f"\ntotal wall time {time.perf_counter() - t0:.1f} s")
+    load = "unknown" if other_cores is None else f"{other_cores:.2f} of {os.cpu_count()} cores"
+    print(f"\ntotal wall time {time.perf_counter() - t0:.1f} s; other processes kept {load} busy "
+          f"on average meanwhile")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows, "raw": per_rank}, f, indent=1)

@@ -48,7 +48,10 @@ def test_train_hybrid_dp_tp(tmp_path, capsys):
 @pytest.mark.parametrize("argv,needle", [
     (["train", "--nproc", "2", "--tp", "4"], "--tp (4) is larger than the number of processes (2)"),
     (["train", "--nproc", "4", "--tp", "4", "--preset", "huge"], "unknown preset 'huge'"),
-    (["train", "--nproc", "8", "--tp", "8"], "n_heads (4) is not divisible by tp (8)"),
+    (["train", "--nproc", "8", "--tp", "8", "--attention", "heads"],
+     "n_heads (4) is not divisible by tp (8)"),
+    (["train", "--nproc", "2", "--tp", "2", "--attention", "kv_split", "--seq", "33"],
+     "the sequence length (33) is not divisible by tp (2)"),
     (["train", "--nproc", "4", "--tp", "2", "--batch", "3"], "--batch (3) must be divisible by dp (2)"),
     (["train", "--nproc", "3", "--tp", "2"], "world size 3 is not divisible by tp (2)"),
     (["train", "--steps", "0"], "--steps must be at least 1, got 0"),

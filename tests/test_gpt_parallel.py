@@ -199,12 +199,16 @@ def test_plan_is_data():
 ])
 def test_sizes_that_cannot_be_split_are_clear_errors(changes, tp, needle):
     with pytest.raises(ValueError, match=needle):
-        gpt_plan(CONFIGS["gpt2"].with_(**changes), tp)
+        gpt_plan(CONFIGS["gpt2"].with_(**changes), tp, "heads")
 
 
 def test_unknown_attention_and_preset():
     with pytest.raises(ValueError, match="attention must be one of"):
         gpt_plan(CONFIGS["gpt2"], 2, "rows")
+    with pytest.raises(ValueError, match=r"no attention strategy can split this model over tp "
+                                         r"\(8\): heads: n_heads \(3\) .* kv_split: head_dim "
+                                         r"\(20\) .* naive: d_model \(60\)"):
+        gpt_plan(CONFIGS["gpt2"].with_(d_model=60, n_heads=3, n_kv_heads=3), 8)
     with pytest.raises(ValueError, match="unknown preset 'huge'; choose one of"):
         preset("huge")
 

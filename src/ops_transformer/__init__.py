@@ -8,6 +8,7 @@ from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbed
 from .models import GPT, GPTConfig
 from .parallel.data_parallel import no_sync
 from .parallelize import Plan, parallelize
+from .parallelize.linear_split import parallel_linear
 from .parallel import (ParallelContext, RankError, ShardSpec, gather_full, gather_full_state_dict,
                        init_parallel, launch)
 
@@ -19,5 +20,5 @@ __all__ = [
     "gather_from_tp_region", "all_gather_along", "reduce_scatter_along", "all_to_all",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "ShardSpec", "gather_full", "gather_full_state_dict",
-    "GPT", "GPTConfig", "Plan", "parallelize", "no_sync",
+    "GPT", "GPTConfig", "Plan", "parallelize", "no_sync", "parallel_linear",
 ]

@@ -24,6 +24,7 @@ from .models.gpt import GPT, GPTConfig, preset
 from .parallel.context import check_degrees, init_parallel
 from .parallelize import parallelize
 from .parallelize.gpt_plan import gpt_plan
+from .planner.strategies import layer_cost
 from .utils.plot import write_line_plot_png
 from .utils.progress import Progress
 
@@ -66,28 +67,30 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     if model_cfg.vocab_size < VOCAB_SIZE:
         raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; byte-level "
                          f"data needs at least {VOCAB_SIZE}")
-    gpt_plan(model_cfg, tp, cfg.attention)  # heads, KV heads and d_ff against tp
     if cfg.batch % dp:
         raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})")
+    gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // dp, seq=cfg.seq)  # sizes vs tp
     check_corpus(load_corpus(cfg.data), cfg.seq)
     return dp, tp
 
 
-def expected_tp_comm(n_layers: int, d_model: int, tokens: int, tp: int,
-                     attention: str) -> dict[str, dict[str, int]]:
-    """The TP collectives of one training step of the parallelised GPT (SPEC F4), for ``tokens``
-    tokens on this data-parallel rank (``b·s``). Per layer: forward 2 all-reduces of ``b·s·h``
-    (1 all-gather + 1 all-reduce with ``heads_allgather``), backward 2. Outside the layers: the
-    embedding's all-reduce (``b·s·h``) and the loss's two (``N`` and ``2N``) in forward, the LM
-    head's input gradient (``b·s·h``) in backward. (Replicated KV heads add their weight-gradient
-    sums over the replicas' group, not counted here.)"""
+def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch: int,
+                           seq: int) -> dict[str, dict[str, int]]:
+    """The tensor-parallel collectives of one training step on one rank, from the cost model
+    (:func:`ops_transformer.planner.layer_cost`, checked against the ledger by the tests), for a
+    local micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` layers, plus — outside
+    the layers — the embedding's all-reduce (``b·s·h``) and the loss's two (``N`` and ``2N``
+    elements, ``N = b·s``) in forward and the LM head's input-gradient all-reduce in backward."""
     if tp == 1:
         return {}
-    bsh, layer_ar = tokens * d_model, 4 if attention == "heads" else 3
-    out = {"all_reduce": {"calls": layer_ar * n_layers + 4,
-                          "elements": (layer_ar * n_layers + 2) * bsh + 3 * tokens}}
-    if attention == "heads_allgather":
-        out["all_gather"] = {"calls": n_layers, "elements": n_layers * bsh}
+    c = model_cfg
+    layer = layer_cost(attention, batch, seq, c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, tp,
+                       bias=c.bias, swiglu=c.mlp == "swiglu").total()
+    bsh, tokens = batch * seq * c.d_model, batch * seq
+    out = {kind: {k: v * c.n_layers for k, v in entry.items()} for kind, entry in layer.items()}
+    outside = out.setdefault("all_reduce", {"calls": 0, "elements": 0})
+    outside["calls"] += 4
+    outside["elements"] += 2 * bsh + 3 * tokens
     return out
 
 
@@ -105,7 +108,9 @@ def train_worker(cfg: TrainConfig) -> dict | None:
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
-    model = parallelize(GPT(model_cfg).to(ctx.device), ctx, attention=cfg.attention)
+    plan = gpt_plan(model_cfg, ctx.tp_size, cfg.attention, batch=cfg.batch // ctx.dp_size,
+                    seq=cfg.seq)  # `auto` ranks the strategies for this run's shapes
+    model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     lead = ctx.rank == 0
     losses, step_times, last = [], [], None
@@ -159,9 +164,9 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
         "comm_per_step": comm,
         "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()),
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
-        "expected_tp_comm_per_step": expected_tp_comm(
-            model.cfg.n_layers, model.cfg.d_model, cfg.batch // ctx.dp_size * cfg.seq,
-            ctx.tp_size, model.parallel_plan.attention),
+        "expected_tp_comm_per_step": expected_comm_per_step(
+            model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_size,
+            cfg.seq),
         "params": _dense_param_count(model.cfg),
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
         "plan": model.parallel_plan.to_dict(),

@@ -67,6 +67,9 @@ class GPTConfig:
         return asdict(self)
 
     def with_(self, **changes) -> GPTConfig:
+        """A copy with ``changes``; a multi-head config stays multi-head when ``n_heads`` changes."""
+        if "n_heads" in changes and "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
+            changes["n_kv_heads"] = None
         return replace(self, **changes)
 
 

@@ -1,67 +1,83 @@
 """The tensor-parallel plan of the reference GPT (:mod:`ops_transformer.models.gpt`).
 
-Head-parallel attention (strategy A of SPEC F5) and a column→row FFN, Megatron-LM's layout:
+The FFN is column→row and the embedding / LM head vocab-parallel in every plan. The attention
+strategy (SPEC F5) is one of:
 
-* ``heads``: Q, K, V column-parallel by whole heads behind one ``copy_to_tp_region``; the output
-  projection row-parallel. Per layer: forward 2 all-reduces (attention output, FFN output), backward
-  2 all-reduces (attention input, FFN input), each of ``b·s·h`` elements.
-* ``heads_allgather``: the same, but head outputs are all-gathered and the output projection is
-  replicated. Per layer: forward 1 all-gather + 1 all-reduce, backward 2 all-reduces.
+* ``heads`` (A, Megatron-LM): Q, K, V column-parallel by whole heads behind one
+  ``copy_to_tp_region``; the output projection row-parallel. Per layer, with the FFN: forward 2
+  all-reduces, backward 2 all-reduces, each of ``b·s·h`` elements.
+* ``heads_allgather`` (A, the seed's description): head outputs all-gathered, output projection
+  replicated. Forward: 1 all-gather + 1 all-reduce; backward: 2 all-reduces.
+* ``kv_split`` (B): every head's features split; partial scores reduce-scattered over query rows
+  (:class:`~ops_transformer.layers.attention.FeatureSplitAttention`). Works with more ranks than
+  heads; its communication grows with ``s²``.
+* ``naive``: Q, K, V and the output projection each an isolated column-parallel linear with its
+  output gathered, attention replicated — the baseline of the seed's "~40% less" claim.
+* ``auto``: the valid strategy with the least predicted time from the cost model
+  (:mod:`ops_transformer.planner`), with the reason recorded in the plan.
 
-KV heads: split with the query heads when ``n_kv_heads % tp == 0``; replicated on ``tp/n_kv_heads``
-ranks each when ``tp % n_kv_heads == 0`` (their gradients summed over the replicas); otherwise a
-``ValueError``.
+KV heads (A): split with the query heads when ``n_kv_heads % tp == 0``; replicated on
+``tp/n_kv_heads`` ranks each when ``tp % n_kv_heads == 0`` (their gradients summed over the
+replicas); otherwise not possible.
 """
 
 from __future__ import annotations
 
 from ..models.gpt import GPTConfig
+from ..planner.choose import attention_problem, choose_attention
+from ..planner.hardware import CPU_GLOO, HardwareProfile
+from ..planner.strategies import ATTENTION_STRATEGIES
 from .plan import Plan
 
-ATTENTION_MODES = ("heads", "heads_allgather")
-NOT_YET = ("kv_split", "naive")
+ATTENTION_CHOICES = ("auto",) + ATTENTION_STRATEGIES
+AUTO_BATCH = 8  # the micro-batch `auto` assumes when none is given
 
 
-def check_tp_for_gpt(cfg: GPTConfig, tp: int) -> None:
+def check_tp_for_gpt(cfg: GPTConfig, tp: int, attention: str = "heads",
+                     seq: int | None = None) -> None:
     """Every size the plan splits must divide by ``tp`` (or, for KV heads, be replicable)."""
-    if cfg.n_heads % tp:
-        raise ValueError(f"n_heads ({cfg.n_heads}) is not divisible by tp ({tp}): head-parallel "
-                         f"attention gives each rank whole heads; choose a tp that divides "
-                         f"{cfg.n_heads}")
-    kv = cfg.n_kv_heads
-    if kv % tp and tp % kv:
-        raise ValueError(f"n_kv_heads ({kv}) and tp ({tp}): KV heads can be split when tp divides "
-                         f"n_kv_heads or replicated when n_kv_heads divides tp; neither holds")
+    problem = attention_problem(cfg, tp, attention, seq) if attention != "auto" else None
+    if problem:
+        raise ValueError(f"attention={attention!r}: {problem}")
     if cfg.d_ff % tp:
         raise ValueError(f"d_ff ({cfg.d_ff}) is not divisible by tp ({tp})")
 
 
-def gpt_plan(cfg: GPTConfig, tp: int, attention: str = "auto") -> Plan:
-    """The plan for ``GPT(cfg)`` at ``tp`` ranks with the given attention output mode."""
-    if attention in NOT_YET:
-        raise ValueError(f"attention={attention!r} is not implemented yet; available: "
-                         f"{('auto',) + ATTENTION_MODES}")
-    if attention not in ("auto",) + ATTENTION_MODES:
-        raise ValueError(f"attention must be one of {('auto',) + ATTENTION_MODES}, "
-                         f"got {attention!r}")
-    check_tp_for_gpt(cfg, tp)
-    reason = ""
-    if attention == "auto":
-        attention = "heads"
-        reason = ("heads divide by tp; the row-parallel output projection moves as much as the "
-                  "all-gather and keeps the projection's weights and FLOPs sharded")
+def _attention_rules(cfg: GPTConfig, attention: str) -> dict:
+    if attention == "kv_split":
+        return {"layers.*.attn": {"style": "kv_split", "rope": cfg.pos == "rope"}}
+    if attention == "naive":
+        gathered = {"style": "colwise", "gather_output": True}
+        return {f"layers.*.attn.{name}": dict(gathered) for name in ("wq", "wk", "wv", "wo")}
     kv = {"style": "colwise", "reduce_input_grad": False, "kv_heads": cfg.n_kv_heads}
-    rules = {
-        "tok_emb": "vocab",
+    return {
         "layers.*.attn": "region",
         "layers.*.attn.wq": {"style": "colwise", "reduce_input_grad": False},
         "layers.*.attn.wk": kv,
         "layers.*.attn.wv": dict(kv),
         "layers.*.attn.wo": "rowwise" if attention == "heads" else "gather_in",
-        "layers.*.mlp.w_in": ({"style": "colwise", "sub_blocks": [cfg.d_ff, cfg.d_ff]}
-                              if cfg.mlp == "swiglu" else "colwise"),
-        "layers.*.mlp.w_out": "rowwise",
-        "lm_head": ({"style": "vocab_head", "tied_to": "tok_emb"} if cfg.tie_embeddings
-                    else "vocab_head"),
     }
+
+
+def gpt_plan(cfg: GPTConfig, tp: int, attention: str = "auto", *, batch: int = AUTO_BATCH,
+             seq: int | None = None, profile: HardwareProfile = CPU_GLOO) -> Plan:
+    """The plan for ``GPT(cfg)`` at ``tp`` ranks. ``auto`` ranks the strategies by predicted time
+    for a micro-batch of ``batch`` sequences of ``seq`` tokens (default ``cfg.max_seq_len``) on
+    ``profile``."""
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
+    check_tp_for_gpt(cfg, tp, attention, seq)
+    reason = "as requested"
+    if attention == "auto":
+        if tp == 1:
+            attention, reason = "heads", "tp=1: no communication either way"
+        else:
+            attention, reason = choose_attention(cfg, tp, batch=batch, seq=seq or cfg.max_seq_len,
+                                                 profile=profile)
+    rules = {"tok_emb": "vocab", **_attention_rules(cfg, attention),
+             "layers.*.mlp.w_in": ({"style": "colwise", "sub_blocks": [cfg.d_ff, cfg.d_ff]}
+                                   if cfg.mlp == "swiglu" else "colwise"),
+             "layers.*.mlp.w_out": "rowwise",
+             "lm_head": ({"style": "vocab_head", "tied_to": "tok_emb"} if cfg.tie_embeddings
+                         else "vocab_head")}
     return Plan(rules=rules, attention=attention, reason=reason)

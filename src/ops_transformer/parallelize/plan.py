@@ -13,7 +13,7 @@ style          effect
 ============== =============================================================================
 ``colwise``    ``nn.Linear`` → :class:`ColumnParallelLinear` (options: ``sub_blocks``,
                ``kv_heads`` for key/value projections, replicated when fewer than ranks,
-               ``reduce_input_grad``)
+               ``reduce_input_grad``, ``gather_output``)
 ``rowwise``    ``nn.Linear`` → :class:`RowParallelLinear` (input already split by features)
 ``gather_in``  keep the module replicated; all-gather its input along the last dimension first
 ``region``     one ``copy_to_tp_region`` on the module's first input (positional, or the
@@ -24,6 +24,7 @@ style          effect
                the embedding whose sharded table it shares)
 ``vocab_logits`` an ``nn.Linear`` LM head → :class:`GatheredLMHead`: full logits out (``tied_to``
                as above; ``gather=False`` keeps them sharded for a vocab-parallel loss)
+``kv_split``   the reference attention → :class:`FeatureSplitAttention` (strategy B; ``rope``)
 ``attrs``      set the module's per-rank attributes (``set``: name → value), e.g. the split size of
                a fused QKV output in Hugging Face's GPT-2
 ============== =============================================================================
@@ -39,10 +40,11 @@ from torch import nn
 
 from ..comm.primitives import copy_to_tp_region, gather_from_tp_region
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..layers.attention import FeatureSplitAttention
 from ..layers.head import GatheredLMHead, VocabParallelLMHead
 
 STYLES = ("colwise", "rowwise", "gather_in", "region", "vocab", "vocab_head", "vocab_logits",
-          "attrs")
+          "kv_split", "attrs")
 
 
 @dataclass
@@ -98,13 +100,15 @@ def _linear(module: nn.Module) -> nn.Module:
                      f"{type(module).__name__}, whose forward may differ")
 
 
-def _colwise(module, ctx, groups, sub_blocks=None, kv_heads=None, reduce_input_grad=True):
+def _colwise(module, ctx, groups, sub_blocks=None, kv_heads=None, reduce_input_grad=True,
+             gather_output=False):
     _linear(module)
     replicas = 1
     if kv_heads is not None and kv_heads < ctx.tp_size:
         replicas = ctx.tp_size // kv_heads  # fewer KV heads than ranks: replicate them
     layer = ColumnParallelLinear.from_dense(module, ctx, sub_blocks=tuple(sub_blocks or ()) or None,
-                                            replicas=replicas, reduce_input_grad=reduce_input_grad)
+                                            replicas=replicas, reduce_input_grad=reduce_input_grad,
+                                            gather_output=gather_output)
     if replicas > 1:
         group = groups.replica_group(replicas)
         for p in layer.parameters():  # each replica saw only its query heads: sum the gradients
@@ -169,6 +173,7 @@ _APPLY = {
                                                                       pad_vocab=True),
     "vocab_head": _vocab_head,
     "vocab_logits": _vocab_logits,
+    "kv_split": lambda m, ctx, groups, rope=False: FeatureSplitAttention(m, ctx, rope=rope),
     "attrs": _attrs,
 }
 

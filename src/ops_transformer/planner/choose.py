@@ -1,0 +1,86 @@
+"""Choosing the attention strategy from the cost model, not from fixed thresholds (SPEC F5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .hardware import CPU_GLOO, HardwareProfile
+from .strategies import ATTENTION_STRATEGIES, attention_cost
+
+
+def attention_problem(cfg, tp: int, strategy: str, seq: int | None = None) -> str | None:
+    """Why ``strategy`` cannot run ``cfg`` at ``tp`` ranks, or ``None`` when it can."""
+    if tp == 1:
+        return None
+    heads, kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    if strategy in ("heads", "heads_allgather"):
+        if heads % tp:
+            return (f"n_heads ({heads}) is not divisible by tp ({tp}): head-parallel attention "
+                    f"gives each rank whole heads")
+        if kv % tp and tp % kv:
+            return (f"n_kv_heads ({kv}) and tp ({tp}): KV heads can be split when tp divides "
+                    f"n_kv_heads or replicated when n_kv_heads divides tp; neither holds")
+    elif strategy == "kv_split":
+        need = 2 * tp if cfg.pos == "rope" else tp
+        if d % need:
+            return f"head_dim ({d}) is not divisible by {need} (kv_split splits every head)"
+        if seq is not None and seq % tp:
+            return f"the sequence length ({seq}) is not divisible by tp ({tp}) (kv_split)"
+    elif strategy == "naive":
+        if cfg.d_model % tp or (kv * d) % tp:
+            return (f"d_model ({cfg.d_model}) and the KV width ({kv * d}) must divide by tp "
+                    f"({tp}) (naive)")
+    return None
+
+
+@dataclass(frozen=True)
+class Option:
+    strategy: str
+    problem: str | None
+    comm_s: float = 0.0
+    compute_s: float = 0.0
+    wire_bytes: float = 0.0
+
+    @property
+    def time_s(self) -> float:
+        return self.comm_s + self.compute_s
+
+
+def attention_options(cfg, tp: int, *, batch: int, seq: int,
+                      profile: HardwareProfile = CPU_GLOO, dtype=torch.float32) -> list[Option]:
+    """Predicted time of one layer's attention (training step, one rank) per strategy."""
+    from ..comm.ledger import wire_elements
+
+    size = torch.empty((), dtype=dtype).element_size()
+    options = []
+    for strategy in ATTENTION_STRATEGIES:
+        problem = attention_problem(cfg, tp, strategy, seq)
+        if problem:
+            options.append(Option(strategy, problem))
+            continue
+        cost = attention_cost(strategy, batch, seq, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, tp,
+                              dtype, bias=cfg.bias)
+        total = cost.total()
+        wire = sum(wire_elements(k, c["elements"], tp) * size for k, c in total.items())
+        options.append(Option(strategy, None, profile.comm_time(total, tp, size),
+                              profile.compute_time(cost.flops), wire))
+    return options
+
+
+def choose_attention(cfg, tp: int, *, batch: int, seq: int,
+                     profile: HardwareProfile = CPU_GLOO) -> tuple[str, str]:
+    """``(strategy, reason)``: the valid strategy with the least predicted time."""
+    options = attention_options(cfg, tp, batch=batch, seq=seq, profile=profile)
+    valid = sorted((o for o in options if o.problem is None), key=lambda o: o.time_s)
+    if not valid:
+        raise ValueError(f"no attention strategy can split this model over tp ({tp}): "
+                         + "; ".join(f"{o.strategy}: {o.problem}" for o in options))
+    best = valid[0]
+    others = ", ".join(f"{o.strategy} {o.time_s * 1e3:.3g}" for o in valid[1:])
+    invalid = [o.strategy for o in options if o.problem]
+    reason = (f"predicted {best.time_s * 1e3:.3g} ms/layer" + (f" vs {others}" if others else "")
+              + f" (b={batch}, s={seq}, {profile.name})"
+              + (f"; not possible: {', '.join(invalid)}" if invalid else ""))
+    return best.strategy, reason

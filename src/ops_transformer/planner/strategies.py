@@ -1,0 +1,172 @@
+"""What each attention strategy and the FFN cost per Transformer layer: collectives, FLOPs, memory.
+
+Pure functions of the shapes — ``b`` micro-batch, ``s`` sequence, ``h`` hidden, ``heads``,
+``kv_heads``, ``ffn`` (the FFN width), ``tp`` — that count exactly what the layers in this package
+issue, in the communication ledger's convention (``all_reduce``: the tensor; ``all_gather``: the
+gathered output; ``reduce_scatter``: the unscattered input). ``tests/test_strategy_costs.py``
+checks every formula against the ledger of real runs.
+
+FLOPs count multiply-adds as 2 and a training step as forward + backward = 3 × forward (Narayanan et
+al. 2021, eq. 2). Activation memory follows Korthikanti et al. 2022 (Table 2, 16-bit activations:
+per layer ``sbh(10 + 24/t + 5as/(ht))`` bytes for Megatron TP), rescaled here by ``dtype`` bytes / 2
+and adapted per strategy as each docstring says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ATTENTION_STRATEGIES = ("heads", "heads_allgather", "kv_split", "naive")
+
+Comm = dict[str, dict[str, int]]  # kind -> {"calls", "elements"}
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Per layer and per rank: collectives in forward and backward, FLOPs of a training step
+    (forward + backward) and the activation bytes kept for backward."""
+
+    fwd: Comm = field(default_factory=dict)
+    bwd: Comm = field(default_factory=dict)
+    flops: float = 0.0
+    activation_bytes: float = 0.0
+
+    def total(self) -> Comm:
+        out: Comm = {}
+        for comm in (self.fwd, self.bwd):
+            for kind, c in comm.items():
+                entry = out.setdefault(kind, {"calls": 0, "elements": 0})
+                entry["calls"] += c["calls"]
+                entry["elements"] += c["elements"]
+        return out
+
+    def __add__(self, other: LayerCost) -> LayerCost:
+        return LayerCost(_merge(self.fwd, other.fwd), _merge(self.bwd, other.bwd),
+                         self.flops + other.flops, self.activation_bytes + other.activation_bytes)
+
+
+def _merge(a: Comm, b: Comm) -> Comm:
+    out = {k: dict(v) for k, v in a.items()}
+    for kind, c in b.items():
+        entry = out.setdefault(kind, {"calls": 0, "elements": 0})
+        entry["calls"] += c["calls"]
+        entry["elements"] += c["elements"]
+    return out
+
+
+def _comm(*calls: tuple[str, int]) -> Comm:
+    out: Comm = {}
+    for kind, elements in calls:
+        if elements <= 0:
+            continue
+        entry = out.setdefault(kind, {"calls": 0, "elements": 0})
+        entry["calls"] += 1
+        entry["elements"] += elements
+    return out
+
+
+def _bytes(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _attention_flops(b, s, h, kv_dim, tp, replicated_core=False, replicated_out=False) -> float:
+    """Training FLOPs of one attention layer on one rank: projections ``2bsh(2h + 2·kv_dim)``,
+    scores and weighted values ``4bs²h`` (causal masking not subtracted), times 3 for a step."""
+    proj_qkv = 2 * b * s * h * (h + 2 * kv_dim)
+    proj_out = 2 * b * s * h * h
+    core = 4 * b * s * s * h
+    per_rank = proj_qkv / tp + proj_out / (1 if replicated_out else tp) + core / (
+        1 if replicated_core else tp)
+    return 3.0 * per_rank
+
+
+def _attention_activations(b, s, h, heads, tp, dtype, scores_divisor, extra_scores=0.0) -> float:
+    """The attention block of Korthikanti et al. (2022, §4.1) in 16-bit bytes: its replicated input
+    ``2sbh``; Q, K, V and the output-projection input ``8sbh``, divided by ``t``; scores, softmax
+    output and dropout mask ``5as²b``, divided by ``scores_divisor`` (``t`` when heads or rows are
+    split, 1 when the core is replicated); plus ``extra_scores``; scaled to ``dtype``."""
+    scale = _bytes(dtype) / 2
+    return scale * (2 * s * b * h + 8 * s * b * h / tp
+                    + (5 * heads * s * s * b) / scores_divisor + extra_scores)
+
+
+def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: int, tp: int,
+                   dtype=torch.float32, *, bias: bool = True) -> LayerCost:
+    """The attention block of one layer under ``strategy`` (see :data:`ATTENTION_STRATEGIES`).
+
+    * ``heads`` (Megatron): Q/K/V column-parallel behind one ``copy_to_tp_region``, output
+      projection row-parallel. fwd: all-reduce ``bsh``; bwd: all-reduce ``bsh``. When
+      ``tp > kv_heads`` the replicated K/V weights (and V bias) are summed over their replicas'
+      group in backward (``head_dim·h`` elements each).
+    * ``heads_allgather``: the output projection replicated after an all-gather of the head outputs.
+      fwd: all-gather ``bsh``; bwd: all-reduce ``bsh`` (+ the same KV-replica sums). The output
+      projection's FLOPs are not divided by ``tp``.
+    * ``kv_split`` (strategy B, :mod:`ops_transformer.layers.attention`): fwd reduce-scatter of the
+      partial scores ``b·heads·s²``, all-gather of V ``b·s·kv_dim`` and of the output ``bsh``;
+      bwd all-gather of the score gradient ``b·heads·s²``, reduce-scatter of the V gradient, all-reduce
+      of the input gradient ``bsh`` and of the replicated output projection's gradient
+      (``h²``, and ``h`` with a bias). Every rank also holds the full partial scores before the
+      reduce-scatter (``b·heads·s²`` more activation elements).
+    * ``naive``: each of Q, K, V and the output projection an isolated column-parallel linear with
+      its output gathered; attention computed replicated. fwd: all-gathers ``bsh``, ``b·s·kv_dim``
+      twice, ``bsh``; bwd: 4 all-reduces of ``bsh`` (each linear's input gradient).
+    """
+    if strategy not in ATTENTION_STRATEGIES:
+        raise ValueError(f"strategy must be one of {ATTENTION_STRATEGIES}, got {strategy!r}")
+    head_dim, bsh = h // heads, b * s * h
+    kv_dim = kv_heads * head_dim
+    if tp == 1:
+        return LayerCost(flops=_attention_flops(b, s, h, kv_dim, 1),
+                         activation_bytes=_attention_activations(b, s, h, heads, 1, dtype, 1))
+    replica = ()
+    if strategy in ("heads", "heads_allgather") and tp > kv_heads:  # wk.weight, wv.weight, wv.bias
+        replica = (("all_reduce", head_dim * h), ("all_reduce", head_dim * h),
+                   ("all_reduce", head_dim if bias else 0))
+    if strategy == "heads":
+        return LayerCost(_comm(("all_reduce", bsh)), _comm(("all_reduce", bsh), *replica),
+                         _attention_flops(b, s, h, kv_dim, tp),
+                         _attention_activations(b, s, h, heads, tp, dtype, tp))
+    if strategy == "heads_allgather":
+        return LayerCost(_comm(("all_gather", bsh)), _comm(("all_reduce", bsh), *replica),
+                         _attention_flops(b, s, h, kv_dim, tp, replicated_out=True),
+                         _attention_activations(b, s, h, heads, tp, dtype, tp))
+    if strategy == "kv_split":
+        scores, v = b * heads * s * s, b * s * kv_dim
+        return LayerCost(
+            _comm(("reduce_scatter", scores), ("all_gather", v), ("all_gather", bsh)),
+            _comm(("all_gather", scores), ("reduce_scatter", v), ("all_reduce", bsh),
+                  ("all_reduce", h * h), ("all_reduce", h if bias else 0)),
+            _attention_flops(b, s, h, kv_dim, tp),
+            _attention_activations(b, s, h, heads, tp, dtype, tp, extra_scores=2 * scores))
+    kv = b * s * kv_dim  # naive
+    return LayerCost(
+        _comm(("all_gather", bsh), ("all_gather", kv), ("all_gather", kv), ("all_gather", bsh)),
+        _comm(*[("all_reduce", bsh)] * 4),
+        _attention_flops(b, s, h, kv_dim, tp, replicated_core=True),
+        _attention_activations(b, s, h, heads, tp, dtype, 1))
+
+
+def ffn_cost(b: int, s: int, h: int, ffn: int, tp: int, dtype=torch.float32, *,
+             swiglu: bool = False) -> LayerCost:
+    """Column→row FFN (Megatron). fwd: all-reduce ``bsh`` (after the row-parallel projection);
+    bwd: all-reduce ``bsh`` (the column-parallel input gradient). FLOPs ``2bsh·ffn·(2 or 3)``
+    per forward (3 matrices with SwiGLU), divided by ``tp``; activations (Korthikanti et al.
+    2022, MLP block) ``sbh(2 + 16/t)`` 16-bit bytes for ``ffn = 4h``, generalised to
+    ``2sbh + 4·sb·ffn/t``."""
+    bsh = b * s * h
+    mats = 3 if swiglu else 2
+    flops = 3.0 * 2 * b * s * h * ffn * mats / tp
+    act = (_bytes(dtype) / 2) * (2 * bsh + 4 * b * s * ffn * (mats - 1) / tp)
+    if tp == 1:
+        return LayerCost(flops=flops, activation_bytes=act)
+    return LayerCost(_comm(("all_reduce", bsh)), _comm(("all_reduce", bsh)), flops, act)
+
+
+def layer_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: int, ffn: int,
+               tp: int, dtype=torch.float32, *, bias: bool = True,
+               swiglu: bool = False) -> LayerCost:
+    """One Transformer layer: attention under ``strategy`` plus the column→row FFN."""
+    return (attention_cost(strategy, b, s, h, heads, kv_heads, tp, dtype, bias=bias)
+            + ffn_cost(b, s, h, ffn, tp, dtype, swiglu=swiglu))

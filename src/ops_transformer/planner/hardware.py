@@ -52,6 +52,15 @@ CPU_GLOO = HardwareProfile("cpu-gloo (2-core dev VM, rough)", matmul_flops=4.5e1
                            bandwidth=0.94e9)
 
 
+# An A100-SXM4 in an NVLink-3 node, for the seed's claims until the planner's catalogue exists.
+# Peak dense bf16 312 TFLOP/s (NVIDIA A100 Tensor Core GPU datasheet, 2020); NVLink 3 gives each
+# GPU 600 GB/s total, 300 GB/s per direction (same datasheet). Assumed here, not measured: 70% of
+# peak on large GEMMs and 80% of the per-direction link bandwidth in ring collectives, and ~10 µs
+# latency per NCCL collective inside a node.
+A100_NVLINK = HardwareProfile("A100-SXM4 + NVLink3 (datasheet, assumed efficiencies)",
+                              matmul_flops=0.7 * 312e12, alpha_s=10e-6, bandwidth=0.8 * 300e9)
+
+
 def _median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2]

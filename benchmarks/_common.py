@@ -136,3 +136,40 @@ class OtherLoad:
             return None
         busy, own, wall = (b - a for a, b in zip(self._start, end))
         return max(busy - own, 0.0) / wall if wall > 0 else None
+
+
+def method_stats(per_rank_times: Sequence[dict[str, list[list[float]]]], methods: Sequence[str],
+                 baseline: str, *, rank0_only: Sequence[str] = ()) -> dict[str, dict]:
+    """Rank 0's pooled median (ms) per method, the spread of its per-round medians, the other
+    ranks' pooled medians, and each method's ratio to ``baseline``: pooled and paired by round.
+
+    ``per_rank_times``: each rank's ``{method: per-round lists of step times}`` from
+    :func:`interleave`, rank 0 first. Methods in ``rank0_only`` have no other-rank medians.
+    """
+    times = per_rank_times[0]
+    stats: dict[str, dict] = {"ms": {}, "round_ms": {}, "other_ranks_ms": {}, "ratio": {},
+                              "paired": {}}
+    for m in methods:
+        stats["ms"][m] = median_ms(times[m])
+        per_round = [median_ms([block]) for block in times[m]]
+        stats["round_ms"][m] = [min(per_round), max(per_round)]
+        if m not in rank0_only:
+            stats["other_ranks_ms"][m] = [median_ms(t[m]) for t in per_rank_times[1:]]
+        stats["ratio"][m] = stats["ms"][m] / stats["ms"][baseline]
+        stats["paired"][m] = paired_ratio(times, m, baseline)
+    return stats
+
+
+def job_meta(rank0: dict, args, **extra) -> dict:
+    """The setup of a benchmark job for its report and JSON: versions, backend, CPUs, threads per
+    rank (``rank0``: what rank 0 returned, with ``backend`` and ``threads``), the counts in
+    ``args`` (``rounds``, ``steps``, ``warmup`` where present), and ``extra``."""
+    import platform
+
+    meta = {"torch": torch.__version__, "ops_transformer": source_version(),
+            "backend": rank0["backend"], "cpus": os.cpu_count(),
+            "threads_per_rank": rank0["threads"], "python": platform.python_version()}
+    meta.update({k: getattr(args, k) for k in ("rounds", "steps", "warmup") if hasattr(args, k)})
+    meta.update(extra)
+    return meta
+

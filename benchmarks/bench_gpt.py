@@ -6,8 +6,9 @@ the same 2-rank job, interleaved round by round (the order rotates each round):
 
 * ``ours``      — ``parallelize(GPT(cfg), ctx)`` at tp=2, the full plan: vocab-parallel embedding,
   LM head and loss, head-parallel attention, column→row MLP;
-* ``ours-proj`` — ``parallelize`` with ``gpt_plan(cfg, 2)`` less its ``tok_emb`` and ``lm_head``
-  rules: the same projections as ``dtensor``, embedding and head replicated (like for like);
+* ``ours-proj`` — ``parallelize`` with the plan ``ours`` got (``gpt_plan(cfg, 2)``) less its
+  ``tok_emb`` and ``lm_head`` rules: the projections ``dtensor`` splits, embedding and head
+  replicated (like for like);
 * ``dtensor``   — ``parallelize_module(block, ctx.mesh["tp"], plan)`` per block: ColwiseParallel on
   ``attn.wq/wk/wv`` and ``mlp.w_in``, RowwiseParallel on ``attn.wo`` and ``mlp.w_out``; embedding
   and LM head replicated;
@@ -49,14 +50,14 @@ from torch.utils._pytree import tree_flatten
 import ops_transformer
 from ops_transformer import GPT, CommLedger, ParallelContext, Plan, parallelize
 from ops_transformer.models import preset
-from ops_transformer.parallelize import gpt_plan
 
 from _common import (OtherLoad, check_counts, format_paired, interleave, median_ms,
                      paired_ratio, source_version, time_steps)
 
 METHODS = ("ours", "ours-proj", "dtensor", "plain", "tp1")
 RANK0_ONLY = ("plain", "tp1")
-RATIOS = (("ours", "dtensor"), ("ours-proj", "dtensor"), ("ours", "plain"), ("tp1", "plain"))
+RATIOS = (("ours", "dtensor"), ("ours-proj", "dtensor"), ("ours", "plain"), ("tp1", "plain"),
+          ("ours", "ours-proj"))
 TP = 2
 SEED = 1234
 LR = 1e-5  # small, so the model stays near its initialisation over all timed steps
@@ -88,9 +89,13 @@ def dense_gpt(cfg) -> GPT:
     return GPT(cfg)
 
 
-def projections_plan(cfg) -> Plan:
-    """``gpt_plan(cfg, tp)`` without the embedding and LM-head rules: the projections DTensor gets."""
-    full = gpt_plan(cfg, TP)
+def applied_plan(model: nn.Module) -> Plan:
+    """The plan ``parallelize`` applied (``parallel_plan``; ``tp_plan`` in older versions)."""
+    return getattr(model, "parallel_plan", None) or model.tp_plan
+
+
+def projections_plan(full: Plan) -> Plan:
+    """``full`` without the embedding and LM-head rules: the projections DTensor gets."""
     rules = {k: v for k, v in full.rules.items() if k not in ("tok_emb", "lm_head")}
     return Plan(rules=rules, attention=full.attention, reason="projections only (as DTensor)")
 
@@ -112,8 +117,10 @@ def dtensor_gpt(cfg, tp_mesh) -> nn.Module:
 
 def build_models(cfg, ctx) -> dict[str, nn.Module]:
     """Every method's model of one size (``plain`` and ``tp1`` on rank 0 only)."""
-    models = {"ours": parallelize(dense_gpt(cfg), ctx),
-              "ours-proj": parallelize(dense_gpt(cfg), ctx, plan=projections_plan(cfg)),
+    ours = parallelize(dense_gpt(cfg), ctx)
+    models = {"ours": ours,
+              "ours-proj": parallelize(dense_gpt(cfg), ctx,
+                                       plan=projections_plan(applied_plan(ours))),
               "dtensor": dtensor_gpt(cfg, ctx.mesh["tp"])}
     if ctx.rank == 0:
         models["plain"] = dense_gpt(cfg)
@@ -196,6 +203,8 @@ def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | No
     batches = make_batches(size, cfg.vocab_size)
     losses = check_losses(models, opts, batches)
     same_tp1 = repr(models["tp1"]) == repr(models["plain"]) if "tp1" in models else None
+    plan = applied_plan(models["ours"])
+    attention = f"{plan.attention} ({plan.reason})" if plan.reason else plan.attention
     comms = count_collectives(models, opts, batches[2])
     cycles = {m: itertools.cycle(batches) for m in models}  # per method: ranks stay in step
     steps = steps or size.steps
@@ -208,7 +217,7 @@ def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | No
     times = interleave(METHODS, rounds, block, rank0_only=RANK0_ONLY)
     last = {m: float(train_step(models[m], opts[m], *batches[0])) for m in models}
     return {"size": asdict(size), "config": cfg.to_dict(), "steps": steps, "warmup": warmup,
-            "tp1_same_as_plain": same_tp1, "losses": losses,
+            "tp1_same_as_plain": same_tp1, "attention": attention, "losses": losses,
             "last_losses": last, "comms": comms, "times": times,
             "params": {m: sum(p.numel() for p in models[m].parameters()) for m in models}}
 
@@ -233,7 +242,7 @@ def summarise(per_rank: list[dict]) -> list[dict]:
         times = res0["times"]
         plain = res0["losses"]["plain"]
         row = {k: res0[k] for k in ("size", "config", "steps", "warmup", "tp1_same_as_plain",
-                                    "comms", "params", "last_losses")}
+                                    "attention", "comms", "params", "last_losses")}
         row["loss_rel_diff"] = {m: [abs(a - b) / abs(b) for a, b in zip(loss, plain)]
                                 for m, loss in res0["losses"].items() if m != "plain"}
         row["plain_losses"] = plain
@@ -258,6 +267,7 @@ def print_checks(rows: list[dict]) -> None:
               f"{c['n_heads']} heads, d_ff={c['d_ff']}, vocab {c['vocab_size']}, {c['mlp']}; "
               f"batch {s['batch']} x seq {s['seq']}; {row['warmup']} untimed + {row['steps']} "
               f"timed steps per block")
+        print(f"  ours: attention={row['attention']}")
         print(f"  tp1 module tree identical to plain's: {row['tp1_same_as_plain']}")
         print(f"  plain loss: step 1 {row['plain_losses'][0]:.6f}, step 2 "
               f"{row['plain_losses'][1]:.6f}")

@@ -42,12 +42,12 @@ def _optimizer(name, params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-4)
 
 
-def _train(config, opt_name, tp, attention):
+def _train(config, opt_name, tp, attention, vocab="parallel"):
     ctx = init_parallel(tp=tp)
     torch.manual_seed(0)
     model = GPT(CONFIGS[config])
     if int(os.environ["WORLD_SIZE"]) > 1:
-        model = parallelize(model, ctx, attention=attention)
+        model = parallelize(model, ctx, attention=attention, vocab=vocab)
     opt = _optimizer(opt_name, model.parameters())
     rows = slice(ctx.dp_rank * B // ctx.dp_size, (ctx.dp_rank + 1) * B // ctx.dp_size)
     losses = []
@@ -86,10 +86,11 @@ def test_training_equals_dense(run_ranks, config, opt_name, nprocs, tp, attentio
             assert_rel(state[key], value, what=key, floor=0.02)
 
 
-def _collectives(config, n_layers, attention):
+def _collectives(config, n_layers, attention, vocab="parallel"):
     ctx = init_parallel(tp=int(os.environ["WORLD_SIZE"]))
     torch.manual_seed(0)
-    model = parallelize(GPT(CONFIGS[config].with_(n_layers=n_layers)), ctx, attention=attention)
+    model = parallelize(GPT(CONFIGS[config].with_(n_layers=n_layers)), ctx, attention=attention,
+                        vocab=vocab)
     batch = _batches()[0]
     with CommLedger() as fwd:
         loss = model(batch[:, :-1], batch[:, 1:])[1]
@@ -125,6 +126,27 @@ def test_each_layer_issues_the_minimum_collectives(run_ranks, attention):
     assert _delta(bwd1, per_layer_bwd) == {"all_reduce": {"calls": 1, "elements": bsh,
                                                           "bytes": 4 * bsh}}
     assert h == 64
+
+
+@pytest.mark.parametrize("config,nprocs,tp", [("gpt2", 2, 2), ("llama", 4, 2)])
+def test_replicated_vocabulary_trains_like_dense(run_ranks, config, nprocs, tp):
+    dense_losses, dense_state = run_ranks(_train, 1, config, "adamw", 1, "heads")[0]
+    for losses, state in run_ranks(_train, nprocs, config, "adamw", tp, "heads", "replicated"):
+        assert_rel(torch.tensor(losses), torch.tensor(dense_losses), what="per-step losses")
+        for key, value in dense_state.items():
+            assert_rel(state[key], value, what=key, floor=0.02)
+
+
+def test_replicated_vocabulary_communicates_only_inside_the_layers(run_ranks):
+    fwd, bwd, _ = run_ranks(_collectives, 2, "gpt2", 1, "heads", "replicated")[0]
+    bsh = B * T * CONFIGS["gpt2"].d_model
+    assert fwd == bwd == {"all_reduce": {"calls": 2, "elements": 2 * bsh, "bytes": 8 * bsh}}
+
+
+def test_auto_keeps_a_byte_vocabulary_replicated_and_splits_gpt2s():
+    assert gpt_plan(CONFIGS["gpt2"].with_(vocab_size=256), 2, batch=8, seq=64).vocab == \
+        "replicated"
+    assert gpt_plan(preset("gpt2-124m"), 2, batch=8, seq=1024).vocab == "parallel"
 
 
 def test_replicated_kv_heads_sum_their_gradients_over_the_replicas(run_ranks):

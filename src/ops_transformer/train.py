@@ -24,7 +24,7 @@ from .models.gpt import GPT, GPTConfig, preset
 from .parallel.context import check_degrees, init_parallel
 from .parallelize import parallelize
 from .parallelize.gpt_plan import gpt_plan
-from .planner.strategies import layer_cost
+from .planner.strategies import layer_cost, vocab_cost
 from .utils.plot import write_line_plot_png
 from .utils.progress import Progress
 
@@ -47,10 +47,14 @@ class TrainConfig:
     sample_tokens: int = 160
     sample_prompt: str = "def "
     progress: bool = True
+    layers: int | None = None  # overrides the preset's n_layers
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
-        return base.with_(max_seq_len=max(base.max_seq_len, self.seq))
+        changes = {"max_seq_len": max(base.max_seq_len, self.seq)}
+        if self.layers is not None:
+            changes["n_layers"] = self.layers
+        return base.with_(**changes)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
@@ -75,22 +79,23 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
 
 
 def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch: int,
-                           seq: int) -> dict[str, dict[str, int]]:
+                           seq: int, vocab: str = "parallel") -> dict[str, dict[str, int]]:
     """The tensor-parallel collectives of one training step on one rank, from the cost model
     (:func:`ops_transformer.planner.layer_cost`, checked against the ledger by the tests), for a
-    local micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` layers, plus — outside
-    the layers — the embedding's all-reduce (``b·s·h``) and the loss's two (``N`` and ``2N``
-    elements, ``N = b·s``) in forward and the LM head's input-gradient all-reduce in backward."""
+    local micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` layers, plus — with a
+    vocab-parallel embedding and head — the embedding's all-reduce (``b·s·h``) and the loss's two
+    (``N`` and ``2N`` elements, ``N = b·s``) in forward and the LM head's input-gradient
+    all-reduce in backward (:func:`~ops_transformer.planner.vocab_cost`)."""
     if tp == 1:
         return {}
     c = model_cfg
     layer = layer_cost(attention, batch, seq, c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, tp,
                        bias=c.bias, swiglu=c.mlp == "swiglu").total()
-    bsh, tokens = batch * seq * c.d_model, batch * seq
     out = {kind: {k: v * c.n_layers for k, v in entry.items()} for kind, entry in layer.items()}
-    outside = out.setdefault("all_reduce", {"calls": 0, "elements": 0})
-    outside["calls"] += 4
-    outside["elements"] += 2 * bsh + 3 * tokens
+    for kind, entry in vocab_cost(vocab, batch, seq, c.d_model, c.vocab_size, tp).total().items():
+        total = out.setdefault(kind, {"calls": 0, "elements": 0})
+        total["calls"] += entry["calls"]
+        total["elements"] += entry["elements"]
     return out
 
 
@@ -158,7 +163,8 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
     metrics = {
         "preset": cfg.preset, "tp": ctx.tp_size, "dp": ctx.dp_size, "steps": cfg.steps,
         "batch": cfg.batch, "seq": cfg.seq, "lr": cfg.lr, "seed": cfg.seed,
-        "attention": model.parallel_plan.attention, "attention_reason": model.parallel_plan.reason,
+        "attention": model.parallel_plan.attention, "vocab": model.parallel_plan.vocab,
+        "attention_reason": model.parallel_plan.reason,
         "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
         "median_step_s": median_step, "tokens_per_s": cfg.batch * cfg.seq / median_step,
         "comm_per_step": comm,
@@ -166,7 +172,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
         "expected_tp_comm_per_step": expected_comm_per_step(
             model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_size,
-            cfg.seq),
+            cfg.seq, model.parallel_plan.vocab),
         "params": _dense_param_count(model.cfg),
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
         "plan": model.parallel_plan.to_dict(),

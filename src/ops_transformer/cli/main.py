@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import demo, embed, generate, train
+from . import calibrate, demo, embed, generate, plan, train
 
-COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed}
+COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,
+            "calibrate": calibrate}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 from ..models.gpt import PRESETS
@@ -31,17 +32,44 @@ def add_parser(p) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention", default="auto", choices=ATTENTION)
+    p.add_argument("--plan", help="a plan from 'ops-transformer plan --out FILE' (its best "
+                   "layout) or a candidate from it: sets --tp, --dp and --attention")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def layout_from_plan(path: str) -> dict:
+    """``{"tp", "dp", "attention"}`` from a planner result (its ``best``) or one candidate."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--plan {path!r} is not a readable JSON plan: {exc}") from None
+    best = data.get("best", data) if isinstance(data, dict) else None
+    if not isinstance(best, dict) or not {"tp", "dp", "attention"} <= set(best):
+        raise ValueError(f"--plan {path!r} has no layout (its 'best' is null: nothing fits, or it "
+                         f"is not a planner result)")
+    if best.get("ep", 1) != 1:
+        raise ValueError(f"--plan {path!r} uses expert parallelism (ep={best['ep']}), which "
+                         f"train does not run")
+    skipped = [f"{k}={best[k]}" for k, default in (("zero_stage", 0), ("recompute", "none"),
+                                                    ("sequence_parallel", False))
+               if best.get(k, default) != default]
+    if skipped:
+        warnings.warn(f"--plan: train runs the plan's layout but not yet {', '.join(skipped)} "
+                      f"(SPEC F7 is not implemented); memory use will be higher than planned",
+                      stacklevel=2)
+    return {"tp": best["tp"], "dp": best["dp"], "attention": best["attention"]}
+
+
 def config_from_args(args, out_prefix: str) -> TrainConfig:
     out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return TrainConfig(preset=args.preset, tp=args.tp, dp=args.dp, steps=args.steps,
-                       batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
-                       attention=args.attention, data=args.data, out=out,
-                       progress=not args.no_progress)
+    layout = {"tp": args.tp, "dp": args.dp, "attention": args.attention}
+    if getattr(args, "plan", None):
+        layout = layout_from_plan(args.plan)
+    return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
+                       lr=args.lr, seed=args.seed, data=args.data, out=out,
+                       progress=not args.no_progress, **layout)
 
 
 def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:
@@ -70,7 +98,10 @@ def summary(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
-    metrics = run_training(cfg, args.nproc)
+    nproc = args.nproc
+    if args.plan and nproc is None and "WORLD_SIZE" not in os.environ:
+        nproc = cfg.tp * (cfg.dp or 1)  # a plan fixes the layout: launch it locally
+    metrics = run_training(cfg, nproc)
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:

@@ -47,7 +47,7 @@ def _is_hf(model: nn.Module) -> bool:
 
 
 def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
-                 loss_parallel: bool = False) -> Plan:
+                 loss_parallel: bool = False, vocab: str = "auto") -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):
@@ -55,7 +55,7 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
     if plan != "auto":
         raise ValueError(f"plan must be 'auto', a Plan or a dict, got {plan!r}")
     if isinstance(model, GPT):
-        return gpt_plan(model.cfg, ctx.tp_size, attention)
+        return gpt_plan(model.cfg, ctx.tp_size, attention, vocab=vocab)
     if _is_hf(model):
         if attention not in ("auto", "heads"):
             raise ValueError(f"Hugging Face models support attention='heads' (or 'auto'), got "
@@ -66,7 +66,7 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
 
 
 def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
-                loss_parallel: bool = False,
+                vocab: str = "auto", loss_parallel: bool = False,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> nn.Module:
     """Apply tensor parallelism over ``ctx.tp_group`` and data-parallel gradient averaging over
     ``ctx.dp_group`` to ``model`` (in place) and return it.
@@ -74,7 +74,9 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     Build the dense model with the same RNG seed on every rank first: each rank keeps its slices.
     Afterwards a plain loop — ``loss = model(x, y)[1]; loss.backward(); optimizer.step()`` — is
     correct for any ``dp × tp``, each data-parallel rank feeding its own rows of the global batch.
-    The applied plan is ``model.parallel_plan``.
+    The applied plan is ``model.parallel_plan``. For the reference GPT, ``attention`` and ``vocab``
+    (``"parallel"``, ``"replicated"`` or ``"auto"``: embedding and LM head split over the
+    vocabulary or not) choose the strategy; ``auto`` asks the cost model.
 
     Hugging Face models (GPT-2, Llama, Mistral, Qwen2, BERT; others through their
     ``base_model_tp_plan``) return what the unsharded model returns: full-vocabulary logits, so
@@ -83,7 +85,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     """
     if getattr(model, "parallel_plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_plan is set)")
-    resolved = resolve_plan(model, ctx, plan, attention, loss_parallel)
+    resolved = resolve_plan(model, ctx, plan, attention, loss_parallel, vocab)
     if ctx.tp_size > 1:
         apply_plan(model, resolved, ctx, _Groups(model, ctx))
         if loss_parallel and _is_hf(model):

@@ -1,7 +1,9 @@
 """The tensor-parallel plan of the reference GPT (:mod:`ops_transformer.models.gpt`).
 
-The FFN is column→row and the embedding / LM head vocab-parallel in every plan. The attention
-strategy (SPEC F5) is one of:
+The FFN is column→row in every plan. The embedding and LM head are vocab-parallel (with the
+vocab-parallel loss) or replicated, by predicted time (``vocab="auto"``): four collectives per step
+against ``tp`` times the head's FLOPs — a byte-level vocabulary is cheaper replicated, GPT-2's
+50257 is not. The attention strategy (SPEC F5) is one of:
 
 * ``heads`` (A, Megatron-LM): Q, K, V column-parallel by whole heads behind one
   ``copy_to_tp_region``; the output projection row-parallel. Per layer, with the FFN: forward 2
@@ -24,9 +26,9 @@ replicas); otherwise not possible.
 from __future__ import annotations
 
 from ..models.gpt import GPTConfig
-from ..planner.choose import attention_problem, choose_attention
+from ..planner.choose import attention_problem, choose_attention, choose_vocab
 from ..planner.hardware import CPU_GLOO, HardwareProfile
-from ..planner.strategies import ATTENTION_STRATEGIES
+from ..planner.strategies import ATTENTION_STRATEGIES, VOCAB_MODES
 from .plan import Plan
 
 ATTENTION_CHOICES = ("auto",) + ATTENTION_STRATEGIES
@@ -59,13 +61,17 @@ def _attention_rules(cfg: GPTConfig, attention: str) -> dict:
     }
 
 
-def gpt_plan(cfg: GPTConfig, tp: int, attention: str = "auto", *, batch: int = AUTO_BATCH,
-             seq: int | None = None, profile: HardwareProfile = CPU_GLOO) -> Plan:
-    """The plan for ``GPT(cfg)`` at ``tp`` ranks. ``auto`` ranks the strategies by predicted time
-    for a micro-batch of ``batch`` sequences of ``seq`` tokens (default ``cfg.max_seq_len``) on
+def gpt_plan(cfg: GPTConfig, tp: int, attention: str = "auto", *, vocab: str = "auto",
+             batch: int = AUTO_BATCH, seq: int | None = None,
+             profile: HardwareProfile = CPU_GLOO) -> Plan:
+    """The plan for ``GPT(cfg)`` at ``tp`` ranks. ``auto`` (attention, and ``vocab``: split the
+    embedding and LM head or keep them replicated) ranks the options by predicted time for a
+    micro-batch of ``batch`` sequences of ``seq`` tokens (default ``cfg.max_seq_len``) on
     ``profile``."""
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
+    if vocab not in ("auto",) + VOCAB_MODES:
+        raise ValueError(f"vocab must be one of {('auto',) + VOCAB_MODES}, got {vocab!r}")
     check_tp_for_gpt(cfg, tp, attention, seq)
     reason = "as requested"
     if attention == "auto":
@@ -74,10 +80,19 @@ def gpt_plan(cfg: GPTConfig, tp: int, attention: str = "auto", *, batch: int = A
         else:
             attention, reason = choose_attention(cfg, tp, batch=batch, seq=seq or cfg.max_seq_len,
                                                  profile=profile)
-    rules = {"tok_emb": "vocab", **_attention_rules(cfg, attention),
+    if vocab == "auto":
+        if tp == 1:
+            vocab = "parallel"
+        else:
+            vocab, why = choose_vocab(cfg, tp, batch=batch, seq=seq or cfg.max_seq_len,
+                                      profile=profile)
+            reason += f"; {why}"
+    rules = {**_attention_rules(cfg, attention),
              "layers.*.mlp.w_in": ({"style": "colwise", "sub_blocks": [cfg.d_ff, cfg.d_ff]}
                                    if cfg.mlp == "swiglu" else "colwise"),
-             "layers.*.mlp.w_out": "rowwise",
-             "lm_head": ({"style": "vocab_head", "tied_to": "tok_emb"} if cfg.tie_embeddings
-                         else "vocab_head")}
-    return Plan(rules=rules, attention=attention, reason=reason)
+             "layers.*.mlp.w_out": "rowwise"}
+    if vocab == "parallel":
+        rules = {"tok_emb": "vocab", **rules,
+                 "lm_head": ({"style": "vocab_head", "tied_to": "tok_emb"} if cfg.tie_embeddings
+                             else "vocab_head")}
+    return Plan(rules=rules, attention=attention, reason=reason, vocab=vocab)

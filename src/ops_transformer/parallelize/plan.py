@@ -54,6 +54,7 @@ class Plan:
     rules: dict[str, dict] = field(default_factory=dict)
     attention: str = "heads"
     reason: str = ""
+    vocab: str = "parallel"  # embedding and LM head: "parallel" or "replicated"
 
     def __post_init__(self):
         self.rules = {k: ({"style": v} if isinstance(v, str) else dict(v))
@@ -64,7 +65,8 @@ class Plan:
                                  f"styles are {STYLES}")
 
     def to_dict(self) -> dict:
-        return {"attention": self.attention, "reason": self.reason, "rules": self.rules}
+        return {"attention": self.attention, "vocab": self.vocab, "reason": self.reason,
+                "rules": self.rules}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -74,11 +76,12 @@ class Plan:
         if "rules" not in data:  # a bare {pattern: style} mapping
             return cls(rules=data)
         return cls(rules=data["rules"], attention=data.get("attention", "heads"),
-                   reason=data.get("reason", ""))
+                   reason=data.get("reason", ""), vocab=data.get("vocab", "parallel"))
 
     def __str__(self) -> str:
         width = max((len(k) for k in self.rules), default=0)
-        lines = [f"attention: {self.attention}" + (f" ({self.reason})" if self.reason else "")]
+        lines = [f"attention: {self.attention}, vocab: {self.vocab}"
+                 + (f" ({self.reason})" if self.reason else "")]
         for pattern, rule in self.rules.items():
             options = ", ".join(f"{k}={v}" for k, v in rule.items() if k != "style")
             lines.append(f"  {pattern:<{width}}  {rule['style']}" + (f"({options})" if options else ""))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .hardware import CPU_GLOO, HardwareProfile
-from .strategies import ATTENTION_STRATEGIES, attention_cost
+from .strategies import ATTENTION_STRATEGIES, VOCAB_MODES, attention_cost, vocab_cost
 
 
 def attention_problem(cfg, tp: int, strategy: str, seq: int | None = None) -> str | None:
@@ -84,3 +84,18 @@ def choose_attention(cfg, tp: int, *, batch: int, seq: int,
               + f" (b={batch}, s={seq}, {profile.name})"
               + (f"; not possible: {', '.join(invalid)}" if invalid else ""))
     return best.strategy, reason
+
+
+def choose_vocab(cfg, tp: int, *, batch: int, seq: int,
+                 profile: HardwareProfile = CPU_GLOO) -> tuple[str, str]:
+    """``(mode, reason)``: shard the embedding and LM head over the vocabulary (4 collectives per
+    step, ``1/tp`` of the head's FLOPs and logits) or keep them replicated (no collectives), by
+    predicted time. A large vocabulary is split; a byte-level one usually is not."""
+    times = {}
+    for mode in VOCAB_MODES:
+        cost = vocab_cost(mode, batch, seq, cfg.d_model, cfg.vocab_size, tp)
+        times[mode] = profile.comm_time(cost.total(), tp) + profile.compute_time(cost.flops)
+    mode = min(times, key=times.get)
+    other = next(m for m in VOCAB_MODES if m != mode)
+    return mode, (f"vocab {mode}: predicted {times[mode] * 1e3:.3g} ms/step vs {other} "
+                  f"{times[other] * 1e3:.3g} (V={cfg.vocab_size})")

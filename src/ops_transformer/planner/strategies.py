@@ -170,3 +170,28 @@ def layer_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: int,
     """One Transformer layer: attention under ``strategy`` plus the column→row FFN."""
     return (attention_cost(strategy, b, s, h, heads, kv_heads, tp, dtype, bias=bias)
             + ffn_cost(b, s, h, ffn, tp, dtype, swiglu=swiglu))
+
+
+VOCAB_MODES = ("parallel", "replicated")
+
+
+def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
+               dtype=torch.float32) -> LayerCost:
+    """The embedding, LM head and loss of one step on one rank.
+
+    * ``parallel``: vocab-parallel embedding (fwd all-reduce ``bsh``), vocab-parallel head and loss
+      (fwd all-reduces of ``N`` maxima and ``2N`` sums, ``N = bs``; bwd all-reduce ``bsh`` of the
+      head's input gradient); head FLOPs ``3·2·bsh·V`` divided by ``tp``, logits ``bs·V/tp``.
+    * ``replicated``: embedding and head dense on every rank: no communication (their input and
+      its gradient are already replicated), the head's full FLOPs and logits on every rank.
+    """
+    if mode not in VOCAB_MODES:
+        raise ValueError(f"vocab must be one of {VOCAB_MODES}, got {mode!r}")
+    bsh, tokens = b * s * h, b * s
+    split = tp if mode == "parallel" else 1
+    flops = 3.0 * 2 * bsh * vocab / split
+    logits = _bytes(dtype) * tokens * vocab / split
+    if mode == "replicated" or tp == 1:
+        return LayerCost(flops=flops, activation_bytes=logits)
+    return LayerCost(_comm(("all_reduce", bsh), ("all_reduce", tokens), ("all_reduce", 2 * tokens)),
+                     _comm(("all_reduce", bsh)), flops, logits)

@@ -1,0 +1,70 @@
+"""``ops-transformer calibrate``: measure this machine into a hardware profile for the planner."""
+
+from __future__ import annotations
+
+import json
+
+from ..planner.calibrate import calibrate, default_profile_path, save_profile
+from ..utils.progress import format_table
+
+HELP = ("measure matmul FLOP/s, collective latency and bandwidth, and the point-to-point "
+        "threshold of this machine into a hardware profile (JSON)")
+
+
+def add_parser(p) -> None:
+    p.add_argument("--out", help=f"where to write the profile (default {default_profile_path()})")
+    p.add_argument("--world-sizes", help="comma-separated numbers of local ranks for the "
+                   "collectives (default 2,4; 2 with --quick)")
+    p.add_argument("--quick", action="store_true", help="few sizes and runs: seconds, rough")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def parse_world_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise ValueError(f"--world-sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 2:
+        raise ValueError(f"--world-sizes must name world sizes of at least 2, got {text!r}")
+    return sizes
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n:.0f} B"
+
+
+def summary(profile: dict) -> str:
+    matmul = [{"matmul n": int(n), "GFLOP/s": f / 1e9} for n, f in profile["matmul_flops"].items()]
+    rows = [{"ranks": int(p), "collective": kind, "α (µs)": v["alpha_s"] * 1e6,
+             "β (GB/s)": v["bandwidth"] / 1e9, "fit error": f"{100 * v['fit_rel_error']:.1f}%",
+             "sizes": f"{human_bytes(v['points'][0][0])} – {human_bytes(v['points'][-1][0])}"}
+            for p, kinds in profile["collectives"].items() for kind, v in kinds.items()]
+    p2p = profile["p2p"]
+    sizes = [b for b, _, _ in p2p["points"]]
+    other = "all-gather" if p2p["small_messages"] == "send_recv" else "send/recv"
+    small = p2p["small_messages"].replace("send_recv", "send/recv").replace("_", "-")
+    threshold = profile["p2p_threshold_bytes"]
+    if threshold is None:
+        line = (f"{small} is faster at every size measured ({human_bytes(sizes[0])} – "
+                f"{human_bytes(sizes[-1])}): no threshold")
+    else:
+        line = f"{small} is faster below {human_bytes(threshold)}, {other} from there on"
+    return "\n\n".join([format_table(matmul), format_table(rows),
+                        f"two ranks swapping n bytes: {line}"])
+
+
+def run(args) -> int:
+    sizes = parse_world_sizes(args.world_sizes) if args.world_sizes else \
+        ((2,) if args.quick else (2, 4))
+    profile = calibrate(sizes, quick=args.quick, progress=not args.no_progress)
+    path = save_profile(profile, args.out)
+    if args.json:
+        print(json.dumps(profile, indent=2))
+        return 0
+    print(summary(profile))
+    print(f"\nwrote {path}")
+    return 0

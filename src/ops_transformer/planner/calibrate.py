@@ -1,0 +1,337 @@
+"""Measure this machine into a hardware profile (``ops-transformer calibrate``; SPEC F10, F11).
+
+Three measurements, each a median of several timed runs, one intra-op thread per rank (as in
+training, see :func:`~ops_transformer.parallel.launch.launch`):
+
+- **matmul**: fp32 ``n × n`` products, ``2n³ / t`` FLOP/s for ``n`` in 256 … 2048.
+- **collectives**: all-reduce, all-gather, reduce-scatter and all-to-all on ``p`` local ranks, for
+  messages of 4 B … 16 MiB (×4 steps). A message of ``n`` elements is the full logical tensor (the
+  ledger's convention). Hockney's model ``t = α + w/β`` is fitted per kind, with ``w`` the bytes one
+  rank sends with ring algorithms, :func:`~ops_transformer.comm.ledger.wire_elements` × 4:
+  ``2(p−1)/p·n`` for an all-reduce, ``(p−1)/p·n`` for the others.
+- **small messages**: two ranks swap ``n``-byte tensors, by a send/recv pair and by an all-gather;
+  the profile records the size where the faster method changes (``None`` when one wins
+  everywhere).
+
+The profile (JSON, keys are strings)::
+
+    {"name", "created", "machine": {...}, "matmul_flops": {n: FLOP/s}, "matmul_flops_best",
+     "collectives": {p: {kind: {"alpha_s", "bandwidth", "fit_rel_error",
+                                "points": [[message bytes, seconds], ...]}}},
+     "p2p_threshold_bytes": int | null,
+     "p2p": {"small_messages": "send_recv" | "all_gather",
+             "points": [[bytes, send_recv s, all_gather s], ...]}}
+
+:func:`load_profile` turns it into a :class:`CalibratedProfile` for the cost model.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..comm import collectives as C
+from ..comm.ledger import wire_elements
+from ..parallel.context import init_parallel
+from ..parallel.launch import launch
+from ..utils.progress import Progress
+from .hardware import HardwareProfile
+from .topology import detect_topology
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+MATMUL_SIZES, QUICK_MATMUL_SIZES = (256, 512, 1024, 2048), (256, 512)
+MESSAGE_BYTES = tuple(4 * 4 ** k for k in range(12))  # 4 B, 16 B, …, 16 MiB
+QUICK_MESSAGE_BYTES = (4, 1024, 1 << 16, 1 << 20)
+FP32 = 4
+
+
+def repeats_for(nbytes: int, quick: bool) -> int:
+    """Timed runs per point: many for small messages (noisy, cheap), few for large ones."""
+    if quick:
+        return 5
+    return 25 if nbytes <= 1 << 16 else 11 if nbytes <= 1 << 20 else 5
+
+
+def fit_alpha_beta(points) -> tuple[float, float]:
+    """``(α, β)`` of ``t = α + x/β`` over ``(x bytes, t seconds)`` points (weighted least squares).
+
+    The line ``t = a + b·x`` minimises ``Σ w·(t − a − b·x)²`` with ``w = 1/t²`` (relative
+    residuals: the small messages that fix ``α`` count as much as the large ones that fix ``β``):
+    ``b = (W·Sxt − Sx·St) / (W·Sxx − Sx²)``, ``a = (St − b·Sx) / W`` with ``W = Σw``,
+    ``Sx = Σw·x``, ``St = Σw·t``, ``Sxx = Σw·x²``, ``Sxt = Σw·x·t``. Then ``α = a``, ``β = 1/b``.
+    A negative ``a`` (latency lost in noise) is clamped to 0 and ``b = Sxt/Sxx`` refitted.
+    """
+    pts = [(float(x), float(t)) for x, t in points]
+    if len({x for x, _ in pts}) < 2 or any(t <= 0 for _, t in pts):
+        raise ValueError(f"fitting α and β needs two message sizes or more and positive times, "
+                         f"got {pts}")
+    w = [1.0 / t ** 2 for _, t in pts]
+    W = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, pts))
+    st = sum(wi * t for wi, (_, t) in zip(w, pts))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, pts))
+    sxt = sum(wi * x * t for wi, (x, t) in zip(w, pts))
+    b = (W * sxt - sx * st) / (W * sxx - sx * sx)
+    a = (st - b * sx) / W
+    if a < 0:
+        a, b = 0.0, sxt / sxx
+    if b <= 0:
+        raise ValueError(f"the times do not grow with the message size; β cannot be fitted: {pts}")
+    return a, 1.0 / b
+
+
+def fit_rel_error(points, alpha: float, beta: float) -> float:
+    """Median of ``|t − (α + x/β)| / t`` over the points."""
+    return statistics.median(abs(t - alpha - x / beta) / t for x, t in points)
+
+
+def crossover(points) -> tuple[int | None, str]:
+    """Where the faster of send/recv and all-gather changes, from ``(bytes, t_p2p, t_ag)`` points.
+
+    Each size votes for its faster method. Of all splits "sizes below ``s`` → one method, from
+    ``s`` on → the other", and "one method at every size", the one that disagrees with the fewest
+    votes wins (ties: one method everywhere, then the smallest ``s``), so a single noisy size does
+    not move the threshold. Returns ``(s or None, the method for small messages)``.
+    """
+    pts = sorted(points)
+    votes = ["send_recv" if tp < tg else "all_gather" for _, tp, tg in pts]
+    best = None
+    for k in range(len(pts)):
+        for small in ("send_recv", "all_gather"):
+            large = small if k == 0 else ("all_gather" if small == "send_recv" else "send_recv")
+            errors = sum(v != small for v in votes[:k]) + sum(v != large for v in votes[k:])
+            if best is None or errors < best[0]:
+                best = (errors, k, small)
+    _, k, small = best
+    return (int(pts[k][0]) if k else None), small
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(op, group, device: torch.device, repeats: int) -> float:
+    """Median seconds per ``op()``: each of ``repeats`` samples starts after a barrier and times
+    ``k`` back-to-back calls (``k`` ≤ 20, about 2 ms of work, as nccl-tests does) divided by
+    ``k``, so the timer and the barrier's skew do not swamp microsecond operations."""
+    op()  # the first call may set up connections
+    _sync(device)
+    start = time.perf_counter()
+    op()
+    _sync(device)
+    k = max(1, min(20, int(2e-3 / max(time.perf_counter() - start, 1e-7))))
+    if group is not None:  # every rank must run the same number of calls
+        k_t = torch.tensor([k], device=device)
+        C.all_reduce(k_t, group, op=C.ReduceOp.MIN)
+        k = int(k_t.item())
+    samples = []
+    for _ in range(repeats):
+        C.barrier(group)
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(k):
+            op()
+        _sync(device)
+        samples.append((time.perf_counter() - start) / k)
+    return statistics.median(samples)
+
+
+def message_elements(kind: str, nbytes: int, p: int) -> int:
+    """fp32 elements of a message of about ``nbytes``; a multiple of ``p`` when it is split."""
+    n = max(1, nbytes // FP32)
+    return n if kind == "all_reduce" else -(-n // p) * p
+
+
+def _collective_op(kind: str, n: int, p: int, group, device):
+    """The call to time for a message of ``n`` elements (the full tensor, ledger convention)."""
+    full, shard = torch.zeros(n, device=device), torch.zeros(n // p, device=device)
+    if kind == "all_reduce":
+        return lambda: C.all_reduce(full, group)
+    if kind == "all_gather":
+        return lambda: C.all_gather_into(full, shard, group)
+    if kind == "reduce_scatter":
+        return lambda: C.reduce_scatter_into(shard, full, group)
+    out = torch.zeros(n, device=device)
+    return lambda: C.all_to_all_into(out, full, group)
+
+
+def _matmul_worker(sizes, repeats: int, progress: bool) -> dict[int, float]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    flops = {}
+    with Progress(len(sizes), desc="matmul", enabled=progress) as bar:
+        for n in sizes:
+            a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+            flops[n] = 2 * n ** 3 / _median_time(lambda: a @ b, None, device, repeats)
+            bar.update(**{"GFLOP/s": flops[n] / 1e9})
+    return flops
+
+
+def _collectives_worker(message_bytes, quick: bool, progress: bool) -> dict[str, list]:
+    ctx = init_parallel(tp=1)
+    group, p = ctx.dp_group, ctx.dp_size
+    points: dict[str, list] = {kind: [] for kind in KINDS}
+    bar = Progress(len(KINDS) * len(message_bytes), desc=f"collectives p={p}",
+                   enabled=progress and ctx.rank == 0)
+    with bar:
+        for kind in KINDS:
+            for nbytes in message_bytes:
+                n = message_elements(kind, nbytes, p)
+                op = _collective_op(kind, n, p, group, ctx.device)
+                points[kind].append([n * FP32, _median_time(op, group, ctx.device,
+                                                            repeats_for(n * FP32, quick))])
+                bar.update(kind=kind)
+    return points
+
+
+def _p2p_worker(message_bytes, quick: bool, progress: bool) -> list[list]:
+    ctx = init_parallel(tp=1)
+    group, peer, dev = ctx.dp_group, 1 - ctx.rank, ctx.device
+    points = []
+    bar = Progress(len(message_bytes), desc="p2p vs all-gather", enabled=progress and ctx.rank == 0)
+    with bar:
+        for nbytes in message_bytes:
+            n = max(1, nbytes // FP32)
+            mine, theirs, both = (torch.zeros(n, device=dev), torch.zeros(n, device=dev),
+                                  torch.zeros(2 * n, device=dev))
+
+            def swap():
+                for work in (C.send(mine, peer, group), C.recv(theirs, peer, group)):
+                    work.wait()
+
+            reps = repeats_for(n * FP32, quick)
+            t_p2p = _median_time(swap, group, dev, reps)
+            t_ag = _median_time(lambda: C.all_gather_into(both, mine, group), group, dev, reps)
+            points.append([n * FP32, t_p2p, t_ag])
+            bar.update()
+    return points
+
+
+def _fit_kinds(per_rank: list[dict], p: int) -> dict:
+    """Per kind: the slowest rank's median at each size, and the α–β fit on wire bytes."""
+    out = {}
+    for kind in KINDS:
+        points = [[b, max(r[kind][i][1] for r in per_rank)]
+                  for i, (b, _) in enumerate(per_rank[0][kind])]
+        wire = [(wire_elements(kind, b // FP32, p) * FP32, t) for b, t in points]
+        alpha, beta = fit_alpha_beta(wire)
+        out[kind] = {"alpha_s": alpha, "bandwidth": beta,
+                     "fit_rel_error": fit_rel_error(wire, alpha, beta), "points": points}
+    return out
+
+
+def machine_info() -> dict:
+    topology = detect_topology()
+    return {"hostname": platform.node(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "backend": "nccl" if torch.cuda.is_available() else "gloo", "threads_per_rank": 1,
+            "topology": topology.to_dict(with_matrix=topology.kind == "gpu")}
+
+
+def calibrate(world_sizes=(2, 4), *, quick: bool = False, progress: bool = True,
+              timeout: float = 900.0) -> dict:
+    """Measure this machine; returns the profile (module docstring). ``quick``: fewer sizes and
+    runs (seconds, for tests). ``timeout`` bounds each local job."""
+    sizes = tuple(world_sizes)
+    if not sizes or any(not isinstance(p, int) or p < 2 for p in sizes):
+        raise ValueError(f"world sizes must be integers of at least 2, got {list(sizes)}")
+    if torch.cuda.is_available() and max(sizes) > torch.cuda.device_count():
+        raise ValueError(f"world size {max(sizes)} needs as many GPUs (one rank per GPU with "
+                         f"nccl); this machine has {torch.cuda.device_count()}")
+    machine = machine_info()
+    messages = QUICK_MESSAGE_BYTES if quick else MESSAGE_BYTES
+    matmul_sizes = QUICK_MATMUL_SIZES if quick else MATMUL_SIZES
+    flops = launch(_matmul_worker, 1, matmul_sizes, 3 if quick else 7, progress,
+                   timeout=timeout)[0]
+    collectives = {str(p): _fit_kinds(launch(_collectives_worker, p, messages, quick, progress,
+                                             timeout=timeout), p) for p in sorted(set(sizes))}
+    per_rank = launch(_p2p_worker, 2, messages, quick, progress, timeout=timeout)
+    p2p = [[b, max(r[i][1] for r in per_rank), max(r[i][2] for r in per_rank)]
+           for i, (b, _, _) in enumerate(per_rank[0])]
+    threshold, small = crossover(p2p)
+    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return {"name": f"calibrated {machine['hostname']} ({machine['backend']})", "created": created,
+            "machine": machine, "matmul_flops": {str(n): f for n, f in flops.items()},
+            "matmul_flops_best": max(flops.values()), "collectives": collectives,
+            "p2p_threshold_bytes": threshold, "p2p": {"small_messages": small, "points": p2p}}
+
+
+def default_profile_path() -> Path:
+    return Path.home() / ".cache" / "ops-transformer" / "profile.json"
+
+
+def save_profile(profile: dict, path=None) -> Path:
+    """Write ``profile`` as JSON (atomically: a temporary file, then a rename); returns the path."""
+    path = Path(path) if path is not None else default_profile_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(profile, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass(frozen=True)
+class CalibratedProfile(HardwareProfile):
+    """A measured :class:`HardwareProfile`: the base ``alpha_s``/``bandwidth`` are the all-reduce's
+    at the smallest measured world size (2); ``per_kind[p][kind] = (α, β)`` gives each kind its
+    own, taken from the measured world size nearest the group (ties: the larger). Kinds never
+    measured (broadcast, send) fall back to the base figures."""
+
+    per_kind: dict = field(default_factory=dict, compare=False, repr=False)
+    matmul_by_size: dict = field(default_factory=dict, compare=False, repr=False)
+    p2p_threshold_bytes: int | None = None
+
+    def alpha_beta(self, kind: str, group_size: int) -> tuple[float, float]:
+        if not self.per_kind:
+            return self.alpha_s, self.bandwidth
+        p = min(self.per_kind, key=lambda q: (abs(q - group_size), -q))
+        return self.per_kind[p].get(kind, (self.alpha_s, self.bandwidth))
+
+    def collective_time(self, kind: str, elements: int, group_size: int,
+                        bytes_per_element: int = 4) -> float:
+        """``α_k + wire_elements(kind, n, p) · bytes / β_k``."""
+        if group_size <= 1 or elements <= 0:
+            return 0.0
+        alpha, beta = self.alpha_beta(kind, group_size)
+        return alpha + wire_elements(kind, elements, group_size) * bytes_per_element / beta
+
+    def comm_time(self, comm: dict, group_size: int, bytes_per_element: int = 4) -> float:
+        """``Σ_k calls_k·α_k + wire_elements(k, elements_k, p) · bytes / β_k``."""
+        return sum(c["calls"] * self.alpha_beta(kind, group_size)[0]
+                   + wire_elements(kind, c["elements"], group_size) * bytes_per_element
+                   / self.alpha_beta(kind, group_size)[1]
+                   for kind, c in comm.items() if group_size > 1)
+
+
+def load_profile(path=None) -> CalibratedProfile:
+    """Read a profile written by ``ops-transformer calibrate`` (default
+    :func:`default_profile_path`)."""
+    path = Path(path) if path is not None else default_profile_path()
+    if not path.is_file():
+        raise ValueError(f"no hardware profile at {path}: run `ops-transformer calibrate` first")
+    data = json.loads(path.read_text())
+    missing = [k for k in ("name", "matmul_flops_best", "collectives") if k not in data]
+    if missing or not data["collectives"]:
+        raise ValueError(f"{path} is not a calibration profile: missing {missing or 'collectives'}")
+    per_kind = {int(p): {kind: (float(v["alpha_s"]), float(v["bandwidth"]))
+                         for kind, v in kinds.items()}
+                for p, kinds in data["collectives"].items()}
+    base = per_kind[min(per_kind)]
+    if "all_reduce" not in base:
+        raise ValueError(f"{path} has no all_reduce measurement at world size {min(per_kind)}")
+    alpha, beta = base["all_reduce"]
+    return CalibratedProfile(data["name"], float(data["matmul_flops_best"]), alpha, beta,
+                             per_kind=per_kind,
+                             matmul_by_size={int(n): float(f)
+                                             for n, f in data.get("matmul_flops", {}).items()},
+                             p2p_threshold_bytes=data.get("p2p_threshold_bytes"))

@@ -1,0 +1,43 @@
+"""This machine as a "cluster" for the planner (``plan --gpu local``): its CPU ranks over loopback.
+
+Throughput and link figures come from the calibrated profile (``ops-transformer calibrate``) when one
+exists, else from the rough :data:`~ops_transformer.planner.hardware.CPU_GLOO`; memory is this
+machine's RAM shared by the ranks; the topology is what :func:`detect_topology` finds.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .catalogue import GPU, Link
+from .hardware import CPU_GLOO
+from .specs import ClusterSpec
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def local_profile():
+    """The calibrated profile if one was written, else the rough built-in one."""
+    from .calibrate import default_profile_path, load_profile
+
+    path = default_profile_path()
+    return load_profile(path) if path.exists() else CPU_GLOO
+
+
+def local_cluster(ranks: int) -> ClusterSpec:
+    if ranks < 1:
+        raise ValueError(f"--gpus must be at least 1, got {ranks}")
+    profile = local_profile()
+    flops = profile.matmul_flops
+    device = GPU("local-cpu", bf16_flops=flops, fp16_flops=flops, fp32_flops=flops,
+                 memory_bytes=_ram_bytes() // ranks, memory_bandwidth=10e9, intra_link="loopback",
+                 gpus_per_node=ranks, vendor="cpu")
+    # a ring all-reduce over 2 ranks has 2 steps: the measured α is split over them
+    link = Link("loopback", bandwidth=profile.bandwidth, latency_s=profile.alpha_s / 2)
+    return ClusterSpec(gpu=device, count=ranks, gpus_per_node=ranks, intra_link=link,
+                       inter_link=None)

@@ -1,0 +1,104 @@
+"""The planner's memory model, search, JSON schema and command line (no process groups)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ops_transformer.cli.main import main
+from ops_transformer.planner.memory import activation_bytes_per_layer, model_state_bytes
+from ops_transformer.planner.search import Options, evaluate, search
+from ops_transformer.planner.specs import MODEL_PRESETS, ClusterSpec
+
+CANDIDATE_KEYS = {"dp", "tp", "ep", "attention", "ffn", "sequence_parallel", "recompute",
+                  "zero_stage", "micro_batch", "fits", "memory_per_gpu_bytes",
+                  "memory_breakdown", "step_time_s", "comm_bytes_per_step", "mfu"}
+
+
+def test_zero_stages_by_hand():
+    psi = 1e9
+    assert model_state_bytes(psi, 0, 8) == {"params": 2e9, "grads": 2e9, "optimizer": 12e9}
+    assert sum(model_state_bytes(psi, 1, 8).values()) == 4 * psi + 12 * psi / 8
+    assert sum(model_state_bytes(psi, 2, 8).values()) == 2 * psi + 14 * psi / 8
+    assert sum(model_state_bytes(psi, 3, 8).values()) == 16 * psi / 8
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
+        model_state_bytes(psi, 4, 8)
+
+
+def test_korthikanti_activation_formulas():
+    s, b, h, a, t = 2048, 1, 12288, 96, 8  # GPT-3 175B per layer
+    sbh = s * b * h
+    assert activation_bytes_per_layer(s, b, h, a, 1) == sbh * (34 + 5 * a * s / h)
+    assert activation_bytes_per_layer(s, b, h, a, t) == pytest.approx(
+        sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert activation_bytes_per_layer(s, b, h, a, t, sequence_parallel=True) == pytest.approx(
+        sbh / t * (34 + 5 * a * s / h))
+    assert activation_bytes_per_layer(s, b, h, a, t, sequence_parallel=True,
+                                      recompute="selective") == pytest.approx(34 * sbh / t)
+    assert activation_bytes_per_layer(s, b, h, a, t, recompute="full") == 2 * sbh
+
+
+def test_gpt3_175b_on_8_a100_80gb_does_not_fit():
+    result = search(MODEL_PRESETS["gpt3-175b"], ClusterSpec.make("a100-80gb", 8))
+    assert result["best"] is None
+    assert "2.79 TB" in result["advice"] and "GPUs of" in result["advice"]
+    assert result["candidates"] and not any(c["fits"] for c in result["candidates"])
+
+
+def test_llama3_70b_on_64_h100_keeps_tp_in_a_node_and_fits():
+    result = search(MODEL_PRESETS["llama3-70b"], ClusterSpec.make("h100-sxm", 64, 8))
+    best = result["best"]
+    assert best["fits"] and best["tp"] <= 8
+    assert best["memory_per_gpu_bytes"] <= 80 * 2 ** 30
+    times = [c["step_time_s"] for c in result["candidates"]]
+    assert times == sorted(times)
+
+
+def test_7b_zero1_over_8_ranks_holds_4psi_plus_12psi_over_8():
+    model = MODEL_PRESETS["llama2-7b"]
+    row = evaluate(model, ClusterSpec.make("a100-80gb", 8),
+                   Options(dp=8, tp=1, ep=1, attention="heads", sequence_parallel=False,
+                           recompute="none", zero_stage=1, micro_batch=1))
+    psi = model.params()
+    states = sum(v for k, v in row["memory_breakdown"].items() if k != "activations")
+    assert states == pytest.approx(4 * psi + 12 * psi / 8)
+
+
+def test_json_schema(capsys):
+    assert main(["plan", "--model", "llama2-7b", "--gpu", "a100-80gb", "--gpus", "8", "--json",
+                 "--top", "3"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"model", "cluster", "candidates", "best", "advice"}
+    for candidate in result["candidates"]:
+        assert CANDIDATE_KEYS <= set(candidate)
+        assert set(candidate["memory_breakdown"]) == {"params", "grads", "optimizer",
+                                                      "activations"}
+
+
+def test_mixtral_uses_expert_parallelism():
+    result = search(MODEL_PRESETS["mixtral-8x7b"].with_(seq=4096),
+                    ClusterSpec.make("h100-sxm", 16, 8))
+    assert result["best"] is not None and result["best"]["ffn"] == "experts"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "--model", "llama2-7b", "--gpu", "tpu-v9"], "unknown GPU 'tpu-v9'"),
+    (["plan", "--gpu", "a100-80gb"], "--model is required"),
+    (["plan", "--model", "nope"], "nope"),
+])
+def test_plan_errors_exit_2(argv, needle, capsys):
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_train_accepts_a_plan(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny", "--gpu", "local", "--gpus", "2", "--batch", "8",
+                 "--seq", "32", "--out", str(plan), "--json"]) == 0
+    capsys.readouterr()
+    best = json.loads(plan.read_text())["best"]
+    assert main(["train", "--plan", str(plan), "--steps", "2", "--seq", "32", "--batch", "8",
+                 "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert (metrics["tp"], metrics["dp"]) == (best["tp"], best["dp"])

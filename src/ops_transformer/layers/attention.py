@@ -27,9 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import collectives as C
 from ..comm.primitives import (all_gather_along, copy_to_tp_region, gather_from_tp_region,
-                               reduce_scatter_along)
+                               grad_sum_hook, reduce_scatter_along)
 from .linear import ColumnParallelLinear
 
 
@@ -63,14 +62,9 @@ class FeatureSplitAttention(nn.Module):
             attn.wk, ctx, sub_blocks=_feature_blocks(kv_heads, d, rope), reduce_input_grad=False)
         self.wv = ColumnParallelLinear.from_dense(
             attn.wv, ctx, sub_blocks=_feature_blocks(kv_heads, d, False), reduce_input_grad=False)
-        self.wo = attn.wo  # replicated; each rank's gradient covers its rows only: summed below
+        self.wo = attn.wo  # replicated; each rank's gradient covers its rows only: summed
         for p in self.wo.parameters():
-            p.register_hook(self._sum_over_ranks)
-
-    def _sum_over_ranks(self, grad):
-        grad = grad.clone()
-        C.all_reduce(grad, self.group, label="kv_split_wo_grads")
-        return grad
+            p.register_hook(grad_sum_hook(self.group, "kv_split_wo_grads"))
 
     def _local_rope(self, cos, sin):
         """The cos/sin columns of this rank's features: slice r of each half."""

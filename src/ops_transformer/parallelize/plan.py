@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..comm.primitives import copy_to_tp_region, gather_from_tp_region
+from ..comm.primitives import copy_to_tp_region, gather_from_tp_region, grad_sum_hook
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..layers.attention import FeatureSplitAttention
 from ..layers.head import GatheredLMHead, VocabParallelLMHead
@@ -115,16 +115,8 @@ def _colwise(module, ctx, groups, sub_blocks=None, kv_heads=None, reduce_input_g
     if replicas > 1:
         group = groups.replica_group(replicas)
         for p in layer.parameters():  # each replica saw only its query heads: sum the gradients
-            p.register_hook(lambda g, group=group: _summed(g, group))
+            p.register_hook(grad_sum_hook(group, "kv_replica_grads"))
     return layer
-
-
-def _summed(grad, group):
-    from ..comm import collectives as C
-
-    grad = grad.clone()
-    C.all_reduce(grad, group, label="kv_replica_grads")
-    return grad
 
 
 def _gather_in(module, ctx, groups):

@@ -181,7 +181,9 @@ def search(model, cluster, *, top: int = 10) -> dict:
         raise ValueError(f"no layout of {model.name} divides over {cluster.count} GPUs: check "
                          f"heads ({model.heads}), ffn ({model.ffn}) and the global batch "
                          f"({model.global_batch}) against the GPU count")
-    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["step_time_s"])
+    # equal predicted times (to 3 significant digits): the one with more memory headroom first
+    fitting = sorted((r for r in rows if r["fits"]),
+                     key=lambda r: (float(f"{r['step_time_s']:.3g}"), r["memory_per_gpu_bytes"]))
     inside = [r for r in fitting if r["tp"] <= cluster.gpus_per_node]
     pool = inside or fitting
     best = pool[0] if pool else None

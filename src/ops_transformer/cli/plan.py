@@ -61,9 +61,10 @@ def table(result: dict) -> str:
 
 def run(args) -> int:
     if args.validate:
+        from ..planner.local import local_profile
         from ..planner.validate import run_validation
 
-        return run_validation(json_output=args.json)
+        return run_validation(local_profile(), json_output=args.json)
     result = search(_model(args), _cluster(args), top=args.top)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

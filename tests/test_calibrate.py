@@ -11,7 +11,7 @@ import pytest
 from ops_transformer.cli.calibrate import parse_world_sizes, summary
 from ops_transformer.cli.main import main
 from ops_transformer.comm.ledger import wire_elements
-from ops_transformer.planner.calibrate import (KINDS, CalibratedProfile, crossover,
+from ops_transformer.planner.calibrate import (KINDS, CalibratedProfile, _fit_kinds, crossover,
                                                default_profile_path, fit_alpha_beta,
                                                fit_rel_error, load_profile, message_elements)
 from ops_transformer.planner.hardware import HardwareProfile
@@ -36,6 +36,15 @@ def test_fit_with_noise_weighs_small_and_large_messages_alike():
     assert alpha == pytest.approx(200e-6, rel=0.1) and beta == pytest.approx(1e9, rel=0.1)
     # unweighted least squares would let the 16 MiB point decide α; relative errors stay small
     assert fit_rel_error(points, alpha, beta) < 0.1
+
+
+def test_one_fast_small_message_does_not_drag_alpha_down():
+    points = [(x, 4e-3 + x / 1e9) for x in SIZES]
+    points[0] = (SIZES[0], 0.5e-3)  # like gloo's 1-element all-reduce on an oversubscribed CPU
+    alpha, beta = fit_alpha_beta(points)
+    assert alpha == pytest.approx(4e-3, rel=0.15) and beta == pytest.approx(1e9, rel=0.15)
+    assert fit_rel_error(points, alpha, beta) < 0.12
+    assert fit_alpha_beta(points, iterations=0)[0] < 1.5e-3  # weights 1/t² alone: α ≈ 0.9 ms
 
 
 def test_fit_clamps_a_negative_latency_to_zero():
@@ -66,6 +75,17 @@ def test_crossover_finds_where_the_faster_method_changes():
     flipped = [(x, b, a) for x, a, b in pts]
     assert crossover(flipped) == (262144, "all_gather")
     assert crossover([(x, 1e-6, 2e-6) for x in SIZES]) == (None, "send_recv")
+
+
+def test_flat_noisy_times_fall_back_to_bounds():
+    flat = [[16, 3e-3], [1024, 4e-3], [1 << 20, 2.5e-3]]  # noise above every transfer time
+    rising = [[16, 1e-4], [1024, 1.1e-4], [1 << 20, 1.1e-3]]
+    per_rank = [{k: (flat if k == "all_gather" else rising) for k in KINDS}]
+    fits = _fit_kinds(per_rank, 2)
+    gather = fits["all_gather"]
+    assert gather["fit"] == "bounds" and gather["alpha_s"] == 3e-3
+    assert gather["bandwidth"] == pytest.approx((1 << 19) / 2.5e-3)  # max wire bytes / t
+    assert fits["all_reduce"]["fit"] == "least squares" and fits["all_reduce"]["bandwidth"] > 0
 
 
 def test_message_elements_divides_split_collectives():

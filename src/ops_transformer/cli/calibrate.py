@@ -40,20 +40,27 @@ def human_bytes(n: float) -> str:
 def summary(profile: dict) -> str:
     matmul = [{"matmul n": int(n), "GFLOP/s": f / 1e9} for n, f in profile["matmul_flops"].items()]
     rows = [{"ranks": int(p), "collective": kind, "α (µs)": v["alpha_s"] * 1e6,
-             "β (GB/s)": v["bandwidth"] / 1e9, "fit error": f"{100 * v['fit_rel_error']:.1f}%",
+             "β (GB/s)": v["bandwidth"] / 1e9, "fit": v.get("fit", ""),
+             "fit error": f"{100 * v['fit_rel_error']:.1f}%",
              "sizes": f"{human_bytes(v['points'][0][0])} – {human_bytes(v['points'][-1][0])}"}
             for p, kinds in profile["collectives"].items() for kind, v in kinds.items()]
     p2p = profile["p2p"]
     sizes = [b for b, _, _ in p2p["points"]]
-    other = "all-gather" if p2p["small_messages"] == "send_recv" else "send/recv"
-    small = p2p["small_messages"].replace("send_recv", "send/recv").replace("_", "-")
-    threshold = profile["p2p_threshold_bytes"]
+    votes = ["send_recv" if tp < tg else "all_gather" for _, tp, tg in p2p["points"]]
+    small, threshold = p2p["small_messages"], profile["p2p_threshold_bytes"]
+    cut = sizes.index(threshold) if threshold is not None else len(sizes)
+    agree = sum(v == small for v in votes[:cut]) + sum(v != small for v in votes[cut:])
+    names = {"send_recv": "send/recv", "all_gather": "all-gather"}
+    other = names["all_gather" if small == "send_recv" else "send_recv"]
     if threshold is None:
-        line = (f"{small} is faster at every size measured ({human_bytes(sizes[0])} – "
-                f"{human_bytes(sizes[-1])}): no threshold")
+        line = f"{names[small]} is the faster method, with no size where that changes"
     else:
-        line = f"{small} is faster below {human_bytes(threshold)}, {other} from there on"
-    return "\n\n".join([format_table(matmul), format_table(rows),
+        line = f"{names[small]} is faster below {human_bytes(threshold)}, {other} from there on"
+    line += (f" ({agree} of {len(sizes)} sizes from {human_bytes(sizes[0])} to "
+             f"{human_bytes(sizes[-1])} agree)" + ("" if threshold else "; no threshold"))
+    swaps = [{"n bytes": human_bytes(b), "send/recv (µs)": tp * 1e6, "all-gather (µs)": tg * 1e6,
+              "faster": "send/recv" if tp < tg else "all-gather"} for b, tp, tg in p2p["points"]]
+    return "\n\n".join([format_table(matmul), format_table(rows), format_table(swaps),
                         f"two ranks swapping n bytes: {line}"])
 
 

@@ -16,7 +16,7 @@ training, see :func:`~ops_transformer.parallel.launch.launch`):
 The profile (JSON, keys are strings)::
 
     {"name", "created", "machine": {...}, "matmul_flops": {n: FLOP/s}, "matmul_flops_best",
-     "collectives": {p: {kind: {"alpha_s", "bandwidth", "fit_rel_error",
+     "collectives": {p: {kind: {"alpha_s", "bandwidth", "fit", "fit_rel_error",
                                 "points": [[message bytes, seconds], ...]}}},
      "p2p_threshold_bytes": int | null,
      "p2p": {"small_messages": "send_recv" | "all_gather",
@@ -57,23 +57,13 @@ def repeats_for(nbytes: int, quick: bool) -> int:
     """Timed runs per point: many for small messages (noisy, cheap), few for large ones."""
     if quick:
         return 5
-    return 25 if nbytes <= 1 << 16 else 11 if nbytes <= 1 << 20 else 5
+    return 41 if nbytes <= 1 << 16 else 21 if nbytes <= 1 << 20 else 7
 
 
-def fit_alpha_beta(points) -> tuple[float, float]:
-    """``(α, β)`` of ``t = α + x/β`` over ``(x bytes, t seconds)`` points (weighted least squares).
-
-    The line ``t = a + b·x`` minimises ``Σ w·(t − a − b·x)²`` with ``w = 1/t²`` (relative
-    residuals: the small messages that fix ``α`` count as much as the large ones that fix ``β``):
-    ``b = (W·Sxt − Sx·St) / (W·Sxx − Sx²)``, ``a = (St − b·Sx) / W`` with ``W = Σw``,
-    ``Sx = Σw·x``, ``St = Σw·t``, ``Sxx = Σw·x²``, ``Sxt = Σw·x·t``. Then ``α = a``, ``β = 1/b``.
-    A negative ``a`` (latency lost in noise) is clamped to 0 and ``b = Sxt/Sxx`` refitted.
-    """
-    pts = [(float(x), float(t)) for x, t in points]
-    if len({x for x, _ in pts}) < 2 or any(t <= 0 for _, t in pts):
-        raise ValueError(f"fitting α and β needs two message sizes or more and positive times, "
-                         f"got {pts}")
-    w = [1.0 / t ** 2 for _, t in pts]
+def _weighted_line(pts, w) -> tuple[float, float]:
+    """``(a, b)`` minimising ``Σ w·(t − a − b·x)²``, with ``a`` clamped at 0 (then ``b`` refitted
+    through the origin): ``b = (W·Sxt − Sx·St) / (W·Sxx − Sx²)``, ``a = (St − b·Sx) / W`` with
+    ``W = Σw``, ``Sx = Σw·x``, ``St = Σw·t``, ``Sxx = Σw·x²``, ``Sxt = Σw·x·t``."""
     W = sum(w)
     sx = sum(wi * x for wi, (x, _) in zip(w, pts))
     st = sum(wi * t for wi, (_, t) in zip(w, pts))
@@ -81,8 +71,31 @@ def fit_alpha_beta(points) -> tuple[float, float]:
     sxt = sum(wi * x * t for wi, (x, t) in zip(w, pts))
     b = (W * sxt - sx * st) / (W * sxx - sx * sx)
     a = (st - b * sx) / W
-    if a < 0:
-        a, b = 0.0, sxt / sxx
+    return (a, b) if a >= 0 else (0.0, sxt / sxx)
+
+
+def fit_alpha_beta(points, iterations: int = 50) -> tuple[float, float]:
+    """``(α, β)`` of ``t = α + x/β`` over ``(x bytes, t seconds)`` points (least squares).
+
+    Residuals are relative, so the small messages that fix ``α`` count as much as the large ones
+    that fix ``β``: first weights ``w = 1/t²`` (closed form, :func:`_weighted_line`), then
+    ``w = 1/f²`` with ``f = a + b·x`` the previous fit's prediction, until it settles (iteratively
+    reweighted least squares). The second step treats over- and under-prediction alike: with
+    ``1/t²`` alone, one fast small message (gloo's 1-element all-reduce) drags ``α`` far below every
+    other size. ``α = a``, ``β = 1/b``; a negative ``a`` (latency lost in noise) becomes 0.
+    """
+    pts = [(float(x), float(t)) for x, t in points]
+    if len({x for x, _ in pts}) < 2 or any(t <= 0 for _, t in pts):
+        raise ValueError(f"fitting α and β needs two message sizes or more and positive times, "
+                         f"got {pts}")
+    a, b = _weighted_line(pts, [1.0 / t ** 2 for _, t in pts])
+    for _ in range(iterations):
+        if b <= 0:
+            break
+        prev = (a, b)
+        a, b = _weighted_line(pts, [1.0 / (a + b * x) ** 2 for x, _ in pts])
+        if abs(a - prev[0]) <= 1e-9 * max(a, 1e-30) and abs(b - prev[1]) <= 1e-9 * b:
+            break
     if b <= 0:
         raise ValueError(f"the times do not grow with the message size; β cannot be fitted: {pts}")
     return a, 1.0 / b
@@ -120,29 +133,21 @@ def _sync(device: torch.device) -> None:
 
 
 def _median_time(op, group, device: torch.device, repeats: int) -> float:
-    """Median seconds per ``op()``: each of ``repeats`` samples starts after a barrier and times
-    ``k`` back-to-back calls (``k`` ≤ 20, about 2 ms of work, as nccl-tests does) divided by
-    ``k``, so the timer and the barrier's skew do not swamp microsecond operations."""
+    """Median seconds of one ``op()`` over ``repeats`` runs, each started after a barrier.
+
+    One call per sample, not the mean of a back-to-back loop: on a shared CPU a few calls take a
+    scheduler tick (~4 ms) longer, and a mean would carry those into every point of the fit."""
     op()  # the first call may set up connections
     _sync(device)
-    start = time.perf_counter()
-    op()
-    _sync(device)
-    k = max(1, min(20, int(2e-3 / max(time.perf_counter() - start, 1e-7))))
-    if group is not None:  # every rank must run the same number of calls
-        k_t = torch.tensor([k], device=device)
-        C.all_reduce(k_t, group, op=C.ReduceOp.MIN)
-        k = int(k_t.item())
-    samples = []
+    times = []
     for _ in range(repeats):
         C.barrier(group)
         _sync(device)
         start = time.perf_counter()
-        for _ in range(k):
-            op()
+        op()
         _sync(device)
-        samples.append((time.perf_counter() - start) / k)
-    return statistics.median(samples)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def message_elements(kind: str, nbytes: int, p: int) -> int:
@@ -185,6 +190,9 @@ def _collectives_worker(message_bytes, quick: bool, progress: bool) -> dict[str,
         for kind in KINDS:
             for nbytes in message_bytes:
                 n = message_elements(kind, nbytes, p)
+                if points[kind] and points[kind][-1][0] == n * FP32:  # rounded up to p elements
+                    bar.update(kind=kind)
+                    continue
                 op = _collective_op(kind, n, p, group, ctx.device)
                 points[kind].append([n * FP32, _median_time(op, group, ctx.device,
                                                             repeats_for(n * FP32, quick))])
@@ -216,14 +224,22 @@ def _p2p_worker(message_bytes, quick: bool, progress: bool) -> list[list]:
 
 
 def _fit_kinds(per_rank: list[dict], p: int) -> dict:
-    """Per kind: the slowest rank's median at each size, and the α–β fit on wire bytes."""
+    """Per kind: the slowest rank's median at each size, and the α–β fit on wire bytes.
+
+    When the times do not grow with the size (noise above every transfer time, e.g. ``--quick``
+    on a busy machine) the fit is replaced by bounds, ``"fit": "bounds"``: ``α = median t`` and
+    ``β = max x/t``, the lowest bandwidth the points allow (since ``t ≥ x/β``)."""
     out = {}
     for kind in KINDS:
         points = [[b, max(r[kind][i][1] for r in per_rank)]
                   for i, (b, _) in enumerate(per_rank[0][kind])]
         wire = [(wire_elements(kind, b // FP32, p) * FP32, t) for b, t in points]
-        alpha, beta = fit_alpha_beta(wire)
-        out[kind] = {"alpha_s": alpha, "bandwidth": beta,
+        try:
+            (alpha, beta), how = fit_alpha_beta(wire), "least squares"
+        except ValueError:
+            alpha, beta = statistics.median(t for _, t in wire), max(x / t for x, t in wire)
+            how = "bounds"
+        out[kind] = {"alpha_s": alpha, "bandwidth": beta, "fit": how,
                      "fit_rel_error": fit_rel_error(wire, alpha, beta), "points": points}
     return out
 

@@ -4,23 +4,25 @@ For each point ``(s, h, heads)`` the reference GPT (GELU family: ``preset("tiny"
 n_heads=heads, d_ff=4h, max_seq_len=s)``, 2 layers, vocabulary 256) is built from one seed and
 parallelised with ``parallelize(GPT(cfg), ctx, attention=strategy)`` for every strategy of
 :data:`ops_transformer.planner.ATTENTION_STRATEGIES` (``heads``, ``heads_allgather``, ``kv_split``,
-``naive``). One step is: forward with targets on a batch of 4 sequences, ``loss.backward()``,
-``SGD.step()``, ``zero_grad(set_to_none=True)``. The strategies are interleaved round by round (the
-order rotates each round); every rank runs one intra-op thread. Reported times are rank 0's
-per-step wall times (rank 1's pooled medians are printed beside them). A strategy that cannot run
-at a point (``heads`` with fewer heads than ranks) is listed with the reason; that point's ratios
-are then to the first strategy that can.
+``naive``); the embedding and LM head follow the plan's own ``vocab="auto"`` choice (printed). One
+step is: forward with targets on a batch of 4 sequences, ``loss.backward()``, ``SGD.step()``,
+``zero_grad(set_to_none=True)``. The strategies are interleaved round by round (the order rotates
+each round); every rank runs one intra-op thread. Reported times are rank 0's per-step wall times
+(rank 1's pooled medians are printed beside them). A strategy that cannot run at a point (``heads``
+with fewer heads than ranks) is listed with the reason; that point's ratios are then to the first
+strategy that can.
 
 Untimed, once per point:
 
 * the loss of every strategy's first step against ``heads``' (same weights, same batch);
-* the communication of one step from the ``CommLedger``: the whole step, and per layer (the ledger
-  of this 2-layer model minus that of a 1-layer model), forward and backward separately, against
-  ``layer_cost(...)`` — calls and elements must match exactly; wire bytes are what ring algorithms
-  send per rank (``wire_elements``);
-* the cost model's predicted time of the layers on ``CPU_GLOO`` (2 × the per-layer α–β
-  communication time + FLOPs / achieved FLOP/s). It leaves out the embedding, the LM head, the loss
-  and the optimizer, so compare its ratios between strategies rather than its absolute times.
+* the communication of one step from the ``CommLedger``, forward and backward separately: the whole
+  step against ``LAYERS × layer_cost(...) + vocab_cost(plan.vocab, ...)``, and per layer (the ledger
+  of this 2-layer model minus that of a 1-layer model) against ``layer_cost(...)`` — calls and
+  elements must match exactly; wire bytes are what ring algorithms send per rank
+  (``wire_elements``);
+* the cost model's predicted step time on ``CPU_GLOO``: α–β communication + FLOPs at the profile's
+  rate for the layers, embedding, head and loss. Norms, softmax, the optimizer and Python are not
+  modelled, so compare its ratios between strategies rather than its absolute times.
 
     python benchmarks/bench_attention.py --points 64x64x4,512x64x2 --rounds 8 --json out.json
 """
@@ -40,7 +42,7 @@ from ops_transformer import GPT, CommLedger, parallelize
 from ops_transformer.comm.ledger import wire_elements
 from ops_transformer.models import preset
 from ops_transformer.planner import (ATTENTION_STRATEGIES, CPU_GLOO, attention_problem,
-                                     layer_cost)
+                                     layer_cost, vocab_cost)
 
 from _common import (OtherLoad, format_paired, interleave, job_meta, method_stats,
                      time_steps)
@@ -131,7 +133,8 @@ def _calls_elements(summary: dict) -> dict:
 
 
 def _minus(a: dict, b: dict) -> dict:
-    """Per-kind calls and elements of ledger summary ``a`` less those of ``b`` (zero kinds dropped)."""
+    """Per-kind calls and elements of ledger summary ``a`` less those of ``b`` (kinds with no
+    calls left dropped)."""
     out = {}
     for kind, v in a.items():
         w = b.get(kind, {"calls": 0, "elements": 0})
@@ -145,15 +148,23 @@ def _wire_bytes(comm: dict, bytes_per_element: int = 4) -> float:
     return sum(wire_elements(k, c["elements"], TP) * bytes_per_element for k, c in comm.items())
 
 
-def predicted(point: Point, strategy: str) -> dict:
-    """The cost model for one layer (``layer_cost``) and for the ``LAYERS`` layers on ``PROFILE``."""
+def predicted(point: Point, strategy: str, vocab: str) -> dict:
+    """The cost model of one layer (``layer_cost``) and of the step: ``LAYERS`` layers plus the
+    embedding, LM head and loss in the plan's ``vocab`` mode (``vocab_cost``); the step's time on
+    ``PROFILE`` (α–β communication + FLOPs at the profile's rate; norms, softmax, the optimizer and
+    Python are not modelled)."""
     cfg = point.config()
-    cost = layer_cost(strategy, BATCH, point.s, point.h, point.heads, cfg.n_kv_heads, cfg.d_ff,
-                      TP, bias=cfg.bias)
-    comm_s, compute_s = PROFILE.comm_time(cost.total(), TP), PROFILE.compute_time(cost.flops)
-    return {"fwd": cost.fwd, "bwd": cost.bwd, "layer_wire_bytes": _wire_bytes(cost.total()),
-            "layer_comm_ms": 1e3 * comm_s, "layer_compute_ms": 1e3 * compute_s,
-            "layers_ms": 1e3 * LAYERS * (comm_s + compute_s)}
+    layer = layer_cost(strategy, BATCH, point.s, point.h, point.heads, cfg.n_kv_heads, cfg.d_ff,
+                       TP, bias=cfg.bias)
+    step = vocab_cost(vocab, BATCH, point.s, point.h, cfg.vocab_size, TP)
+    for _ in range(LAYERS):
+        step = step + layer
+    comm_s, compute_s = PROFILE.comm_time(step.total(), TP), PROFILE.compute_time(step.flops)
+    return {"fwd": layer.fwd, "bwd": layer.bwd, "layer_wire_bytes": _wire_bytes(layer.total()),
+            "step_fwd": step.fwd, "step_bwd": step.bwd,
+            "step_wire_bytes": _wire_bytes(step.total()),
+            "step_comm_ms": 1e3 * comm_s, "step_compute_ms": 1e3 * compute_s,
+            "step_ms": 1e3 * (comm_s + compute_s)}
 
 
 def measure_comms(point: Point, strategy: str, ctx, model, opt, batch) -> dict:
@@ -161,7 +172,9 @@ def measure_comms(point: Point, strategy: str, ctx, model, opt, batch) -> dict:
     loss, fwd2, bwd2, wire2 = ledger_step(model, opt, *batch)
     one = parallelize(dense_gpt(point.config(n_layers=1)), ctx, attention=strategy)
     _, fwd1, bwd1, wire1 = ledger_step(one, torch.optim.SGD(one.parameters(), lr=LR), *batch)
-    return {"first_loss": loss, "step": {"fwd": fwd2, "bwd": bwd2}, "step_wire_bytes": wire2,
+    plan = model.parallel_plan
+    return {"first_loss": loss, "vocab": getattr(plan, "vocab", "parallel"), "reason": plan.reason,
+            "step": {"fwd": fwd2, "bwd": bwd2}, "step_wire_bytes": wire2,
             "layer": {"fwd": _minus(fwd2, fwd1), "bwd": _minus(bwd2, bwd1)},
             "layer_wire_bytes": wire2 - wire1, "outside_wire_bytes": 2 * wire1 - wire2}
 
@@ -202,7 +215,7 @@ def summarise(per_rank: list[dict]) -> list[dict]:
         base = baseline(methods)
         stats = method_stats([rk["results"][i]["times"] for rk in per_rank], methods, base)
         base_loss = res0["comms"][base]["first_loss"]
-        model = {m: predicted(point, m) for m in methods}
+        model = {m: predicted(point, m, res0["comms"][m]["vocab"]) for m in methods}
         per_method = {}
         for m in methods:
             c, p = res0["comms"][m], model[m]
@@ -210,19 +223,23 @@ def summarise(per_rank: list[dict]) -> list[dict]:
                 "first_loss": c["first_loss"],
                 "loss_rel_diff": abs(c["first_loss"] - base_loss) / abs(base_loss),
                 "layer_ledger": c["layer"], "layer_model": {"fwd": p["fwd"], "bwd": p["bwd"]},
+                "vocab": c["vocab"], "plan_reason": c["reason"],
                 "layer_exact": (_calls_elements(c["layer"]["fwd"]) == p["fwd"]
                                 and _calls_elements(c["layer"]["bwd"]) == p["bwd"]),
+                "step_exact": (_calls_elements(c["step"]["fwd"]) == p["step_fwd"]
+                               and _calls_elements(c["step"]["bwd"]) == p["step_bwd"]),
                 "layer_wire_bytes": c["layer_wire_bytes"],
                 "layer_wire_bytes_model": p["layer_wire_bytes"],
                 "step_wire_bytes": c["step_wire_bytes"],
+                "step_wire_bytes_model": p["step_wire_bytes"],
                 "outside_wire_bytes": c["outside_wire_bytes"],
-                "model_layers_ms": p["layers_ms"], "model_layer_comm_ms": p["layer_comm_ms"],
-                "model_layer_compute_ms": p["layer_compute_ms"],
-                "model_ratio": p["layers_ms"] / model[base]["layers_ms"],
+                "model_step_ms": p["step_ms"], "model_step_comm_ms": p["step_comm_ms"],
+                "model_step_compute_ms": p["step_compute_ms"],
+                "model_ratio": p["step_ms"] / model[base]["step_ms"],
             }
         rows.append({"point": res0["point"], "name": res0["name"], "config": res0["config"],
-                     "methods": methods, "baseline": base, "problems": res0["problems"], "stats": stats,
-                     "per_method": per_method})
+                     "methods": methods, "baseline": base, "problems": res0["problems"],
+                     "stats": stats, "per_method": per_method})
     return rows
 
 
@@ -231,11 +248,14 @@ def _kb(x: float) -> str:
 
 
 def print_row(row: dict) -> None:
-    """The checks and the table of one point."""
+    """The checks and the tables of one point."""
     p, c, st, pm = row["point"], row["config"], row["stats"], row["per_method"]
     print(f"\n[{row['name']}] s={p['s']} h={p['h']} heads={p['heads']} (head_dim "
           f"{p['h'] // p['heads']}), d_ff={c['d_ff']}, {c['n_layers']} layers, batch {BATCH}, "
           f"vocab {c['vocab_size']}")
+    vocab = {(q["vocab"], q["plan_reason"].split("; ")[-1]) for q in pm.values()}
+    for mode, why in sorted(vocab):
+        print(f"  embedding / LM head: vocab {mode} (the plan's choice: {why})")
     for m, why in row["problems"].items():
         print(f"  {m}: not possible ({why})")
     if row["baseline"] != BASELINE:
@@ -247,22 +267,22 @@ def print_row(row: dict) -> None:
     for m in row["methods"]:
         q = pm[m]
         print(f"  {m:16s}{st['ms'][m]:9.2f}{st['ratio'][m]:8.2f}"
-              f"{format_paired(st['paired'][m]):>19s}{q['model_layers_ms']:10.2f}"
+              f"{format_paired(st['paired'][m]):>19s}{q['model_step_ms']:10.2f}"
               f"{q['model_ratio']:12.2f}{q['loss_rel_diff']:15.1e}")
-    head = (f"  {'strategy':16s}{'step KB':>9s}{'layer KB':>10s}{'model KB':>10s}"
-            f"{'/' + b:>8s}{'exact':>7s}{'outside KB':>12s}   per layer fwd | bwd (ledger)")
-    print("\n  wire bytes per rank (ring algorithms), measured by the CommLedger vs layer_cost:\n"
-          + head + "\n  " + "-" * (len(head) - 2))
+    head = (f"  {'strategy':16s}{'step KB':>9s}{'model KB':>10s}{'exact':>7s}{'layer KB':>10s}"
+            f"{'model KB':>10s}{'exact':>7s}{'/' + b:>8s}   per layer fwd | bwd (ledger)")
+    print("\n  wire bytes per rank (ring algorithms): CommLedger vs the model, per step and per "
+          "layer\n" + head + "\n  " + "-" * (len(head) - 2))
     base = pm[row["baseline"]]["layer_wire_bytes"]
     for m in row["methods"]:
         q = pm[m]
         calls = " | ".join(", ".join(f"{k} x{v['calls']} ({v['elements']})"
                                      for k, v in q["layer_ledger"][d].items())
                            for d in ("fwd", "bwd"))
-        print(f"  {m:16s}{_kb(q['step_wire_bytes']):>9s}{_kb(q['layer_wire_bytes']):>10s}"
-              f"{_kb(q['layer_wire_bytes_model']):>10s}{q['layer_wire_bytes'] / base:8.2f}"
-              f"{'yes' if q['layer_exact'] else 'NO':>7s}{_kb(q['outside_wire_bytes']):>12s}"
-              f"   {calls}")
+        print(f"  {m:16s}{_kb(q['step_wire_bytes']):>9s}{_kb(q['step_wire_bytes_model']):>10s}"
+              f"{'yes' if q['step_exact'] else 'NO':>7s}{_kb(q['layer_wire_bytes']):>10s}"
+              f"{_kb(q['layer_wire_bytes_model']):>10s}{'yes' if q['layer_exact'] else 'NO':>7s}"
+              f"{q['layer_wire_bytes'] / base:8.2f}   {calls}")
     spread = "  ".join(f"{m} {st['round_ms'][m][0]:.1f}-{st['round_ms'][m][1]:.1f}"
                        for m in row["methods"])
     rank1 = "  ".join(f"{m} {v[0]:.2f}" for m, v in st["other_ranks_ms"].items())
@@ -274,7 +294,7 @@ def print_report(rows: list[dict], meta: dict) -> None:
           f"tp={TP} on {TP} local ranks, {meta['threads_per_rank']} intra-op thread per rank, "
           f"{meta['cpus']} CPUs; rounds={meta['rounds']} steps={meta['steps']} "
           f"warmup={meta['warmup']}; SGD lr={LR}; times are rank 0's per-step medians; model: "
-          f"{LAYERS} x layer_cost on {PROFILE.name} (layers only)")
+          f"{LAYERS} x layer_cost + vocab_cost on {PROFILE.name}")
     for row in rows:
         print_row(row)
 

@@ -174,8 +174,8 @@ def rank_main(sizes: list[int], tokens: int, rounds: int, steps: int | None,
 
 
 def model_prediction(n: int, tokens: int) -> dict:
-    """``choose_split`` on each profile, the predicted wire bytes of each split, and whether the
-    measured ledger matches ``split_comm`` exactly (filled in by :func:`summarise`)."""
+    """``choose_split`` on each profile (its choice and predicted communication ms per split),
+    ``split_comm`` of each split, and the wire bytes per rank that it implies."""
     out = {}
     for name, profile in PROFILES.items():
         split, times = choose_split(tokens, n, n, TP, *LAYOUT, profile)

@@ -93,3 +93,11 @@ def test_ffn_and_tp1():
     assert attention_cost("heads", 2, 8, 64, 4, 4, 1).total() == {}
     with pytest.raises(ValueError, match="strategy must be one of"):
         attention_cost("rows", 2, 8, 64, 4, 4, 2)
+
+
+def test_replica_sums_are_priced_on_their_own_group():
+    c = attention_cost("heads", 2, 8, 64, 4, 2, 4, bias=False)  # 2 KV heads at tp 4: pairs
+    (p_main, main), (p_sub, sub) = c.priced()
+    assert (p_main, p_sub) == (4, 2)
+    assert sub == {"all_reduce": {"calls": 2, "elements": 2 * 16 * 64}}
+    assert main == {"all_reduce": {"calls": 2, "elements": 2 * 2 * 8 * 64}}

@@ -62,9 +62,11 @@ def attention_options(cfg, tp: int, *, batch: int, seq: int,
             continue
         cost = attention_cost(strategy, batch, seq, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, tp,
                               dtype, bias=cfg.bias)
-        total = cost.total()
-        wire = sum(wire_elements(k, c["elements"], tp) * size for k, c in total.items())
-        options.append(Option(strategy, None, profile.comm_time(total, tp, size),
+        priced = cost.priced()  # each collective on its own group (KV replicas: a subgroup)
+        wire = sum(wire_elements(k, c["elements"], p) * size
+                   for p, comm in priced for k, c in comm.items())
+        options.append(Option(strategy, None,
+                              sum(profile.comm_time(comm, p, size) for p, comm in priced),
                               profile.compute_time(cost.flops), wire))
     return options
 
@@ -94,7 +96,8 @@ def choose_vocab(cfg, tp: int, *, batch: int, seq: int,
     times = {}
     for mode in VOCAB_MODES:
         cost = vocab_cost(mode, batch, seq, cfg.d_model, cfg.vocab_size, tp)
-        times[mode] = profile.comm_time(cost.total(), tp) + profile.compute_time(cost.flops)
+        times[mode] = (sum(profile.comm_time(comm, p) for p, comm in cost.priced())
+                       + profile.compute_time(cost.flops))
     mode = min(times, key=times.get)
     other = next(m for m in VOCAB_MODES if m != mode)
     return mode, (f"vocab {mode}: predicted {times[mode] * 1e3:.3g} ms/step vs {other} "

@@ -126,11 +126,12 @@ def step_time(model, cluster, o: Options, peak_flops: float) -> dict[str, float]
     compute = flops / cluster.count / (peak_flops * EFFICIENCY)
     layer = layer_cost(o.attention, o.micro_batch, model.seq, model.hidden, model.heads,
                        model.kv_heads, model.ffn // o.ep if model.experts > 1 else model.ffn,
-                       o.tp, swiglu=model.ffn_type == "swiglu").total()
-    tp_comm = model.layers * micro_steps * _collectives_time(
-        layer, o.tp, _bandwidth(cluster, o.tp), size)
-    tp_bytes = model.layers * micro_steps * sum(
-        wire_elements(k, c["elements"], o.tp) for k, c in layer.items()) * size
+                       o.tp, swiglu=model.ffn_type == "swiglu").priced()
+    link = _bandwidth(cluster, o.tp)
+    tp_comm = model.layers * micro_steps * sum(_collectives_time(comm, p, link, size)
+                                               for p, comm in layer)
+    tp_bytes = model.layers * micro_steps * size * sum(
+        wire_elements(k, c["elements"], p) for p, comm in layer for k, c in comm.items())
     grads = _params_per_gpu(model, o)
     dp_elems = {"all_reduce": {"calls": 1, "elements": int(grads)}}
     if o.zero_stage == 3:

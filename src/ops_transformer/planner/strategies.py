@@ -32,6 +32,17 @@ class LayerCost:
     bwd: Comm = field(default_factory=dict)
     flops: float = 0.0
     activation_bytes: float = 0.0
+    group_size: int = 1  # the TP group the collectives run on
+    subgroup: Comm = field(default_factory=dict)  # the part of fwd + bwd on a smaller group
+    subgroup_size: int = 1  # (replicated KV heads: tp / n_kv_heads ranks)
+
+    def priced(self) -> list[tuple[int, Comm]]:
+        """``(group size, collectives)`` pairs, for pricing each on its own group."""
+        main = {k: {f: c[f] - self.subgroup.get(k, {}).get(f, 0) for f in c}
+                for k, c in self.total().items()}
+        main = {k: c for k, c in main.items() if c["calls"]}
+        return [(p, comm) for p, comm in ((self.group_size, main),
+                                          (self.subgroup_size, self.subgroup)) if comm]
 
     def total(self) -> Comm:
         out: Comm = {}
@@ -44,7 +55,10 @@ class LayerCost:
 
     def __add__(self, other: LayerCost) -> LayerCost:
         return LayerCost(_merge(self.fwd, other.fwd), _merge(self.bwd, other.bwd),
-                         self.flops + other.flops, self.activation_bytes + other.activation_bytes)
+                         self.flops + other.flops, self.activation_bytes + other.activation_bytes,
+                         max(self.group_size, other.group_size),
+                         _merge(self.subgroup, other.subgroup),
+                         max(self.subgroup_size, other.subgroup_size))
 
 
 def _merge(a: Comm, b: Comm) -> Comm:
@@ -124,14 +138,16 @@ def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: 
     if strategy in ("heads", "heads_allgather") and tp > kv_heads:  # wk.weight, wv.weight, wv.bias
         replica = (("all_reduce", head_dim * h), ("all_reduce", head_dim * h),
                    ("all_reduce", head_dim if bias else 0))
+    groups = {"group_size": tp, "subgroup": _comm(*replica),
+              "subgroup_size": tp // kv_heads if replica else 1}
     if strategy == "heads":
         return LayerCost(_comm(("all_reduce", bsh)), _comm(("all_reduce", bsh), *replica),
                          _attention_flops(b, s, h, kv_dim, tp),
-                         _attention_activations(b, s, h, heads, tp, dtype, tp))
+                         _attention_activations(b, s, h, heads, tp, dtype, tp), **groups)
     if strategy == "heads_allgather":
         return LayerCost(_comm(("all_gather", bsh)), _comm(("all_reduce", bsh), *replica),
                          _attention_flops(b, s, h, kv_dim, tp, replicated_out=True),
-                         _attention_activations(b, s, h, heads, tp, dtype, tp))
+                         _attention_activations(b, s, h, heads, tp, dtype, tp), **groups)
     if strategy == "kv_split":
         scores, v = b * heads * s * s, b * s * kv_dim
         return LayerCost(
@@ -139,13 +155,13 @@ def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: 
             _comm(("all_gather", scores), ("reduce_scatter", v), ("all_reduce", bsh),
                   ("all_reduce", h * h), ("all_reduce", h if bias else 0)),
             _attention_flops(b, s, h, kv_dim, tp),
-            _attention_activations(b, s, h, heads, tp, dtype, tp, extra_scores=2 * scores))
+            _attention_activations(b, s, h, heads, tp, dtype, tp, extra_scores=2 * scores), tp)
     kv = b * s * kv_dim  # naive
     return LayerCost(
         _comm(("all_gather", bsh), ("all_gather", kv), ("all_gather", kv), ("all_gather", bsh)),
         _comm(*[("all_reduce", bsh)] * 4),
         _attention_flops(b, s, h, kv_dim, tp, replicated_core=True),
-        _attention_activations(b, s, h, heads, tp, dtype, 1))
+        _attention_activations(b, s, h, heads, tp, dtype, 1), tp)
 
 
 def ffn_cost(b: int, s: int, h: int, ffn: int, tp: int, dtype=torch.float32, *,
@@ -161,7 +177,7 @@ def ffn_cost(b: int, s: int, h: int, ffn: int, tp: int, dtype=torch.float32, *,
     act = (_bytes(dtype) / 2) * (2 * bsh + 4 * b * s * ffn * (mats - 1) / tp)
     if tp == 1:
         return LayerCost(flops=flops, activation_bytes=act)
-    return LayerCost(_comm(("all_reduce", bsh)), _comm(("all_reduce", bsh)), flops, act)
+    return LayerCost(_comm(("all_reduce", bsh)), _comm(("all_reduce", bsh)), flops, act, tp)
 
 
 def layer_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: int, ffn: int,
@@ -194,4 +210,4 @@ def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
     if mode == "replicated" or tp == 1:
         return LayerCost(flops=flops, activation_bytes=logits)
     return LayerCost(_comm(("all_reduce", bsh), ("all_reduce", tokens), ("all_reduce", 2 * tokens)),
-                     _comm(("all_reduce", bsh)), flops, logits)
+                     _comm(("all_reduce", bsh)), flops, logits, tp)

@@ -103,3 +103,20 @@ def test_train_accepts_a_plan(tmp_path, capsys):
                  "--no-progress", "--out", str(tmp_path / "run")]) == 0
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert (metrics["tp"], metrics["dp"]) == (best["tp"], best["dp"])
+
+
+def _parallelize_with(layout):
+    from ops_transformer import GPT, init_parallel, parallelize
+    from ops_transformer.models import preset
+
+    ctx = init_parallel(tp=2)
+    model = parallelize(GPT(preset("tiny")), ctx, plan=layout)
+    return model.parallel_plan.attention
+
+
+def test_parallelize_accepts_a_planner_layout(run_ranks):
+    layout = {"dp": 1, "tp": 2, "ep": 1, "attention": "heads_allgather"}
+    assert run_ranks(_parallelize_with, 2, layout) == ["heads_allgather"] * 2
+    with pytest.raises(ValueError, match=r"the plan is for dp=2 × tp=1, but this job runs dp=1 × "
+                                         r"tp=2"):
+        run_ranks(_parallelize_with, 2, {**layout, "dp": 2, "tp": 1})

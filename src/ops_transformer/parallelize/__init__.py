@@ -50,7 +50,17 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
                  loss_parallel: bool = False, vocab: str = "auto") -> Plan:
     if isinstance(plan, Plan):
         return plan
-    if isinstance(plan, dict):
+    if isinstance(plan, dict) and "best" in plan and "candidates" in plan:  # a planner result
+        if plan["best"] is None:
+            raise ValueError("the planner found no layout that fits (its 'best' is null)")
+        plan = plan["best"]
+    if isinstance(plan, dict) and {"tp", "dp", "attention"} <= set(plan):  # a planner layout
+        if (plan["tp"], plan["dp"]) != (ctx.tp_size, ctx.dp_size):
+            raise ValueError(f"the plan is for dp={plan['dp']} × tp={plan['tp']}, but this job "
+                             f"runs dp={ctx.dp_size} × tp={ctx.tp_size}")
+        attention = plan["attention"]
+        plan = "auto"
+    elif isinstance(plan, dict):
         return Plan.from_dict(plan)
     if plan != "auto":
         raise ValueError(f"plan must be 'auto', a Plan or a dict, got {plan!r}")

@@ -177,4 +177,9 @@ def test_load_profile_errors(tmp_path):
     bad.write_text(json.dumps({"name": "x", "collectives": {}}))
     with pytest.raises(ValueError, match="not a calibration profile"):
         load_profile(bad)
+    assert default_profile_path().name == "no-profile.json"  # conftest points it away
+
+
+def test_default_profile_path_without_override(monkeypatch):
+    monkeypatch.delenv("OPS_TRANSFORMER_PROFILE")
     assert default_profile_path().parts[-3:] == (".cache", "ops-transformer", "profile.json")

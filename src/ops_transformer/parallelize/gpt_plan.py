@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ..models.gpt import GPTConfig
 from ..planner.choose import attention_problem, choose_attention, choose_vocab
-from ..planner.hardware import CPU_GLOO, HardwareProfile
+from ..planner.hardware import HardwareProfile
 from ..planner.strategies import ATTENTION_STRATEGIES, VOCAB_MODES
 from .plan import Plan
 
@@ -63,11 +63,11 @@ def _attention_rules(cfg: GPTConfig, attention: str) -> dict:
 
 def gpt_plan(cfg: GPTConfig, tp: int, attention: str = "auto", *, vocab: str = "auto",
              batch: int = AUTO_BATCH, seq: int | None = None,
-             profile: HardwareProfile = CPU_GLOO) -> Plan:
+             profile: HardwareProfile | None = None) -> Plan:
     """The plan for ``GPT(cfg)`` at ``tp`` ranks. ``auto`` (attention, and ``vocab``: split the
     embedding and LM head or keep them replicated) ranks the options by predicted time for a
     micro-batch of ``batch`` sequences of ``seq`` tokens (default ``cfg.max_seq_len``) on
-    ``profile``."""
+    ``profile`` (default: this machine's calibrated profile, else the built-in one)."""
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
     if vocab not in ("auto",) + VOCAB_MODES:

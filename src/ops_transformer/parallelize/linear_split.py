@@ -26,7 +26,8 @@ from torch import nn
 
 from ..comm.primitives import all_gather_along, scatter_to_tp_region
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, dense_weight
-from ..planner.hardware import CPU_GLOO, HardwareProfile
+from ..planner.choose import resolve_profile
+from ..planner.hardware import HardwareProfile
 
 LAYOUTS = ("replicated", "sharded")
 
@@ -63,9 +64,10 @@ def split_comm(split: str, tokens: int, in_features: int, out_features: int,
 
 
 def choose_split(tokens: int, in_features: int, out_features: int, tp: int, input_layout: str,
-                 output_layout: str, profile: HardwareProfile = CPU_GLOO,
+                 output_layout: str, profile: HardwareProfile | None = None,
                  bytes_per_element: int = 4) -> tuple[str, dict[str, float]]:
     """``(split, predicted seconds per option)``; ties go to column."""
+    profile = resolve_profile(profile)
     times = {}
     for split in ("column", "row"):
         comm = split_comm(split, tokens, in_features, out_features, input_layout, output_layout)
@@ -93,7 +95,7 @@ class _SliceOutput(nn.Module):
 
 def parallel_linear(linear: nn.Module, ctx, split: str = "auto", *,
                     input_layout: str = "replicated", output_layout: str = "replicated",
-                    tokens: int = 2048, profile: HardwareProfile = CPU_GLOO) -> nn.Module:
+                    tokens: int = 2048, profile: HardwareProfile | None = None) -> nn.Module:
     """The column- or row-parallel form of ``linear`` for the given input and output layouts.
 
     ``split="auto"`` picks the cheaper one for ``tokens`` rows per call on ``profile``; the result

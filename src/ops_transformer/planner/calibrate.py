@@ -283,7 +283,9 @@ def calibrate(world_sizes=(2, 4), *, quick: bool = False, progress: bool = True,
 
 
 def default_profile_path() -> Path:
-    return Path.home() / ".cache" / "ops-transformer" / "profile.json"
+    """``$OPS_TRANSFORMER_PROFILE`` if set, else ``~/.cache/ops-transformer/profile.json``."""
+    override = os.environ.get("OPS_TRANSFORMER_PROFILE")
+    return Path(override) if override else Path.home() / ".cache" / "ops-transformer" / "profile.json"
 
 
 def save_profile(profile: dict, path=None) -> Path:

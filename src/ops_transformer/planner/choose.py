@@ -6,8 +6,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .hardware import CPU_GLOO, HardwareProfile
+from .hardware import HardwareProfile
 from .strategies import ATTENTION_STRATEGIES, VOCAB_MODES, attention_cost, vocab_cost
+
+
+def resolve_profile(profile: HardwareProfile | None) -> HardwareProfile:
+    """``profile``, or this machine's: the calibrated one if written, else the built-in one."""
+    if profile is not None:
+        return profile
+    from .local import local_profile
+
+    return local_profile()
 
 
 def attention_problem(cfg, tp: int, strategy: str, seq: int | None = None) -> str | None:
@@ -49,10 +58,11 @@ class Option:
 
 
 def attention_options(cfg, tp: int, *, batch: int, seq: int,
-                      profile: HardwareProfile = CPU_GLOO, dtype=torch.float32) -> list[Option]:
+                      profile: HardwareProfile | None = None, dtype=torch.float32) -> list[Option]:
     """Predicted time of one layer's attention (training step, one rank) per strategy."""
     from ..comm.ledger import wire_elements
 
+    profile = resolve_profile(profile)
     size = torch.empty((), dtype=dtype).element_size()
     options = []
     for strategy in ATTENTION_STRATEGIES:
@@ -72,8 +82,9 @@ def attention_options(cfg, tp: int, *, batch: int, seq: int,
 
 
 def choose_attention(cfg, tp: int, *, batch: int, seq: int,
-                     profile: HardwareProfile = CPU_GLOO) -> tuple[str, str]:
+                     profile: HardwareProfile | None = None) -> tuple[str, str]:
     """``(strategy, reason)``: the valid strategy with the least predicted time."""
+    profile = resolve_profile(profile)
     options = attention_options(cfg, tp, batch=batch, seq=seq, profile=profile)
     valid = sorted((o for o in options if o.problem is None), key=lambda o: o.time_s)
     if not valid:
@@ -89,10 +100,11 @@ def choose_attention(cfg, tp: int, *, batch: int, seq: int,
 
 
 def choose_vocab(cfg, tp: int, *, batch: int, seq: int,
-                 profile: HardwareProfile = CPU_GLOO) -> tuple[str, str]:
+                 profile: HardwareProfile | None = None) -> tuple[str, str]:
     """``(mode, reason)``: shard the embedding and LM head over the vocabulary (4 collectives per
     step, ``1/tp`` of the head's FLOPs and logits) or keep them replicated (no collectives), by
     predicted time. A large vocabulary is split; a byte-level one usually is not."""
+    profile = resolve_profile(profile)
     times = {}
     for mode in VOCAB_MODES:
         cost = vocab_cost(mode, batch, seq, cfg.d_model, cfg.vocab_size, tp)

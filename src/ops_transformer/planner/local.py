@@ -12,6 +12,7 @@ import os
 from .catalogue import GPU, Link
 from .hardware import CPU_GLOO
 from .specs import ClusterSpec
+from .topology import detect_topology
 
 
 def _ram_bytes() -> int:
@@ -22,7 +23,9 @@ def _ram_bytes() -> int:
 
 
 def local_profile():
-    """The calibrated profile if one was written, else the rough built-in one."""
+    """The calibrated profile if one was written (``ops-transformer calibrate``), else the rough
+    built-in :data:`CPU_GLOO`. The default of every cost-model choice (``attention="auto"``, the
+    vocabulary split, ``parallel_linear``)."""
     from .calibrate import default_profile_path, load_profile
 
     path = default_profile_path()
@@ -30,14 +33,18 @@ def local_profile():
 
 
 def local_cluster(ranks: int) -> ClusterSpec:
+    """``ranks`` local processes: the detected topology's link (loopback on a CPU machine) with
+    the profile's α and β, the profile's matmul rate, and the RAM shared by the ranks."""
     if ranks < 1:
         raise ValueError(f"--gpus must be at least 1, got {ranks}")
+    topology = detect_topology()
     profile = local_profile()
     flops = profile.matmul_flops
-    device = GPU("local-cpu", bf16_flops=flops, fp16_flops=flops, fp32_flops=flops,
+    device = GPU(f"local-{topology.kind} ({topology.source})", bf16_flops=flops, fp16_flops=flops, fp32_flops=flops,
                  memory_bytes=_ram_bytes() // ranks, memory_bandwidth=10e9, intra_link="loopback",
                  gpus_per_node=ranks, vendor="cpu")
     # a ring all-reduce over 2 ranks has 2 steps: the measured α is split over them
-    link = Link("loopback", bandwidth=profile.bandwidth, latency_s=profile.alpha_s / 2)
+    link = Link(topology.intra_link_name(), bandwidth=profile.bandwidth,
+                latency_s=profile.alpha_s / 2)
     return ClusterSpec(gpu=device, count=ranks, gpus_per_node=ranks, intra_link=link,
                        inter_link=None)

@@ -173,3 +173,21 @@ def job_meta(rank0: dict, args, **extra) -> dict:
     meta.update(extra)
     return meta
 
+
+
+def finish(t0: float, json_path: str | None, payload: dict,
+           other_cores: float | None = None, measured_load: bool = True) -> None:
+    """The closing lines every benchmark prints: wall time (and the load other processes put on
+    the machine meanwhile), then the JSON results when asked for."""
+    import json
+    import time as _time
+
+    line = f"\ntotal wall time {_time.perf_counter() - t0:.1f} s"
+    if measured_load:
+        load = "unknown" if other_cores is None else f"{other_cores:.2f} cores"
+        line += f"; other processes kept {load} busy on average meanwhile"
+    print(line)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"wrote {json_path}")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 from dataclasses import asdict, dataclass
 
@@ -44,6 +43,7 @@ from ops_transformer.models import preset
 from ops_transformer.planner import (ATTENTION_STRATEGIES, CPU_GLOO, attention_problem,
                                      layer_cost, vocab_cost)
 
+from _common import finish
 from _common import (OtherLoad, format_paired, interleave, job_meta, method_stats,
                      time_steps)
 
@@ -350,13 +350,7 @@ def main(argv=None) -> None:
                     reported="rank 0 per-step median")
     rows = summarise(per_rank)
     print_report(rows, meta)
-    load = "unknown" if other_cores is None else f"{other_cores:.2f} cores"
-    print(f"\ntotal wall time {time.perf_counter() - t0:.1f} s; other processes kept {load} busy "
-          f"on average meanwhile")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows, "raw": per_rank}, f, indent=1)
-        print(f"wrote {args.json}")
+    finish(t0, args.json, {"meta": meta, "rows": rows, "raw": per_rank}, other_cores)
 
 
 if __name__ == "__main__":

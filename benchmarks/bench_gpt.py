@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import time
@@ -51,6 +50,7 @@ import ops_transformer
 from ops_transformer import GPT, CommLedger, ParallelContext, Plan, parallelize
 from ops_transformer.models import preset
 
+from _common import finish
 from _common import (OtherLoad, check_counts, format_paired, interleave, median_ms,
                      paired_ratio, source_version, time_steps)
 
@@ -352,13 +352,7 @@ def main(argv=None) -> None:
             "other_load_cores": other_cores, "reported": "rank 0 per-step median"}
     rows = summarise(per_rank)
     print_report(rows, meta)
-    load = "unknown" if other_cores is None else f"{other_cores:.2f} of {os.cpu_count()} cores"
-    print(f"\ntotal wall time {time.perf_counter() - t0:.1f} s; other processes kept {load} busy "
-          f"on average meanwhile")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows, "raw": per_rank}, f, indent=1)
-        print(f"wrote {args.json}")
+    finish(t0, args.json, {"meta": meta, "rows": rows, "raw": per_rank}, other_cores)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ two shard shapes multiply are not modelled.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -44,6 +43,7 @@ from ops_transformer.comm.ledger import wire_elements
 from ops_transformer.parallelize.linear_split import choose_split, split_comm
 from ops_transformer.planner import A100_NVLINK, CPU_GLOO
 
+from _common import finish
 from _common import (OtherLoad, format_paired, interleave, job_meta, method_stats,
                      paired_ratio, rel_err, time_steps)
 
@@ -295,13 +295,7 @@ def main(argv=None) -> None:
                     other_load_cores=other_cores, reported="rank 0 per-step median")
     rows = summarise(per_rank)
     print_report(rows, meta)
-    load = "unknown" if other_cores is None else f"{other_cores:.2f} cores"
-    print(f"\ntotal wall time {time.perf_counter() - t0:.1f} s; other processes kept {load} busy "
-          f"on average meanwhile")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows, "raw": per_rank}, f, indent=1)
-        print(f"wrote {args.json}")
+    finish(t0, args.json, {"meta": meta, "rows": rows, "raw": per_rank}, other_cores)
 
 
 if __name__ == "__main__":

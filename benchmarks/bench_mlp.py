@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import time
@@ -38,6 +37,7 @@ from torch import nn
 import ops_transformer
 from ops_transformer import ColumnParallelLinear, CommLedger, RowParallelLinear
 
+from _common import finish
 from _common import (check_counts, format_paired, interleave, median_ms, paired_ratio, rel_err,
                      source_version, time_steps)
 
@@ -274,11 +274,7 @@ def main(argv=None) -> None:
             "reported": "rank 0 per-step median"}
     rows = summarise(per_rank)
     print_report(rows, meta)
-    print(f"\ntotal wall time {time.perf_counter() - t0:.1f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows, "raw": per_rank}, f, indent=1)
-        print(f"wrote {args.json}")
+    finish(t0, args.json, {"meta": meta, "rows": rows, "raw": per_rank}, measured_load=False)
 
 
 if __name__ == "__main__":

@@ -90,14 +90,15 @@ def dense_gpt(cfg) -> GPT:
 
 
 def applied_plan(model: nn.Module) -> Plan:
-    """The plan ``parallelize`` applied (``parallel_plan``; ``tp_plan`` in older versions)."""
-    return getattr(model, "parallel_plan", None) or model.tp_plan
+    """The plan ``parallelize`` applied."""
+    return model.parallel_plan
 
 
 def projections_plan(full: Plan) -> Plan:
     """``full`` without the embedding and LM-head rules: the projections DTensor gets."""
     rules = {k: v for k, v in full.rules.items() if k not in ("tok_emb", "lm_head")}
-    return Plan(rules=rules, attention=full.attention, reason="projections only (as DTensor)")
+    return Plan(rules=rules, attention=full.attention, reason="projections only (as DTensor)",
+                vocab="replicated")
 
 
 def dtensor_gpt(cfg, tp_mesh) -> nn.Module:

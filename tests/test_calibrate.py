@@ -11,9 +11,9 @@ import pytest
 from ops_transformer.cli.calibrate import parse_world_sizes, summary
 from ops_transformer.cli.main import main
 from ops_transformer.comm.ledger import wire_elements
-from ops_transformer.planner.calibrate import (KINDS, CalibratedProfile, _fit_kinds, crossover,
-                                               default_profile_path, fit_alpha_beta,
-                                               fit_rel_error, load_profile, message_elements)
+from ops_transformer.planner.calibrate import (KINDS, _fit_kinds, crossover, fit_alpha_beta,
+                                               fit_rel_error, message_elements)
+from ops_transformer.planner.profile import CalibratedProfile, default_profile_path, load_profile
 from ops_transformer.planner.hardware import HardwareProfile
 
 SIZES = [4 * 4 ** k for k in range(12)]  # 4 B … 16 MiB

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from ..planner.calibrate import calibrate, default_profile_path, save_profile
+from ..planner.calibrate import calibrate
+from ..planner.profile import default_profile_path, save_profile
 from ..utils.progress import format_table
 
 HELP = ("measure matmul FLOP/s, collective latency and bandwidth, and the point-to-point "

@@ -1,9 +1,21 @@
-"""Cost model: what each strategy communicates and computes, hardware profiles, and choices."""
+"""The planner and cost model: what each strategy communicates and computes, hardware catalogue
+and profiles, memory, the layout search, calibration and topology."""
 
+from .catalogue import GPUS, LINKS, gpu, link
 from .choose import attention_options, attention_problem, choose_attention, choose_vocab
 from .hardware import A100_NVLINK, CPU_GLOO, HardwareProfile
+from .memory import activation_bytes_per_layer, model_state_bytes
+from .profile import CalibratedProfile, load_profile
+from .search import search
+from .specs import MODEL_PRESETS, ClusterSpec, ModelSpec
 from .strategies import (ATTENTION_STRATEGIES, VOCAB_MODES, LayerCost, attention_cost, ffn_cost,
                          layer_cost, vocab_cost)
+from .topology import Topology, detect_topology
 
-__all__ = ["A100_NVLINK", "ATTENTION_STRATEGIES", "CPU_GLOO", "HardwareProfile", "LayerCost", "attention_cost",
-           "attention_options", "attention_problem", "choose_attention", "ffn_cost", "layer_cost", "VOCAB_MODES", "vocab_cost", "choose_vocab"]
+__all__ = [
+    "A100_NVLINK", "ATTENTION_STRATEGIES", "CPU_GLOO", "CalibratedProfile", "ClusterSpec", "GPUS",
+    "HardwareProfile", "LINKS", "LayerCost", "MODEL_PRESETS", "ModelSpec", "Topology",
+    "VOCAB_MODES", "activation_bytes_per_layer", "attention_cost", "attention_options",
+    "attention_problem", "choose_attention", "choose_vocab", "detect_topology", "ffn_cost", "gpu",
+    "layer_cost", "link", "load_profile", "model_state_bytes", "search", "vocab_cost",
+]

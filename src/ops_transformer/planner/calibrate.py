@@ -28,13 +28,10 @@ The profile (JSON, keys are strings)::
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -43,7 +40,6 @@ from ..comm.ledger import wire_elements
 from ..parallel.context import init_parallel
 from ..parallel.launch import launch
 from ..utils.progress import Progress
-from .hardware import HardwareProfile
 from .topology import detect_topology
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -280,76 +276,3 @@ def calibrate(world_sizes=(2, 4), *, quick: bool = False, progress: bool = True,
             "machine": machine, "matmul_flops": {str(n): f for n, f in flops.items()},
             "matmul_flops_best": max(flops.values()), "collectives": collectives,
             "p2p_threshold_bytes": threshold, "p2p": {"small_messages": small, "points": p2p}}
-
-
-def default_profile_path() -> Path:
-    """``$OPS_TRANSFORMER_PROFILE`` if set, else ``~/.cache/ops-transformer/profile.json``."""
-    override = os.environ.get("OPS_TRANSFORMER_PROFILE")
-    return Path(override) if override else Path.home() / ".cache" / "ops-transformer" / "profile.json"
-
-
-def save_profile(profile: dict, path=None) -> Path:
-    """Write ``profile`` as JSON (atomically: a temporary file, then a rename); returns the path."""
-    path = Path(path) if path is not None else default_profile_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(profile, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-@dataclass(frozen=True)
-class CalibratedProfile(HardwareProfile):
-    """A measured :class:`HardwareProfile`: the base ``alpha_s``/``bandwidth`` are the all-reduce's
-    at the smallest measured world size (2); ``per_kind[p][kind] = (α, β)`` gives each kind its
-    own, taken from the measured world size nearest the group (ties: the larger). Kinds never
-    measured (broadcast, send) fall back to the base figures."""
-
-    per_kind: dict = field(default_factory=dict, compare=False, repr=False)
-    matmul_by_size: dict = field(default_factory=dict, compare=False, repr=False)
-    p2p_threshold_bytes: int | None = None
-
-    def alpha_beta(self, kind: str, group_size: int) -> tuple[float, float]:
-        if not self.per_kind:
-            return self.alpha_s, self.bandwidth
-        p = min(self.per_kind, key=lambda q: (abs(q - group_size), -q))
-        return self.per_kind[p].get(kind, (self.alpha_s, self.bandwidth))
-
-    def collective_time(self, kind: str, elements: int, group_size: int,
-                        bytes_per_element: int = 4) -> float:
-        """``α_k + wire_elements(kind, n, p) · bytes / β_k``."""
-        if group_size <= 1 or elements <= 0:
-            return 0.0
-        alpha, beta = self.alpha_beta(kind, group_size)
-        return alpha + wire_elements(kind, elements, group_size) * bytes_per_element / beta
-
-    def comm_time(self, comm: dict, group_size: int, bytes_per_element: int = 4) -> float:
-        """``Σ_k calls_k·α_k + wire_elements(k, elements_k, p) · bytes / β_k``."""
-        return sum(c["calls"] * self.alpha_beta(kind, group_size)[0]
-                   + wire_elements(kind, c["elements"], group_size) * bytes_per_element
-                   / self.alpha_beta(kind, group_size)[1]
-                   for kind, c in comm.items() if group_size > 1)
-
-
-def load_profile(path=None) -> CalibratedProfile:
-    """Read a profile written by ``ops-transformer calibrate`` (default
-    :func:`default_profile_path`)."""
-    path = Path(path) if path is not None else default_profile_path()
-    if not path.is_file():
-        raise ValueError(f"no hardware profile at {path}: run `ops-transformer calibrate` first")
-    data = json.loads(path.read_text())
-    missing = [k for k in ("name", "matmul_flops_best", "collectives") if k not in data]
-    if missing or not data["collectives"]:
-        raise ValueError(f"{path} is not a calibration profile: missing {missing or 'collectives'}")
-    per_kind = {int(p): {kind: (float(v["alpha_s"]), float(v["bandwidth"]))
-                         for kind, v in kinds.items()}
-                for p, kinds in data["collectives"].items()}
-    base = per_kind[min(per_kind)]
-    if "all_reduce" not in base:
-        raise ValueError(f"{path} has no all_reduce measurement at world size {min(per_kind)}")
-    alpha, beta = base["all_reduce"]
-    return CalibratedProfile(data["name"], float(data["matmul_flops_best"]), alpha, beta,
-                             per_kind=per_kind,
-                             matmul_by_size={int(n): float(f)
-                                             for n, f in data.get("matmul_flops", {}).items()},
-                             p2p_threshold_bytes=data.get("p2p_threshold_bytes"))

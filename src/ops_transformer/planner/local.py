@@ -26,7 +26,7 @@ def local_profile():
     """The calibrated profile if one was written (``ops-transformer calibrate``), else the rough
     built-in :data:`CPU_GLOO`. The default of every cost-model choice (``attention="auto"``, the
     vocabulary split, ``parallel_linear``)."""
-    from .calibrate import default_profile_path, load_profile
+    from .profile import default_profile_path, load_profile
 
     path = default_profile_path()
     return load_profile(path) if path.exists() else CPU_GLOO

@@ -98,9 +98,9 @@ def test_vocab_parallel_cross_entropy(run_ranks, tp, reduction, smoothing, vocab
     if tp == 1:
         assert fwd == {} and bwd == {}
         return
-    stats = 3 if smoothing else 2  # sum-exp, target logit (+ sum of logits for smoothing)
-    assert fwd == {"all_reduce": {"calls": 2, "elements": n + stats * n,
-                                  "bytes": 4 * (n + stats * n)}}
+    stats = 4 if smoothing else 3  # max, sum-exp, target logit (+ sum of logits for smoothing)
+    assert fwd == {"all_gather": {"calls": 1, "elements": tp * stats * n,
+                                  "bytes": 4 * tp * stats * n}}  # one collective
     assert bwd == {}  # the backward is local: logits are never gathered
 
 

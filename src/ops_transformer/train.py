@@ -83,8 +83,8 @@ def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch:
     """The tensor-parallel collectives of one training step on one rank, from the cost model
     (:func:`ops_transformer.planner.layer_cost`, checked against the ledger by the tests), for a
     local micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` layers, plus — with a
-    vocab-parallel embedding and head — the embedding's all-reduce (``b·s·h``) and the loss's two
-    (``N`` and ``2N`` elements, ``N = b·s``) in forward and the LM head's input-gradient
+    vocab-parallel embedding and head — the embedding's all-reduce (``b·s·h``) and the loss's
+    all-gather (``tp·3N`` elements, ``N = b·s``) in forward and the LM head's input-gradient
     all-reduce in backward (:func:`~ops_transformer.planner.vocab_cost`)."""
     if tp == 1:
         return {}

@@ -18,8 +18,8 @@ class VocabParallelLMHead(nn.Module):
 
     * with ``targets``: this rank's logit columns ``(…, V_padded/tp)`` and the loss from
       :func:`vocab_parallel_cross_entropy` — the full logits are never assembled.
-      Forward: the loss's two all-reduces (``N`` and ``2N`` elements for ``N`` tokens); backward:
-      one all-reduce of ``∂L/∂x`` (``N·d``).
+      Forward: the loss's one all-gather (``tp·3N`` elements for ``N`` tokens); backward: one
+      all-reduce of ``∂L/∂x`` (``N·d``).
     * without ``targets`` (inference): the full logits ``(…, V)``, all-gathered (``N·V_padded``).
 
     A vocabulary that does not divide by ``tp`` is padded with zero rows at the end; padding columns

@@ -1,17 +1,21 @@
 """Cross-entropy over vocabulary-sharded logits; the full logits are never gathered.
 
-With logits ``z`` split along the vocabulary, rank ``r`` holding ``z[..., V_r]``::
+With logits ``z`` split along the vocabulary, rank ``r`` holding the columns ``V_r``, each rank
+computes per token, from its columns only::
 
-    m      = max_v z_v                      all-reduce MAX  (N values, no gradient)
-    Z      = Σ_v exp(z_v − m)               ┐
-    z_t    = z_target − m  (on its owner)   ├ one all-reduce SUM of 2N (3N with label smoothing)
-    S      = Σ_v (z_v − m)                  ┘
-    loss   = (1 − ε)(log Z − z_t) + ε(log Z − S / V)
+    m_r = max_{v∈V_r} z_v      s_r = Σ_{v∈V_r} exp(z_v − m_r)      t_r = z_target if target ∈ V_r
+    S_r = Σ_{v∈V_r} z_v  (with label smoothing)
+
+and one all-gather of these 3 (4) numbers per token combines them (the log-sum-exp of
+partitions)::
+
+    M = max_r m_r     log Z = M + log Σ_r s_r·exp(m_r − M)     z_t = Σ_r t_r     S = Σ_r S_r
+    loss = (1 − ε)(log Z − z_t) + ε(log Z − S / V)
 
 which is ``F.cross_entropy(z, target, label_smoothing=ε)``. The backward is local:
-``∂loss/∂z_v = softmax(z)_v − (1 − ε)·[v = target] − ε / V``. Communication: forward 2 all-reduces
-(``N`` and ``2N``/``3N`` elements for ``N`` tokens), backward none — against ``N·V`` for gathering
-the logits.
+``∂loss/∂z_v = softmax(z)_v − (1 − ε)·[v = target] − ε / V``. Communication: forward one
+all-gather of ``tp·3N`` elements (``tp·4N`` with label smoothing) for ``N`` tokens — one collective,
+where Megatron-LM issues three all-reduces — backward none; against ``N·V`` for gathering the logits.
 """
 
 from __future__ import annotations
@@ -33,29 +37,35 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if valid_cols < v_local:  # padded vocabulary: padding columns never take part
             logits = logits.clone()
             logits[..., max(valid_cols, 0):] = float("-inf")
-        logits_max = logits.max(dim=-1).values
-        C.all_reduce(logits_max, group, op=C.ReduceOp.MAX, label="vocab_parallel_ce.max")
-        shifted = logits - logits_max.unsqueeze(-1)  # (..., V/tp)
+        local_max = logits.max(dim=-1).values  # (...); -inf where a shard is all padding
+        shift = local_max.masked_fill(torch.isinf(local_max), 0.0)
+        exp = (logits - shift.unsqueeze(-1)).exp()  # (..., V/tp), relative to this shard's max
 
         local_t = target - vocab_start
         in_shard = (local_t >= 0) & (local_t < v_local)
         safe_t = local_t.masked_fill(~in_shard, 0).unsqueeze(-1)
-        target_logit = shifted.gather(-1, safe_t).squeeze(-1).masked_fill(~in_shard, 0.0)
-        exp = shifted.exp()
-        stats = [exp.sum(-1), target_logit]
+        target_logit = logits.gather(-1, safe_t).squeeze(-1).masked_fill(~in_shard, 0.0)
+        stats = [local_max, exp.sum(-1), target_logit]
         if smoothing > 0:
-            stats.append(shifted.masked_fill(shifted == float("-inf"), 0.0).sum(-1))
-        stats = torch.stack(stats)  # (2 or 3, ...)
-        C.all_reduce(stats, group, label="vocab_parallel_ce.sum")
+            stats.append(logits.masked_fill(torch.isinf(logits), 0.0).sum(-1))
+        stats = torch.stack(stats)  # (k, ...)
+        everyone = stats.new_empty((C.group_size(group) * stats.shape[0], *stats.shape[1:]))
+        C.all_gather_into(everyone, stats, group, label="vocab_parallel_ce.stats")
+        everyone = everyone.view(-1, *stats.shape)  # (tp, k, ...)
 
-        log_z = stats[0].log()
-        loss = log_z - stats[1]
+        maxima = everyone[:, 0]
+        top = maxima.max(0).values  # the global max per token
+        rescale = (maxima.masked_fill(torch.isinf(maxima), 0.0) - top).exp()  # (tp, ...)
+        z = (everyone[:, 1] * rescale).sum(0)  # Σ_v exp(z_v − top)
+        log_z = z.log() + top
+        loss = log_z - everyone[:, 2].sum(0)
         if smoothing > 0:
-            loss = (1.0 - smoothing) * loss + smoothing * (log_z - stats[2] / vocab_size)
+            uniform = log_z - everyone[:, 3].sum(0) / vocab_size
+            loss = (1.0 - smoothing) * loss + smoothing * uniform
         ignored = target == ignore_index
         loss = loss.masked_fill(ignored, 0.0)
 
-        softmax = exp.div_(stats[0].unsqueeze(-1))  # reuse the buffer
+        softmax = exp.mul_(((shift - top).exp() / z).unsqueeze(-1))  # reuse the buffer
         ctx.save_for_backward(softmax, safe_t, in_shard, ignored)
         ctx.smoothing, ctx.vocab_size, ctx.valid_cols = smoothing, vocab_size, valid_cols
         ctx.dtype = logits_shard.dtype

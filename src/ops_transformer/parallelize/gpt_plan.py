@@ -1,7 +1,7 @@
 """The tensor-parallel plan of the reference GPT (:mod:`ops_transformer.models.gpt`).
 
 The FFN is column→row in every plan. The embedding and LM head are vocab-parallel (with the
-vocab-parallel loss) or replicated, by predicted time (``vocab="auto"``): four collectives per step
+vocab-parallel loss) or replicated, by predicted time (``vocab="auto"``): three collectives per step
 against ``tp`` times the head's FLOPs — a byte-level vocabulary is cheaper replicated, GPT-2's
 50257 is not. The attention strategy (SPEC F5) is one of:
 

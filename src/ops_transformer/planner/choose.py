@@ -101,7 +101,7 @@ def choose_attention(cfg, tp: int, *, batch: int, seq: int,
 
 def choose_vocab(cfg, tp: int, *, batch: int, seq: int,
                  profile: HardwareProfile | None = None) -> tuple[str, str]:
-    """``(mode, reason)``: shard the embedding and LM head over the vocabulary (4 collectives per
+    """``(mode, reason)``: shard the embedding and LM head over the vocabulary (3 collectives per
     step, ``1/tp`` of the head's FLOPs and logits) or keep them replicated (no collectives), by
     predicted time. A large vocabulary is split; a byte-level one usually is not."""
     profile = resolve_profile(profile)

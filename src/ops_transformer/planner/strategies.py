@@ -196,8 +196,9 @@ def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
     """The embedding, LM head and loss of one step on one rank.
 
     * ``parallel``: vocab-parallel embedding (fwd all-reduce ``bsh``), vocab-parallel head and loss
-      (fwd all-reduces of ``N`` maxima and ``2N`` sums, ``N = bs``; bwd all-reduce ``bsh`` of the
-      head's input gradient); head FLOPs ``3·2·bsh·V`` divided by ``tp``, logits ``bs·V/tp``.
+      (fwd one all-gather of 3 statistics per token from every rank, ``tp·3N`` elements,
+      ``N = bs``; bwd all-reduce ``bsh`` of the head's input gradient); head FLOPs ``3·2·bsh·V``
+      divided by ``tp``, logits ``bs·V/tp``.
     * ``replicated``: embedding and head dense on every rank: no communication (their input and
       its gradient are already replicated), the head's full FLOPs and logits on every rank.
     """
@@ -209,5 +210,5 @@ def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
     logits = _bytes(dtype) * tokens * vocab / split
     if mode == "replicated" or tp == 1:
         return LayerCost(flops=flops, activation_bytes=logits)
-    return LayerCost(_comm(("all_reduce", bsh), ("all_reduce", tokens), ("all_reduce", 2 * tokens)),
+    return LayerCost(_comm(("all_reduce", bsh), ("all_gather", tp * 3 * tokens)),
                      _comm(("all_reduce", bsh)), flops, logits, tp)

@@ -125,7 +125,11 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
         world_size = _env_int("WORLD_SIZE")
         if world_size is None:
             if tp * (dp or 1) * ep != 1:
-                check_degrees(1, tp, dp, ep)  # names the factors in the error
+                check_degrees(tp * (dp or 1) * ep, tp, dp, ep)  # bad values: name them
+                raise ValueError(
+                    f"tp ({tp}) × dp ({dp or 1}) × ep ({ep}) needs {tp * (dp or 1) * ep} "
+                    f"processes, but this is a single process with no torchrun environment: start "
+                    f"it with `torchrun --nproc-per-node N` or `ops_transformer.launch(fn, N)`")
             return ParallelContext.single("cuda" if backend == "nccl" else "cpu")
         rank = _env_int("RANK")
         if rank is None:

@@ -75,17 +75,43 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def check_counts(parser, args, sizes: Sequence[str]) -> None:
-    """``parser.error`` for unknown ``--sizes`` or counts below their minimum (warmup >= 0,
-    rounds and steps >= 1)."""
-    unknown = [s for s in args.sizes.split(",") if s not in sizes]
-    if unknown:
-        parser.error(f"unknown size(s) {unknown}; choose from {list(sizes)}")
+def add_timing_args(parser, *, rounds: int, steps: int | None, steps_help: str,
+                    warmup: int | None, warmup_help: str | None = None) -> None:
+    """``--rounds``, ``--steps``, ``--warmup`` and ``--json``, the options every benchmark has."""
+    parser.add_argument("--rounds", type=int, default=rounds,
+                        help=f"interleaved rounds (default {rounds})")
+    parser.add_argument("--steps", type=int, default=steps, help=steps_help)
+    parser.add_argument("--warmup", type=int, default=warmup,
+                        help=warmup_help or f"untimed steps before each block (default {warmup})")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+
+
+def check_count_args(parser, args) -> None:
+    """``parser.error`` for counts below their minimum (warmup >= 0, rounds and steps >= 1);
+    ``None`` means a per-size default."""
     for name in ("rounds", "steps", "warmup"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
             parser.error(f"--{name} must be {'>= 0' if name == 'warmup' else '>= 1'}, "
                          f"got {value}")
+
+
+def check_counts(parser, args, sizes: Sequence[str]) -> None:
+    """``parser.error`` for unknown ``--sizes`` or counts below their minimum."""
+    unknown = [s for s in args.sizes.split(",") if s not in sizes]
+    if unknown:
+        parser.error(f"unknown size(s) {unknown}; choose from {list(sizes)}")
+    check_count_args(parser, args)
+
+
+def backward_step(module, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """Forward, backward of ``grad_out``, then drop every gradient; returns the output."""
+    y = module(x)
+    y.backward(grad_out)
+    for p in module.parameters():
+        p.grad = None
+    x.grad = None
+    return y
 
 
 def source_version() -> str:

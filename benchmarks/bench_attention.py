@@ -43,7 +43,7 @@ from ops_transformer.models import preset
 from ops_transformer.planner import (ATTENTION_STRATEGIES, CPU_GLOO, attention_problem,
                                      layer_cost, vocab_cost)
 
-from _common import finish
+from _common import add_timing_args, check_count_args, finish
 from _common import (OtherLoad, format_paired, interleave, job_meta, method_stats,
                      time_steps)
 
@@ -318,12 +318,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", default=DEFAULT_POINTS,
                    help=f"comma-separated SxHxHEADS (default {DEFAULT_POINTS})")
-    p.add_argument("--rounds", type=int, default=12, help="interleaved rounds (default 12)")
-    p.add_argument("--steps", type=int, default=8,
-                   help="timed steps per strategy per round (default 8)")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed steps before each block (default 1)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_timing_args(p, rounds=12, steps=8, warmup=1,
+                    steps_help="timed steps per strategy per round (default 8)")
     args = p.parse_args(argv)
     try:
         args.point_list = parse_points(args.points)
@@ -333,9 +329,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         cfg_problem = _config_problem(point)
         if cfg_problem:
             p.error(f"point {point.name}: {cfg_problem}")
-    for name, low in (("rounds", 1), ("steps", 1), ("warmup", 0)):
-        if getattr(args, name) < low:
-            p.error(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    check_count_args(p, args)
     return args
 
 

@@ -50,7 +50,7 @@ import ops_transformer
 from ops_transformer import GPT, CommLedger, ParallelContext, Plan, parallelize
 from ops_transformer.models import preset
 
-from _common import finish
+from _common import add_timing_args, finish
 from _common import (OtherLoad, check_counts, format_paired, interleave, median_ms,
                      paired_ratio, source_version, time_steps)
 
@@ -325,14 +325,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="small,medium",
                    help=f"comma-separated, from {', '.join(SIZES)} (default: small,medium)")
-    p.add_argument("--rounds", type=int, default=12, help="interleaved rounds (default 12)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per method per round (default: "
-                        + ", ".join(f"{s.steps} {s.name}" for s in SIZES.values()) + ")")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed steps before each block (default: "
-                        + ", ".join(f"{s.warmup} {s.name}" for s in SIZES.values()) + ")")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_timing_args(p, rounds=12, steps=None, warmup=None,
+                    steps_help="timed steps per method per round (default: "
+                    + ", ".join(f"{s.steps} {s.name}" for s in SIZES.values()) + ")",
+                    warmup_help="untimed steps before each block (default: "
+                    + ", ".join(f"{s.warmup} {s.name}" for s in SIZES.values()) + ")")
     args = p.parse_args(argv)
     check_counts(p, args, SIZES)
     return args

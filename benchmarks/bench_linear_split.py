@@ -43,7 +43,7 @@ from ops_transformer.comm.ledger import wire_elements
 from ops_transformer.parallelize.linear_split import choose_split, split_comm
 from ops_transformer.planner import A100_NVLINK, CPU_GLOO
 
-from _common import finish
+from _common import add_timing_args, backward_step, check_count_args, finish
 from _common import (OtherLoad, format_paired, interleave, job_meta, method_stats,
                      paired_ratio, rel_err, time_steps)
 
@@ -105,16 +105,6 @@ def make_inputs(n: int, tokens: int, rank: int, out_width: dict[str, int]):
     return x, {m: g.contiguous() for m, g in grads.items()}
 
 
-def step(module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    """Forward, backward of ``grad_out``, then drop every gradient; returns the output."""
-    y = module(x)
-    y.backward(grad_out)
-    for p in module.parameters():
-        p.grad = None
-    x.grad = None
-    return y
-
-
 def check(dense, modules, x, grad_out) -> dict[str, dict[str, float]]:
     """Max relative error of the output and input gradient of both splits against dense."""
     ref_y = dense(x)
@@ -158,7 +148,7 @@ def bench_size(n: int, tokens: int, ctx, rounds: int, steps: int, warmup: int) -
     errors = check(dense, modules, x, grads["column"])
     comms = count(modules, x, grads)
     times = interleave(METHODS, rounds, lambda m: time_steps(
-        lambda: step(modules[m], x, grads[m]), warmup, steps))
+        lambda: backward_step(modules[m], x, grads[m]), warmup, steps))
     return {"n": n, "tokens": tokens, "steps": steps, "errors": errors, "comms": comms,
             "times": times}
 
@@ -261,13 +251,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"comma-separated n (default {DEFAULT_SIZES})")
     p.add_argument("--tokens", type=int, default=512, help="rows per step (default 512)")
-    p.add_argument("--rounds", type=int, default=8, help="interleaved rounds (default 8)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per method per round (default: "
-                        + ", ".join(f"{v} at {k}" for k, v in DEFAULT_STEPS.items()) + ")")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed steps before each block (default 1)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_timing_args(p, rounds=8, steps=None, warmup=1,
+                    steps_help="timed steps per method per round (default: "
+                    + ", ".join(f"{v} at {k}" for k, v in DEFAULT_STEPS.items()) + ")")
     args = p.parse_args(argv)
     try:
         args.size_list = [int(s) for s in args.sizes.split(",")]
@@ -278,10 +264,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"every size must be a positive multiple of tp ({TP}), got {bad}")
     if args.tokens < BATCH or args.tokens % BATCH:
         p.error(f"--tokens must be a positive multiple of {BATCH}, got {args.tokens}")
-    for name, low in (("rounds", 1), ("steps", 1), ("warmup", 0)):
-        value = getattr(args, name)
-        if value is not None and value < low:
-            p.error(f"--{name} must be >= {low}, got {value}")
+    check_count_args(p, args)
     return args
 
 

@@ -37,7 +37,7 @@ from torch import nn
 import ops_transformer
 from ops_transformer import ColumnParallelLinear, CommLedger, RowParallelLinear
 
-from _common import finish
+from _common import add_timing_args, backward_step, finish
 from _common import (check_counts, format_paired, interleave, median_ms, paired_ratio, rel_err,
                      source_version, time_steps)
 
@@ -100,19 +100,9 @@ def make_inputs(size: Size) -> tuple[torch.Tensor, torch.Tensor]:
     return x, grad_out
 
 
-def train_step(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    """Forward, backward of ``grad_out``, then drop all gradients; returns the output."""
-    y = model(x)
-    y.backward(grad_out)
-    for p in model.parameters():
-        p.grad = None
-    x.grad = None
-    return y
-
-
 def time_block(model, x, grad_out, warmup: int, steps: int) -> list[float]:
     """Per-step wall times (s) of ``steps`` steps after ``warmup`` untimed ones."""
-    return time_steps(lambda: train_step(model, x, grad_out), warmup, steps)
+    return time_steps(lambda: backward_step(model, x, grad_out), warmup, steps)
 
 
 def check_correctness(models, x, grad_out) -> dict[str, dict[str, float]]:
@@ -138,9 +128,9 @@ def count_collectives(models, x, grad_out) -> dict[str, object]:
     from torch.distributed.tensor.debug import CommDebugMode
 
     with CommLedger() as ledger:
-        train_step(models["ours"], x, grad_out)
+        backward_step(models["ours"], x, grad_out)
     with CommDebugMode() as mode:
-        train_step(models["dtensor"], x, grad_out)
+        backward_step(models["dtensor"], x, grad_out)
     dtensor_counts = {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
     return {"ours": ledger.summary(), "dtensor": dtensor_counts}
 
@@ -249,12 +239,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="small,medium",
                    help=f"comma-separated, from {', '.join(SIZES)} (default: small,medium)")
-    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per method per round (default: 60 small, 15 medium)")
-    p.add_argument("--warmup", type=int, default=3,
-                   help="untimed steps before each block (default 3)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_timing_args(p, rounds=15, steps=None, warmup=3,
+                    steps_help="timed steps per method per round (default: 60 small, 15 medium)")
     args = p.parse_args(argv)
     check_counts(p, args, SIZES)
     return args

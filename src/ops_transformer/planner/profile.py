@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..comm.ledger import wire_elements
 from .hardware import HardwareProfile
 
 
@@ -47,21 +46,6 @@ class CalibratedProfile(HardwareProfile):
             return self.alpha_s, self.bandwidth
         p = min(self.per_kind, key=lambda q: (abs(q - group_size), -q))
         return self.per_kind[p].get(kind, (self.alpha_s, self.bandwidth))
-
-    def collective_time(self, kind: str, elements: int, group_size: int,
-                        bytes_per_element: int = 4) -> float:
-        """``α_k + wire_elements(kind, n, p) · bytes / β_k``."""
-        if group_size <= 1 or elements <= 0:
-            return 0.0
-        alpha, beta = self.alpha_beta(kind, group_size)
-        return alpha + wire_elements(kind, elements, group_size) * bytes_per_element / beta
-
-    def comm_time(self, comm: dict, group_size: int, bytes_per_element: int = 4) -> float:
-        """``Σ_k calls_k·α_k + wire_elements(k, elements_k, p) · bytes / β_k``."""
-        return sum(c["calls"] * self.alpha_beta(kind, group_size)[0]
-                   + wire_elements(kind, c["elements"], group_size) * bytes_per_element
-                   / self.alpha_beta(kind, group_size)[1]
-                   for kind, c in comm.items() if group_size > 1)
 
 
 def load_profile(path=None) -> CalibratedProfile:

@@ -107,7 +107,7 @@ def _delta(a, b):
 
 @pytest.mark.parametrize("attention", ["heads", "heads_allgather"])
 def test_each_layer_issues_the_minimum_collectives(run_ranks, attention):
-    h, bsh = CONFIGS["gpt2"].d_model, B * T * CONFIGS["gpt2"].d_model
+    bsh = B * T * CONFIGS["gpt2"].d_model
     one = run_ranks(_collectives, 2, "gpt2", 1, attention)[0]
     two = run_ranks(_collectives, 2, "gpt2", 2, attention)[0]
     per_layer_fwd, per_layer_bwd = _delta(two[0], one[0]), _delta(two[1], one[1])
@@ -126,7 +126,6 @@ def test_each_layer_issues_the_minimum_collectives(run_ranks, attention):
                        "all_gather": {"calls": 1, "elements": 2 * 3 * n, "bytes": 4 * 6 * n}}
     assert _delta(bwd1, per_layer_bwd) == {"all_reduce": {"calls": 1, "elements": bsh,
                                                           "bytes": 4 * bsh}}
-    assert h == 64
 
 
 @pytest.mark.parametrize("config,nprocs,tp", [("gpt2", 2, 2), ("llama", 4, 2)])

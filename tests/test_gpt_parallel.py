@@ -122,8 +122,9 @@ def test_each_layer_issues_the_minimum_collectives(run_ranks, attention):
     # token from each of the 2 ranks) in forward, the head's input gradient in backward.
     n = B * T
     fwd1, bwd1 = one[0], one[1]
-    assert _delta(fwd1, per_layer_fwd) == {"all_reduce": {"calls": 1, "elements": bsh, "bytes": 4 * bsh},
-                       "all_gather": {"calls": 1, "elements": 2 * 3 * n, "bytes": 4 * 6 * n}}
+    assert _delta(fwd1, per_layer_fwd) == {
+        "all_reduce": {"calls": 1, "elements": bsh, "bytes": 4 * bsh},
+        "all_gather": {"calls": 1, "elements": 2 * 3 * n, "bytes": 4 * 6 * n}}
     assert _delta(bwd1, per_layer_bwd) == {"all_reduce": {"calls": 1, "elements": bsh,
                                                           "bytes": 4 * bsh}}
 

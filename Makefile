@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-all install bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Everything, the `slow` checks included (CI runs this through .ci/run).
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "slow or not slow"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_mlp.py

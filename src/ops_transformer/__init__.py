@@ -22,3 +22,7 @@ __all__ = [
     "vocab_parallel_cross_entropy", "ShardSpec", "gather_full", "gather_full_state_dict",
     "GPT", "GPTConfig", "Plan", "parallelize", "no_sync", "parallel_linear",
 ]
+
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+__all__ += ["save_checkpoint", "load_checkpoint", "CheckpointError"]

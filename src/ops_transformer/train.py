@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint as ckpt
 from .comm import collectives as C
 from .comm.ledger import CommLedger
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
@@ -48,6 +49,11 @@ class TrainConfig:
     sample_prompt: str = "def "
     progress: bool = True
     layers: int | None = None  # overrides the preset's n_layers
+    ckpt_dir: str | None = None  # sharded checkpoints (docs/checkpoints.md)
+    save_every: int = 0  # checkpoint every N steps (0: only after the last step)
+    resume: bool = False  # continue from the latest checkpoint in ckpt_dir, if there is one
+    max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
+    keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -64,6 +70,7 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
             raise ValueError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be positive, got {cfg.lr}")
+    ckpt.check_options(cfg)
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, _, tp = check_degrees(world_size, cfg.tp, cfg.dp, 1)
@@ -118,9 +125,15 @@ def train_worker(cfg: TrainConfig) -> dict | None:
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     lead = ctx.rank == 0
-    losses, step_times, last = [], [], None
+    position = data_position(cfg)
+    first, saved = (ckpt.resume(cfg.ckpt_dir, model, opt, ctx, position) if cfg.resume
+                    else (0, {}))
+    losses, step_times, last = list(saved.get("losses", [])), [], None
     bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)
-    for step in range(cfg.steps):
+    if first:
+        bar.write(f"resumed from step {first} of {cfg.ckpt_dir}")
+        bar.update(first)
+    for step in range(first, cfg.steps):
         x, y = slice_for_rank(*get_batch(data, step, batch=cfg.batch, seq=cfg.seq, seed=cfg.seed),
                               ctx.dp_rank, ctx.dp_size)
         x, y = x.to(ctx.device), y.to(ctx.device)
@@ -137,13 +150,23 @@ def train_worker(cfg: TrainConfig) -> dict | None:
             raise ValueError(f"the loss became {losses[-1]} at step {step}; lower --lr "
                              f"(now {cfg.lr})")
         tokens_per_s = cfg.batch * cfg.seq / step_times[-1]
+        if cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every):
+            ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position,
+                      keep=cfg.keep_checkpoints, extra={"losses": losses})
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
                                        "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"})
     bar.close()
     sample = _sample(model, cfg, ctx.device)
     if not lead:
         return None
-    return _metrics(cfg, ctx, model, losses, step_times, last, sample)
+    metrics = _metrics(cfg, ctx, model, losses, step_times, last, sample)
+    metrics["resumed_from"] = first if cfg.resume else None
+    return metrics
+
+
+def data_position(cfg: TrainConfig) -> dict:
+    """What the batch of a step depends on besides the step (:func:`get_batch`)."""
+    return {"seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq, "data": cfg.data}
 
 
 def _sample(model, cfg: TrainConfig, device) -> str:
@@ -157,7 +180,9 @@ def _sample(model, cfg: TrainConfig, device) -> str:
 
 def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
     warm = step_times[min(2, len(step_times) - 1):]  # the first steps pay one-off costs
-    median_step = sorted(warm)[len(warm) // 2]
+    if not warm:  # resumed from a checkpoint of the last step: no step ran here
+        ledger = CommLedger()
+    median_step = sorted(warm)[len(warm) // 2] if warm else None
     comm = ledger.summary()
     tp_ranks = tuple(range(ctx.rank, ctx.rank + ctx.tp_size))  # rank 0's TP group
     metrics = {
@@ -166,7 +191,8 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
         "attention": model.parallel_plan.attention, "vocab": model.parallel_plan.vocab,
         "attention_reason": model.parallel_plan.reason,
         "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
-        "median_step_s": median_step, "tokens_per_s": cfg.batch * cfg.seq / median_step,
+        "median_step_s": median_step,
+        "tokens_per_s": cfg.batch * cfg.seq / median_step if median_step else None,
         "comm_per_step": comm,
         "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()),
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),

@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import calibrate, demo, embed, generate, plan, train
+from . import calibrate, checkpoint, demo, embed, generate, plan, train
 
 COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,
             "calibrate": calibrate}
+COMMANDS["checkpoint"] = checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:

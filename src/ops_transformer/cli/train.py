@@ -10,9 +10,10 @@ import warnings
 from pathlib import Path
 
 from ..models.gpt import PRESETS
-from ..parallel import launch
+from ..checkpoint import launch_with_restarts
 from ..train import TrainConfig, train_worker, validate
 from ..utils.progress import format_table
+from .checkpoint import add_checkpoint_arguments, checkpoint_settings
 
 HELP = "train the reference GPT with tensor (and data) parallelism"
 ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
@@ -37,6 +38,7 @@ def add_parser(p) -> None:
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_checkpoint_arguments(p)
 
 
 def layout_from_plan(path: str) -> dict:
@@ -69,7 +71,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
         layout = layout_from_plan(args.plan)
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
-                       progress=not args.no_progress, **layout)
+                       progress=not args.no_progress, **layout, **checkpoint_settings(args))
 
 
 def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:
@@ -78,7 +80,10 @@ def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:
         if nproc < 1:
             raise ValueError(f"--nproc must be at least 1, got {nproc}")
         validate(cfg, nproc)
-        return launch(train_worker, nproc, cfg)[0]
+        return launch_with_restarts(train_worker, nproc, cfg, max_restarts=cfg.max_restarts)[0]
+    if cfg.max_restarts:
+        raise ValueError("--max-restarts restarts local ranks (--nproc); under torchrun use "
+                         "torchrun's own --max-restarts")
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     return train_worker(cfg)
 
@@ -90,7 +95,7 @@ def summary(metrics: dict) -> str:
         {"": "parameters", "value": f"{metrics['params']:,}"},
         {"": "loss first → last", "value": f"{metrics['loss_first']:.4f} → "
                                            f"{metrics['loss_last']:.4f}"},
-        {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s']:,.0f}"},
+        {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s'] or 0:,.0f}"},
         {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
     ]
     return format_table(rows)

@@ -190,8 +190,11 @@ def test_damaged_manifest_is_named(tmp_path):
     ot.save_checkpoint(tmp_path, model, opt, ctx, 1)
     manifest = tmp_path / "step-00000001" / "checkpoint.json"
     manifest.write_text(manifest.read_text().replace('"step": 1', '"step": 2'))
+    ctx2, model2, opt2 = _single(seed=1)
+    before = _snapshot(model2, opt2)
     with pytest.raises(ot.CheckpointError, match=r"checkpoint\.json: corrupted"):
-        ot.load_checkpoint(tmp_path, model, opt, ctx)
+        ot.load_checkpoint(tmp_path, model2, opt2, ctx2)
+    assert _same(_snapshot(model2, opt2), before)
 
 
 def _load_damaged(root):

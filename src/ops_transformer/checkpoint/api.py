@@ -105,10 +105,13 @@ def save_checkpoint(root, model, optimizer, ctx, step: int, *, extra=None, keep:
     _agree(error, ctx, "preparing the checkpoint")
     run_dcp(dcp.save, entries, group, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
             planner=SavePlanner())
-    mine = {p.name: store.file_record(p) for p in sorted(tmp.glob(f"__{ctx.rank}_*"))}
-    (tmp / f".hashes-{ctx.rank}.json").write_text(json.dumps(mine))
-    C.barrier(group)
     error = None
+    try:  # each rank hashes the files it wrote; rank 0 collects them through the directory
+        mine = {p.name: store.file_record(p) for p in sorted(tmp.glob(f"__{ctx.rank}_*"))}
+        (tmp / f".hashes-{ctx.rank}.json").write_text(json.dumps(mine))
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
+        error = exc
+    _agree(error, ctx, "hashing the checkpoint files")
     if ctx.rank == 0:
         try:
             manifest = _manifest(tmp, model, optimizer, ctx, step, extra, scaler, stateful)

@@ -23,10 +23,10 @@ CFG = preset("llama-tiny", vocab_size=250)
 BATCH, SEQ = 4, 16
 
 
-def _job(tp, dp, *, seed, optimizer="adamw", cfg=CFG):
+def _job(tp, dp, *, seed, optimizer="adamw", cfg=CFG, attention="heads"):
     ctx = ot.init_parallel(tp=tp, dp=dp)
     torch.manual_seed(seed)
-    model = ot.parallelize(ot.GPT(cfg), ctx, gpt_plan(cfg, tp, "heads", vocab="parallel"))
+    model = ot.parallelize(ot.GPT(cfg), ctx, gpt_plan(cfg, tp, attention, vocab="parallel"))
     if optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     else:
@@ -78,7 +78,11 @@ def _load_and_continue(root, tp, dp, optimizer, cfg):
     return losses, ot.gather_full_state_dict(model, ctx), info
 
 
-@pytest.mark.parametrize("tp,dp,optimizer", [(2, 1, "adamw"), (2, 2, "adamw"), (2, 1, "sgd")])
+@pytest.mark.parametrize("tp,dp,optimizer", [
+    (2, 1, "adamw"),
+    pytest.param(2, 2, "adamw", marks=pytest.mark.slow),
+    pytest.param(2, 1, "sgd", marks=pytest.mark.slow),
+])
 def test_resumed_run_is_bit_identical(run_ranks, tmp_path, tp, dp, optimizer):
     cfg = CFG.with_(dropout=0.1)  # dropout draws from the RNG: its state must be restored too
     n = tp * dp
@@ -92,8 +96,8 @@ def test_resumed_run_is_bit_identical(run_ranks, tmp_path, tp, dp, optimizer):
 
 # --- resharding ---------------------------------------------------------------------------------
 
-def _save_for_reshard(root, tp, dp):
-    ctx, model, opt = _job(tp, dp, seed=0)
+def _save_for_reshard(root, tp, dp, attention="heads"):
+    ctx, model, opt = _job(tp, dp, seed=0, attention=attention)
     _train(ctx, model, opt, range(2))
     ot.save_checkpoint(root, model, opt, ctx, 2)
     before = _eval_loss(model)
@@ -109,14 +113,16 @@ def _load_resharded(root, tp, dp):
     return before, _eval_loss(model), info
 
 
-@pytest.mark.parametrize("saved,loaded", [
-    ((2, 1), (4, 1)),
-    ((4, 1), (2, 1)),
-    ((2, 1), (1, 1)),
-    ((2, 2), (4, 1)),
-], ids=["tp2-tp4", "tp4-tp2", "tp2-tp1", "dp2xtp2-tp4"])
-def test_checkpoint_loads_at_another_layout(run_ranks, tmp_path, saved, loaded):
-    before, trained = run_ranks(_save_for_reshard, saved[0] * saved[1], tmp_path, *saved)[0]
+@pytest.mark.parametrize("saved,loaded,attention", [
+    ((2, 1), (4, 1), "heads"),
+    pytest.param((4, 1), (2, 1), "heads", marks=pytest.mark.slow),
+    # every head's features split in sub-blocks (strategy B)
+    pytest.param((2, 1), (1, 1), "kv_split", marks=pytest.mark.slow),
+    pytest.param((2, 2), (4, 1), "heads", marks=pytest.mark.slow),
+], ids=["tp2-tp4", "tp4-tp2", "tp2kv_split-tp1", "dp2xtp2-tp4"])
+def test_checkpoint_loads_at_another_layout(run_ranks, tmp_path, saved, loaded, attention):
+    before, trained = run_ranks(_save_for_reshard, saved[0] * saved[1], tmp_path, *saved,
+                                attention)[0]
     got_before, got_trained, info = run_ranks(_load_resharded, loaded[0] * loaded[1], tmp_path,
                                               *loaded)[0]
     assert info["resharded"] and info["saved_layout"]["tp"] == saved[0]
@@ -302,3 +308,50 @@ def test_rank_killed_while_saving_leaves_the_previous_checkpoint(run_ranks, tmp_
     step, loss = run_ranks(_state_after_two_steps, 2, tmp_path)[0]
     expected = run_ranks(_save_for_reshard, 2, tmp_path / "ref", 2, 1)[0][0]
     assert step == 2 and torch.equal(loss, expected)
+
+
+# --- extension points ---------------------------------------------------------------------------
+
+class _Counting(torch.optim.SGD):
+    pass
+
+
+class _RecordingAdapter(ot.checkpoint.TorchOptimizerAdapter):
+    calls: list = []
+
+    def save_state(self, optimizer, params):
+        self.calls.append("save")
+        return super().save_state(optimizer, params)
+
+    def commit(self, optimizer, params, loaded):
+        self.calls.append("commit")
+        super().commit(optimizer, params, loaded)
+
+
+def test_registered_optimizer_adapter_and_stateful_objects(tmp_path, monkeypatch):
+    monkeypatch.setattr(ot.checkpoint.optim, "_REGISTRY", {})
+    ot.checkpoint.register_optimizer_adapter(_Counting, _RecordingAdapter())
+
+    class Scaler:
+        def __init__(self, scale):
+            self.scale = scale
+
+        def state_dict(self):
+            return {"scale": self.scale}
+
+        def load_state_dict(self, state):
+            self.scale = state["scale"]
+
+    ctx, model, _ = _single()
+    opt = _Counting(model.parameters(), lr=0.1, momentum=0.9)
+    _train(ctx, model, opt, range(1))
+    ot.save_checkpoint(tmp_path, model, opt, ctx, 1, scaler=Scaler(1024.0),
+                       stateful={"sampler": Scaler(7)})
+    ctx2, model2, _ = _single(seed=1)
+    opt2 = _Counting(model2.parameters(), lr=0.5, momentum=0.9)
+    scaler, sampler = Scaler(1.0), Scaler(0)
+    ot.load_checkpoint(tmp_path, model2, opt2, ctx2, scaler=scaler, stateful={"sampler": sampler})
+    assert _RecordingAdapter.calls == ["save", "commit"]
+    assert scaler.scale == 1024.0 and sampler.scale == 7
+    assert opt2.param_groups[0]["lr"] == 0.1  # hyperparameters come from the checkpoint
+    assert _same(_snapshot(model2, opt2), _snapshot(model, opt))

@@ -34,6 +34,7 @@ def uninterrupted(tmp_path_factory):
     return root, json.loads((root / "run" / "metrics.json").read_text())
 
 
+@pytest.mark.slow
 def test_killed_rank_restarts_and_finishes_bit_identical(uninterrupted, tmp_path, monkeypatch,
                                                          capsys, caplog):
     ref_root, ref = uninterrupted
@@ -62,8 +63,21 @@ def test_killed_rank_restarts_and_finishes_bit_identical(uninterrupted, tmp_path
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def test_inspect_lists_steps_layout_and_verification(uninterrupted, capsys):
-    root = uninterrupted[0] / "ckpt"
+def _save_tp2(root):
+    ctx = ot.init_parallel(tp=2)
+    torch.manual_seed(0)
+    model = ot.parallelize(ot.GPT(ot.GPTConfig()), ctx)
+    opt = torch.optim.AdamW(model.parameters())
+    for step in (3, 6):
+        x = torch.randint(0, 256, (2, 9))
+        model(x[:, :-1], x[:, 1:])[1].backward()
+        opt.step()
+        ot.save_checkpoint(root, model, opt, ctx, step)
+
+
+def test_inspect_lists_steps_layout_and_verification(run_ranks, tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    run_ranks(_save_tp2, 2, root)
     assert main(["checkpoint", "inspect", str(root)]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines[2:]]

@@ -24,7 +24,7 @@ from ..comm import collectives as C
 from . import store
 from .chunked import LoadPlanner, SavePlanner
 from .contents import (MODEL, OPTIM, RNG, check_picklable, commit_model, describe_model,
-                       model_entries, model_targets, model_tensors)
+                       model_entries, model_targets, model_tensors, parameters)
 from .errors import CheckpointError
 from .optim import adapter_for
 from .rng import rng_state, set_rng_state
@@ -42,14 +42,14 @@ def run_dcp(fn, state: dict, group, **kwargs):
         return fn(state, process_group=group, no_dist=group is None, **kwargs)
 
 
-def _agree(error: BaseException | None, ctx, what: str, cls=RuntimeError) -> None:
+def _agree(error: BaseException | None, ctx, what: str) -> None:
     """Raise on every rank when ``error`` happened on any (no rank is left waiting)."""
     flag = torch.tensor([ctx.rank + 1 if error is not None else 0], device=ctx.device)
     C.all_reduce(flag, _world(ctx), op=C.ReduceOp.MAX, label="checkpoint")
     if error is not None:
         raise error
     if int(flag):
-        raise cls(f"{what} failed on rank {int(flag) - 1} (its error is reported there)")
+        raise RuntimeError(f"{what} failed on rank {int(flag) - 1} (its error is reported there)")
 
 
 def _layout(ctx) -> dict:
@@ -60,8 +60,7 @@ def _save_entries(model, optimizer, ctx, extra, scaler, stateful) -> dict[str, A
     tensors, _ = model_tensors(model)
     entries: dict[str, Any] = model_entries(tensors)
     if optimizer is not None:
-        params = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
-        state = adapter_for(optimizer).save_state(optimizer, params)
+        state = adapter_for(optimizer).save_state(optimizer, parameters(tensors))
         entries.update({OPTIM + k: v for k, v in state.items()})
     entries[f"{RNG}{ctx.rank}"] = rng_state()
     if ctx.rank == 0:  # the same on every rank: written once
@@ -188,7 +187,7 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
     adapter = params = None
     if optimizer is not None:
         adapter = adapter_for(optimizer)
-        params = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
+        params = parameters(tensors)
         optim_saved = {k[len(OPTIM):]: v for k, v in saved.items() if k.startswith(OPTIM)}
         targets.update({OPTIM + k: v for k, v in
                         adapter.load_targets(optimizer, params, optim_saved).items()})

@@ -42,6 +42,11 @@ def model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
     return tensors, aliases
 
 
+def parameters(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parameters among :func:`model_tensors` (what an optimizer may hold)."""
+    return {name: t for name, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
+
+
 def model_entries(tensors: Mapping[str, torch.Tensor]) -> dict[str, ChunkedTensor]:
     return {MODEL + name: ChunkedTensor.of(layout_of(t), t.detach()) for name, t in tensors.items()}
 

@@ -134,9 +134,11 @@ def _names(params: Params, flat: list[torch.Tensor]) -> list[str]:
     by_id = {id(p): name for name, p in params.items()}
     missing = [i for i, p in enumerate(flat) if id(p) not in by_id]
     if missing:
-        raise ValueError(f"the optimizer holds {len(missing)} parameter(s) that are not "
-                         f"parameters of the model (first: index {missing[0]}, shape "
-                         f"{tuple(flat[missing[0]].shape)})")
+        raise ValueError(f"the optimizer holds {len(missing)} tensor(s) that are not parameters "
+                         f"of the model (first: index {missing[0]}, shape "
+                         f"{tuple(flat[missing[0]].shape)}); an optimizer over other tensors (a "
+                         f"ZeRO flat shard, say) needs its own adapter: see "
+                         f"register_optimizer_adapter")
     return [by_id[id(p)] for p in flat]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 
 import pytest
@@ -185,13 +186,20 @@ def _edit_manifest(path):
     return r"checkpoint\.json: corrupted"
 
 
+@pytest.fixture(scope="module")
+def one_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("one_checkpoint")
+    ctx, model, opt = _single()
+    ot.save_checkpoint(root, model, opt, ctx, 1)
+    return root
+
+
 @pytest.mark.parametrize("damage", [_truncate, _delete, _flip(None), _flip(".metadata"),
                                     _edit_manifest],
                          ids=["truncated", "deleted", "flipped-byte", "flipped-metadata",
                               "edited-manifest"])
-def test_damaged_file_is_named_and_nothing_is_loaded(tmp_path, damage):
-    ctx, model, opt = _single()
-    ot.save_checkpoint(tmp_path, model, opt, ctx, 1)
+def test_damaged_file_is_named_and_nothing_is_loaded(tmp_path, one_checkpoint, damage):
+    shutil.copytree(one_checkpoint, tmp_path, dirs_exist_ok=True)
     message = damage(tmp_path / "step-00000001")
     ctx2, model2, opt2 = _single(seed=1)
     before = _snapshot(model2, opt2)

@@ -159,9 +159,8 @@ def train_worker(cfg: TrainConfig) -> dict | None:
     sample = _sample(model, cfg, ctx.device)
     if not lead:
         return None
-    metrics = _metrics(cfg, ctx, model, losses, step_times, last, sample)
-    metrics["resumed_from"] = first if cfg.resume else None
-    return metrics
+    return _metrics(cfg, ctx, model, losses, step_times, last, sample,
+                    resumed_from=first if cfg.resume else None)
 
 
 def data_position(cfg: TrainConfig) -> dict:
@@ -178,7 +177,7 @@ def _sample(model, cfg: TrainConfig, device) -> str:
     return decode(out[0].tolist())
 
 
-def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
+def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, resumed_from=None) -> dict:
     warm = step_times[min(2, len(step_times) - 1):]  # the first steps pay one-off costs
     if not warm:  # resumed from a checkpoint of the last step: no step ran here
         ledger = CommLedger()
@@ -201,7 +200,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
             cfg.seq, model.parallel_plan.vocab),
         "params": _dense_param_count(model.cfg),
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
-        "plan": model.parallel_plan.to_dict(),
+        "plan": model.parallel_plan.to_dict(), "resumed_from": resumed_from,
     }
     if cfg.out:
         write_outputs(Path(cfg.out), metrics)

@@ -97,7 +97,7 @@ def test_forced_layout_that_does_not_fit_says_why(capsys):
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert not result["fits"] and result["best"] is None
-    assert "per GPU" in result["problems"][0] and "a100-80gb has" in result["problems"][0]
+    assert "per GPU" in result["problems"][0] and "one a100-80gb has" in result["problems"][0]
     assert result["sequence_parallel"] and result["tp"] == 2
     assert main(argv[:-1]) == 0
     assert "DOES NOT FIT" in capsys.readouterr().out

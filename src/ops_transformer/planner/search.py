@@ -184,7 +184,7 @@ def evaluate_layout(model, cluster, o: Options, run: Execution | None = None) ->
     problems = []
     if not row["fits"]:
         parts = ", ".join(f"{k} {_gb(v)}" for k, v in row["memory_breakdown"].items())
-        problems.append(f"needs {_gb(row['memory_per_gpu_bytes'])} per GPU ({parts}) but a "
+        problems.append(f"needs {_gb(row['memory_per_gpu_bytes'])} per GPU ({parts}) but one "
                         f"{cluster.gpu.name} has {_gb(cluster.gpu.memory_bytes)}")
     return {**row, "problems": problems}
 
@@ -217,11 +217,15 @@ def advice(model, cluster, best, rows) -> str:
     """A sentence on the chosen plan, or — when nothing fits — what would, with numbers."""
     mem = cluster.gpu.memory_bytes
     if best is not None:
+        tight = (" Within 5% of the capacity: the caching allocator's fragmentation (5–10% in the "
+                 "published runs, docs/planner.md) may not fit; the next candidate leaves more "
+                 "room." if best["memory_per_gpu_bytes"] > 0.95 * mem else "")
         return (f"dp={best['dp']} × tp={best['tp']} × ep={best['ep']}, attention="
                 f"{best['attention']}, ZeRO-{best['zero_stage']}, recompute={best['recompute']}, "
                 f"sequence_parallel={best['sequence_parallel']}, micro-batch "
                 f"{best['micro_batch']}: {best['step_time_s']:.3g} s/step predicted, MFU "
-                f"{best['mfu']:.0%}, {_gb(best['memory_per_gpu_bytes'])} of {_gb(mem)} per GPU.")
+                f"{best['mfu']:.0%}, {_gb(best['memory_per_gpu_bytes'])} of {_gb(mem)} per GPU."
+                + tight)
     states = 16 * model.params()
     smallest = min(rows, key=lambda r: r["memory_per_gpu_bytes"])
     act = smallest["memory_breakdown"]["activations"]

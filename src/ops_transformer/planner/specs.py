@@ -184,8 +184,9 @@ class ModelSpec:
     def load(cls, arg, **changes) -> ModelSpec:
         """A spec from a preset name (``MODEL_PRESETS``, then ``models.PRESETS``), a directory
         holding a Hugging Face ``config.json``, or a JSON file: a ``ModelSpec.to_dict()``, a
-        Hugging Face config (it has ``model_type``) or :class:`GPTConfig` fields. ``changes``
-        (``seq=…``, ``global_batch=…``) are applied last."""
+        Hugging Face config (it has ``model_type``) or :class:`GPTConfig` fields (planned in bf16,
+        as a Hugging Face config is; the reference presets keep fp32, what ``train`` runs).
+        ``changes`` (``seq=…``, ``global_batch=…``) are applied last."""
         return _load(arg).with_(**changes) if changes else _load(arg)
 
 
@@ -250,7 +251,7 @@ def _load(arg) -> ModelSpec:
         if unknown:
             raise ValueError(f"{key!r} is neither a ModelSpec, a Hugging Face config nor GPTConfig "
                              f"fields: unknown keys {sorted(unknown)}")
-        return ModelSpec.from_gpt_config(GPTConfig(**d), name=path.stem)
+        return ModelSpec.from_gpt_config(GPTConfig(**d), name=path.stem, dtype="bf16")
     raise ValueError(f"{key!r} is not a model preset ({', '.join(sorted(MODEL_PRESETS))}; "
                      f"{', '.join(sorted(GPT_PRESETS))}), a directory with config.json or a JSON "
                      f"file")

@@ -350,3 +350,17 @@ def test_fused_formula_matches_the_reference_model(name, changes):
         sbh = s * b * cfg.d_model * 4
         extra = 2 * sbh + 2 * (1 - cfg.n_kv_heads / cfg.n_heads) * sbh
     assert per_layer == pytest.approx(formula + extra, rel=0.01)
+
+
+def test_mqa_replica_sums_are_priced_on_their_own_group():
+    """With one KV head at tp 4 the replica group is the whole TP group: both parts still count."""
+    from ops_transformer.planner.timing import tp_comm
+
+    model = MODEL_PRESETS["llama2-7b"].with_(kv_heads=1, global_batch=8)
+    o = Options(dp=2, tp=4, ep=1, attention="heads", sequence_parallel=False, recompute="none",
+                zero_stage=0, micro_batch=1)
+    parts = tp_comm(model, o)
+    head_dim = model.hidden // model.heads
+    assert parts["sub_size"] == 4
+    assert parts["sub"]["all_reduce"]["elements"] == model.layers * 2 * head_dim * model.hidden
+    assert parts["main"]["all_reduce"]["calls"] == model.layers * 4 + 2  # + embedding, LM head

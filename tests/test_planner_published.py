@@ -86,7 +86,8 @@ def test_forced_layout_evaluates_exactly_that_layout(capsys):
             result["micro_batch"]) == (1, 8, 3, "selective", 2)
     assert result["fits"] and result["best"] == result["layout"] == result["candidates"][0]
     assert result["problems"] == [] and result["cluster"]["count"] == 8
-    row = next(r for r in P.report()["rows"] if r["id"].startswith("llama3-8b-h100-sxm-96gb-8g"))
+    row = P.predict(next(r for r in P.load()["runs"]
+                         if r["id"].startswith("llama3-8b-h100-sxm-96gb-8g")))
     assert result["step_time_s"] == pytest.approx(row["predicted_step_s"])
     assert result["memory_per_gpu_bytes"] / 2 ** 30 == pytest.approx(row["predicted_memory_gib"])
 

@@ -27,7 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import efficiency as E
-from .search import Options, _peak, evaluate_layout, execution, params_per_gpu
+from .search import Options, evaluate_layout, execution, params_per_gpu, peak_flops
 from .specs import MODEL_PRESETS, ClusterSpec, ModelSpec
 from .timing import Execution, combine, step_parts
 
@@ -84,7 +84,7 @@ def run_execution(row: dict, *, by_stack: bool = False) -> Execution:
 
 def _parts(row: dict) -> dict:
     model, cluster, o = run_model(row), run_cluster(row), run_options(row)
-    return step_parts(model, cluster, o, run_execution(row), _peak(model, cluster),
+    return step_parts(model, cluster, o, run_execution(row), peak_flops(model, cluster),
                       params_per_gpu(model, o))
 
 

@@ -138,15 +138,15 @@ def memory(model, o: Options, bytes_per_element: int, attention_kernel: str = "f
     return {**states, "activations": act}
 
 
-def _peak(model, cluster) -> float:
+def peak_flops(model, cluster) -> float:
     gpu = cluster.gpu
     return {"bf16": gpu.bf16_flops, "fp16": gpu.fp16_flops, "fp32": gpu.fp32_flops}[model.dtype]
 
 
-def step_time(model, cluster, o: Options, peak_flops: float, run: Execution | None = None):
+def step_time(model, cluster, o: Options, peak: float, run: Execution | None = None):
     """Predicted step time and its parts (:func:`.timing.step_time`)."""
     run = run or execution(cluster)[0]
-    return _step_time(model, cluster, o, run, peak_flops, params_per_gpu(model, o))
+    return _step_time(model, cluster, o, run, peak, params_per_gpu(model, o))
 
 
 def evaluate(model, cluster, o: Options, run: Execution | None = None) -> dict:
@@ -154,7 +154,7 @@ def evaluate(model, cluster, o: Options, run: Execution | None = None) -> dict:
     run = run or execution(cluster)[0]
     mem = memory(model, o, model.bytes_per_element(), run.attention_kernel, run.loss_kernel)
     total = sum(mem.values())
-    peak = _peak(model, cluster)
+    peak = peak_flops(model, cluster)
     t = step_time(model, cluster, o, peak, run)
     tokens = model.global_batch * model.seq
     model_flops = model.flops_per_token() * tokens

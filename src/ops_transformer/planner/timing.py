@@ -136,11 +136,10 @@ def tp_comm(model, o) -> dict:
     layer = layer_cost(o.attention, o.micro_batch, model.seq, model.hidden, model.heads,
                        model.kv_heads, model.ffn // o.ep if model.experts > 1 else model.ffn,
                        o.tp, swiglu=model.ffn_type == "swiglu", bias=model.bias)
-    main = {p: c for p, c in layer.priced()}
-    comm = Comm(main.get(o.tp, Comm())).scaled(model.layers)
+    comm = layer.total().minus(layer.subgroup).scaled(model.layers)
     comm = comm + vocab_cost("parallel", o.micro_batch, model.seq, model.hidden, model.vocab,
                              o.tp).total()
-    sub = layer.subgroup.scaled(model.layers) if layer.subgroup else Comm()
+    sub = layer.subgroup.scaled(model.layers)
     if o.sequence_parallel:
         comm = sequence_parallel_comm(comm)
     return {"main": comm, "sub": sub, "sub_size": layer.subgroup_size}

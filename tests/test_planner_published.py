@@ -169,3 +169,12 @@ def test_plan_errors_name_the_flag(argv, needle, capsys):
 def test_model_errors_name_the_flag(capsys):
     assert main(["plan", "--model", "nope"]) == 2
     assert "--model nope:" in capsys.readouterr().err
+
+
+def test_bf16_matmul_measurement_runs_on_any_device():
+    import torch
+
+    from ops_transformer.planner.calibrate import bf16_matmul_flops
+
+    flops = bf16_matmul_flops(torch.device("cpu"), ((16, 32, 64), (8, 64, 32)), repeats=2)
+    assert set(flops) == {"16x32x64", "8x64x32"} and min(flops.values()) > 0

@@ -196,17 +196,23 @@ def gpu_efficiency(device_name: str, memory_bytes: int, flops: dict) -> dict:
             "peak_bf16_flops": peak, "matmul_efficiency": best / peak if peak else None}
 
 
-def _gpu_matmul_worker(repeats: int) -> dict:
-    """bf16 matmuls of :data:`GPU_SHAPES` on this rank's GPU (one rank, ``cuda:0``)."""
-    device = torch.device("cuda", 0)
+def bf16_matmul_flops(device: torch.device, shapes, repeats: int) -> dict[str, float]:
+    """FLOP/s of ``tokens × n_in`` by ``n_in × n_out`` bf16 products, one per shape."""
     flops = {}
-    for tokens, n_in, n_out in GPU_SHAPES:
+    for tokens, n_in, n_out in shapes:
         a = torch.randn(tokens, n_in, device=device, dtype=torch.bfloat16)
         w = torch.randn(n_in, n_out, device=device, dtype=torch.bfloat16)
         seconds = _median_time(lambda: a @ w, None, device, repeats)
         flops[f"{tokens}x{n_in}x{n_out}"] = 2 * tokens * n_in * n_out / seconds
+    return flops
+
+
+def _gpu_matmul_worker(repeats: int) -> dict:
+    """:data:`GPU_SHAPES` on this rank's GPU (one rank, ``cuda:0``), as the profile's entry."""
+    device = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(device)
-    return gpu_efficiency(props.name, props.total_memory, flops)
+    return gpu_efficiency(props.name, props.total_memory,
+                          bf16_matmul_flops(device, GPU_SHAPES, repeats))
 
 
 def _collectives_worker(message_bytes, quick: bool, progress: bool) -> dict[str, list]:

@@ -120,7 +120,7 @@ def memory(model, o: Options, bytes_per_element: int, attention_kernel: str = "f
     tensors while its backward runs, and the logits' working set (:func:`logits_bytes`). ZeRO-3
     also holds the gathered 16-bit parameters of the running and the prefetched unit and one
     unit's gradients. A caching allocator reserves more than this peak (fragmentation; the
-    published runs that report reserved memory show 5–10 % more, docs/planner.md)."""
+    published runs that report reserved memory show about 5 % more, docs/planner.md)."""
     states = model_state_bytes(params_per_gpu(model, o), o.zero_stage, o.dp)
     shape = dict(sequence_parallel=o.sequence_parallel, bytes_per_element=bytes_per_element,
                  attention_kernel=attention_kernel, kv_heads=model.kv_heads, ffn=model.ffn,
@@ -217,7 +217,7 @@ def advice(model, cluster, best, rows) -> str:
     """A sentence on the chosen plan, or — when nothing fits — what would, with numbers."""
     mem = cluster.gpu.memory_bytes
     if best is not None:
-        tight = (" Within 5% of the capacity: the caching allocator's fragmentation (5–10% in the "
+        tight = (" Within 5% of the capacity: the caching allocator's fragmentation (about 5% in the "
                  "published runs, docs/planner.md) may not fit; the next candidate leaves more "
                  "room." if best["memory_per_gpu_bytes"] > 0.95 * mem else "")
         return (f"dp={best['dp']} × tp={best['tp']} × ep={best['ep']}, attention="

@@ -217,9 +217,9 @@ def advice(model, cluster, best, rows) -> str:
     """A sentence on the chosen plan, or — when nothing fits — what would, with numbers."""
     mem = cluster.gpu.memory_bytes
     if best is not None:
-        tight = (" Within 5% of the capacity: the caching allocator's fragmentation (about 5% in the "
-                 "published runs, docs/planner.md) may not fit; the next candidate leaves more "
-                 "room." if best["memory_per_gpu_bytes"] > 0.95 * mem else "")
+        tight = (" Within 5% of the capacity: the caching allocator's fragmentation (about 5% "
+                 "in the published runs, docs/planner.md) may not fit; the next candidate leaves "
+                 "more room." if best["memory_per_gpu_bytes"] > 0.95 * mem else "")
         return (f"dp={best['dp']} × tp={best['tp']} × ep={best['ep']}, attention="
                 f"{best['attention']}, ZeRO-{best['zero_stage']}, recompute={best['recompute']}, "
                 f"sequence_parallel={best['sequence_parallel']}, micro-batch "

@@ -81,6 +81,23 @@ def _comm(*calls: tuple[str, int]) -> Comm:
     return out
 
 
+def _summed_per_step(*calls: tuple[str, int]) -> Comm:
+    """Gradient sums of replicated parameters: their elements count per layer, but all layers'
+    go in one coalesced all-reduce per step (:mod:`ops_transformer.comm.bucketing`), so no call is
+    counted per layer (see :func:`grad_sum_calls_per_step`)."""
+    return {kind: {"calls": 0, "elements": c["elements"]} for kind, c in _comm(*calls).items()}
+
+
+def grad_sum_calls_per_step(strategy: str, kv_heads: int, tp: int) -> int:
+    """Calls of the coalesced end-of-backward gradient sums per step (one per bucket of
+    ``GradSums``; the reference models' fit one): the replicated K/V weights with ``tp >
+    kv_heads`` (strategy A, on the replicas' group), strategy B's output projection (TP group)."""
+    if tp == 1:
+        return 0
+    return int(strategy == "kv_split" or (strategy in ("heads", "heads_allgather")
+                                          and tp > kv_heads))
+
+
 def _bytes(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -113,7 +130,8 @@ def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: 
     * ``heads`` (Megatron): Q/K/V column-parallel behind one ``copy_to_tp_region``, output
       projection row-parallel. fwd: all-reduce ``bsh``; bwd: all-reduce ``bsh``. When
       ``tp > kv_heads`` the replicated K/V weights (and V bias) are summed over their replicas'
-      group in backward (``head_dim·h`` elements each).
+      group in backward (``head_dim·h`` elements each; coalesced for all layers into one call
+      per step, :func:`grad_sum_calls_per_step`).
     * ``heads_allgather``: the output projection replicated after an all-gather of the head outputs.
       fwd: all-gather ``bsh``; bwd: all-reduce ``bsh`` (+ the same KV-replica sums). The output
       projection's FLOPs are not divided by ``tp``.
@@ -121,7 +139,7 @@ def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: 
       partial scores ``b·heads·s²``, all-gather of V ``b·s·kv_dim`` and of the output ``bsh``;
       bwd all-gather of the score gradient ``b·heads·s²``, reduce-scatter of the V gradient, all-reduce
       of the input gradient ``bsh`` and of the replicated output projection's gradient
-      (``h²``, and ``h`` with a bias). Every rank also holds the full partial scores before the
+      (``h²``, and ``h`` with a bias; coalesced, no call per layer). Every rank also holds the full partial scores before the
       reduce-scatter (``b·heads·s²`` more activation elements).
     * ``naive``: each of Q, K, V and the output projection an isolated column-parallel linear with
       its output gathered; attention computed replicated. fwd: all-gathers ``bsh``, ``b·s·kv_dim``
@@ -136,24 +154,25 @@ def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: 
                          activation_bytes=_attention_activations(b, s, h, heads, 1, dtype, 1))
     replica = ()
     if strategy in ("heads", "heads_allgather") and tp > kv_heads:  # wk.weight, wv.weight, wv.bias
-        replica = (("all_reduce", head_dim * h), ("all_reduce", head_dim * h),
-                   ("all_reduce", head_dim if bias else 0))
-    groups = {"group_size": tp, "subgroup": _comm(*replica),
+        replica = _summed_per_step(("all_reduce", 2 * head_dim * h + (head_dim if bias else 0)))
+    else:
+        replica = {}
+    groups = {"group_size": tp, "subgroup": replica,
               "subgroup_size": tp // kv_heads if replica else 1}
     if strategy == "heads":
-        return LayerCost(_comm(("all_reduce", bsh)), _comm(("all_reduce", bsh), *replica),
+        return LayerCost(_comm(("all_reduce", bsh)), _merge(_comm(("all_reduce", bsh)), replica),
                          _attention_flops(b, s, h, kv_dim, tp),
                          _attention_activations(b, s, h, heads, tp, dtype, tp), **groups)
     if strategy == "heads_allgather":
-        return LayerCost(_comm(("all_gather", bsh)), _comm(("all_reduce", bsh), *replica),
+        return LayerCost(_comm(("all_gather", bsh)), _merge(_comm(("all_reduce", bsh)), replica),
                          _attention_flops(b, s, h, kv_dim, tp, replicated_out=True),
                          _attention_activations(b, s, h, heads, tp, dtype, tp), **groups)
     if strategy == "kv_split":
         scores, v = b * heads * s * s, b * s * kv_dim
         return LayerCost(
             _comm(("reduce_scatter", scores), ("all_gather", v), ("all_gather", bsh)),
-            _comm(("all_gather", scores), ("reduce_scatter", v), ("all_reduce", bsh),
-                  ("all_reduce", h * h), ("all_reduce", h if bias else 0)),
+            _merge(_comm(("all_gather", scores), ("reduce_scatter", v), ("all_reduce", bsh)),
+                   _summed_per_step(("all_reduce", h * h + (h if bias else 0)))),
             _attention_flops(b, s, h, kv_dim, tp),
             _attention_activations(b, s, h, heads, tp, dtype, tp, extra_scores=2 * scores), tp)
     kv = b * s * kv_dim  # naive

@@ -88,7 +88,7 @@ def _step_records(n_layers, tp, vocab):
 
 
 @pytest.mark.parametrize("nprocs,tp,vocab,bound", [
-    (2, 2, "replicated", 2),
+    pytest.param(2, 2, "replicated", 2, marks=pytest.mark.slow),
     (2, 2, "parallel", 3),
     (4, 2, "replicated", 2),  # dp 2 × tp 2
 ])
@@ -99,5 +99,6 @@ def test_a_training_step_has_at_most_two_small_collectives(run_ranks, nprocs, tp
     # the replicated KV heads' gradient sums (all 4 layers), the step's flag + norm + loss
     assert labels == {"grad_sums", "step_stats"} | ({"vocab_parallel_ce.stats"}
                                                     if vocab == "parallel" else set())
-    one_layer = run_ranks(_step_records, nprocs, 1, tp, vocab)[0]
-    assert len(one_layer) == len(small)  # whatever the number of layers
+    if nprocs == 2:  # whatever the number of layers: the same calls (fewer bytes)
+        one_layer = run_ranks(_step_records, nprocs, 1, tp, vocab)[0]
+        assert [x[:2] for x in one_layer] == [x[:2] for x in small]

@@ -51,7 +51,7 @@ def _clipped(config, tp, norm_type=2.0):
 
 
 @pytest.mark.parametrize("config,nprocs,tp", [
-    ("llama", 2, 2),   # KV heads split, no padding
+    pytest.param("llama", 2, 2, marks=pytest.mark.slow),   # KV heads split, no padding
     ("llama", 4, 4),   # KV heads replicated on 2 ranks each, vocabulary padded 250 → 252
     ("mqa", 4, 2),     # dp 2 × tp 2, the one KV head replicated on both TP ranks
 ])

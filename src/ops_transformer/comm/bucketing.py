@@ -144,6 +144,8 @@ class GradSums:
             if (self.enabled and last is not None and param.grad is not None
                     and last[0]() is param.grad and param.grad._version == last[1]):
                 self._before[param] = param.grad.detach().clone()
+            else:  # a fresh gradient (zeroed, set to None, or accumulated under no_sync)
+                self._before.pop(param, None)
             return None
 
         return hook

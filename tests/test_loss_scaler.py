@@ -3,12 +3,12 @@ skips the step on every rank (tp 2, dp 2 × tp 2) with one all-reduce of one ele
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from ops_transformer import GPT, CommLedger, DynamicLossScaler, init_parallel, parallelize
+from ops_transformer import (GPT, CommLedger, DynamicLossScaler, clip_grad_norm_, init_parallel,
+                             parallelize)
 from ops_transformer.models import preset
 from ops_transformer.parallel import ParallelContext
 
@@ -143,6 +143,9 @@ def _overflow_on_one_rank(tp):
         if step < 2 and ctx.rank == ctx.world_size - 1:  # one rank, one gradient, one element
             model.layers[0].mlp.w_in.weight.grad[0, 0] = INF
         with CommLedger() as ledger:
+            if step == 1:  # unscale, clip, step: the clip's all-reduce carries the flag
+                scaler.unscale_(opt)
+                clip_grad_norm_(model, 1.0, ctx)
             stepped = scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -157,8 +160,9 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(run_ranks, nprocs,
     everyone = tuple(range(nprocs))
     agreement = [("all_reduce", 1, everyone, "found_inf")]  # one element, every rank of the job
     for rank, history in enumerate(run_ranks(_overflow_on_one_rank, nprocs, tp)):
-        (s0, same0, scale0, rec0), (s1, same1, scale1, _), (s2, same2, scale2, _) = history
+        (s0, same0, scale0, rec0), (s1, same1, scale1, rec1), (s2, same2, scale2, _) = history
         assert (s0, same0, scale0) == (False, True, 2.0 ** 10), f"rank {rank}: hysteresis 2 → 1"
         assert (s1, same1, scale1) == (False, True, 2.0 ** 9), f"rank {rank}: 1 → 0, backoff"
         assert (s2, same2, scale2) == (True, False, 2.0 ** 9), f"rank {rank}: clean step"
         assert rec0 == agreement, f"rank {rank}"
+        assert rec1 == [("all_reduce", 2, everyone, "grad_norm")], f"rank {rank}: one call"

@@ -13,9 +13,11 @@ would clip by a different factor. Here each rank adds up only what it owns of th
 * data-parallel replicas hold equal (averaged) gradients: only data-parallel rank 0 adds anything
   (EP rank 0 too, except for expert parameters, which differ across EP ranks).
 
-One all-reduce of one element over the job then gives every rank the dense norm; every gradient is
-multiplied by ``clamp(max_norm / (norm + 1e-6), max=1)`` exactly as in PyTorch, so the clipped
-gradients are the dense model's clipped gradients, sharded.
+One all-reduce over the job then gives every rank the dense norm; every gradient is multiplied by
+``clamp(max_norm / (norm + 1e-6), max=1)`` exactly as in PyTorch, so the clipped gradients are the
+dense model's clipped gradients, sharded. The all-reduce has a second element: the overflow flag of
+the loss scaler that unscaled these gradients (0 without one), so that ``unscale_ → clip → step``
+agrees on both with one collective (:mod:`.loss_scaler`).
 """
 
 from __future__ import annotations
@@ -99,12 +101,20 @@ def clip_grad_norm_(model, max_norm: float, ctx, norm_type: float = 2.0) -> torc
     """Clip the gradients of a parallelized ``model`` (or of an iterable of its parameters) to a
     total ``norm_type``-norm of ``max_norm`` and return the total norm before clipping — the
     dense model's: equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Collective
-    over every rank of the job: one all-reduce of one element."""
+    over every rank of the job: one all-reduce of two elements (the norm share, and the overflow
+    flag of a loss scaler that unscaled these gradients, which it then need not reduce itself)."""
     check_max_norm(max_norm, norm_type)
     params = params_with_grad(model)
-    partial = grad_norm_partial(params, ctx, norm_type)
-    op = C.ReduceOp.MAX if math.isinf(norm_type) else C.ReduceOp.SUM
-    C.all_reduce(partial, ctx.world_group, op=op, label="grad_norm")
-    norm = total_norm(partial, norm_type)
+    scalers = [s for s in dict.fromkeys(getattr(p.grad, "unscaled_by", None) for p in params)
+               if s is not None and s.awaits_agreement]
+    flag = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+    for scaler in scalers:
+        flag = torch.maximum(flag, scaler.local_found_inf.to(flag.device))
+    shares = torch.cat([grad_norm_partial(params, ctx, norm_type), flag])
+    op = C.ReduceOp.MAX if math.isinf(norm_type) else C.ReduceOp.SUM  # a SUM of flags > 0 ⇔ MAX
+    C.all_reduce(shares, ctx.world_group, op=op, label="grad_norm")
+    for scaler in scalers:
+        scaler.agree_found_inf(bool(shares[1] > 0))
+    norm = total_norm(shares[:1], norm_type)
     clip_grads_with_norm_(params, max_norm, norm)
     return norm

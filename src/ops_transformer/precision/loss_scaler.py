@@ -26,8 +26,12 @@ The loop, with or without gradient clipping in between::
     scaler.update()
 
 ``step`` reads the gradients from ``optimizer.param_groups`` (so it works for any optimizer that
-exposes them, a sharded one included). :func:`~ops_transformer.precision.optimizer_step` runs the
-same step with the flag packed into the step's one coalesced all-reduce (``found_inf=``).
+exposes them, a sharded one included). Without clipping it agrees on the flag with one all-reduce
+of one element. After ``unscale_`` the gradients carry the scaler that unscaled them, and
+:func:`~ops_transformer.precision.clip_grad_norm_` — a job-wide reduction anyway — carries the
+flag in its own all-reduce, so ``step`` then communicates nothing: the loop above sends one small
+collective, not two. :func:`~ops_transformer.precision.optimizer_step` packs the flag with the
+norm and the logged metrics the same way (``found_inf=``).
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ class DynamicLossScaler:
         self._hysteresis_tracker = hysteresis
         self.skipped_steps = 0
         self._local_inf: torch.Tensor | None = None  # this rank's flag, once unscaled
-        self._found_inf: bool | None = None  # the job's agreed flag, once stepped
+        self._agreed: bool | None = None  # the job's flag, once agreed (in step or a clip)
+        self._found_inf: bool | None = None  # the flag this step acted on, once stepped
 
     @property
     def scale_value(self) -> float:
@@ -96,7 +101,23 @@ class DynamicLossScaler:
         found = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool,
                                                                     device=device)
         self._local_inf = found.to(torch.float32).reshape(1)
+        for g in grads:  # a reduction over the job that sees them can agree on the flag
+            g.unscaled_by = self
         return self._local_inf
+
+    @property
+    def local_found_inf(self) -> torch.Tensor | None:
+        """This rank's overflow flag since ``unscale_`` (``None`` before), not yet reduced."""
+        return self._local_inf
+
+    @property
+    def awaits_agreement(self) -> bool:
+        """Unscaled, with this rank's flag not yet agreed by every rank."""
+        return self._local_inf is not None and self._agreed is None
+
+    def agree_found_inf(self, found_inf: bool) -> None:
+        """Record the overflow flag every rank agreed on (reduced by the caller over the job)."""
+        self._agreed = bool(found_inf)
 
     def step(self, optimizer, *, found_inf: bool | torch.Tensor | None = None) -> bool:
         """Unscale (if not done), agree on overflow and step only if no rank overflowed. Returns
@@ -109,6 +130,8 @@ class DynamicLossScaler:
             raise RuntimeError("step() was already called for this step; call update() first")
         if self._local_inf is None:
             self.unscale_(optimizer)
+        if found_inf is None:
+            found_inf = self._agreed
         if found_inf is None:
             flag = self._local_inf.clone()
             C.all_reduce(flag, self.ctx.world_group, op=C.ReduceOp.MAX, label="found_inf")
@@ -137,7 +160,7 @@ class DynamicLossScaler:
                 self._growth_tracker = 0
                 self._hysteresis_tracker = self.hysteresis
                 self._scale *= self.growth
-        self._local_inf = self._found_inf = None
+        self._local_inf = self._agreed = self._found_inf = None
 
     def state_dict(self) -> dict:
         return {"scale": self._scale, "growth_tracker": self._growth_tracker,
@@ -153,7 +176,7 @@ class DynamicLossScaler:
         self._growth_tracker = int(state["growth_tracker"])
         self._hysteresis_tracker = int(state["hysteresis_tracker"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        self._local_inf = self._found_inf = None
+        self._local_inf = self._agreed = self._found_inf = None
 
     def __repr__(self) -> str:
         return (f"DynamicLossScaler(scale={self._scale:g}, growth_tracker="

@@ -166,3 +166,23 @@ def test_gpt2_checkpoint_reshards_and_exports_for_plain_transformers(run_ranks, 
     plain = tr.AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
         assert_rel(plain(IDS).logits, logits, 1e-5, "plain transformers from the export")
+
+
+@pytest.mark.slow
+def test_fp16_resume_restores_the_loss_scaler(tmp_path, capsys):
+    base = ["train", "--nproc", "2", "--tp", "2", "--batch", "2", "--seq", "16", "--precision",
+            "fp16", "--save-every", "2", "--no-progress", "--json"]
+    assert main(base + ["--steps", "4", "--ckpt-dir", str(tmp_path / "a"),
+                        "--out", str(tmp_path / "ra")]) == 0
+    assert main(base + ["--steps", "2", "--ckpt-dir", str(tmp_path / "b"),
+                        "--out", str(tmp_path / "rb")]) == 0
+    assert main(base + ["--steps", "4", "--ckpt-dir", str(tmp_path / "b"), "--resume",
+                        "--out", str(tmp_path / "rb")]) == 0
+    capsys.readouterr()
+    ref = json.loads((tmp_path / "ra" / "metrics.json").read_text())
+    got = json.loads((tmp_path / "rb" / "metrics.json").read_text())
+    assert got["resumed_from"] == 2 and got["losses"] == ref["losses"]
+    assert got["loss_scale"] == ref["loss_scale"] and got["skipped_steps"] == ref["skipped_steps"]
+    a, _ = ex.dense_state_dict(tmp_path / "a")
+    b, _ = ex.dense_state_dict(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)

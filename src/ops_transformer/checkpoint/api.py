@@ -173,8 +173,9 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
 
     Every file is verified first; a missing, truncated or corrupted one — or a checkpoint that
     does not fit the model — raises :class:`CheckpointError` naming it, with nothing loaded.
-    Restores ``scaler`` and ``stateful`` objects when given, and each rank's RNG states (a rank
-    the saved job did not have gets rank 0's). Returns ``{"step", "extra", "path",
+    Restores ``scaler`` and ``stateful`` objects when given (one the checkpoint has no state for
+    keeps its own, with a warning), and each rank's RNG states (a rank the saved job did not have
+    gets rank 0's). Returns ``{"step", "extra", "path",
     "saved_layout", "resharded"}``.
     """
     path = store.resolve(root, step)
@@ -192,13 +193,16 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
         targets.update({OPTIM + k: v for k, v in
                         adapter.load_targets(optimizer, params, optim_saved).items()})
     rng_key = f"{RNG}{ctx.rank}" if f"{RNG}{ctx.rank}" in saved else f"{RNG}0"
-    singles = {"extra": True, "scaler": scaler is not None,
+    if restore_rng and rng_key not in saved:
+        raise CheckpointError(f"checkpoint {path} has no RNG states ({rng_key!r})")
+    singles = {"extra": True, "scaler": scaler is not None, rng_key: restore_rng,
                **{f"stateful/{k}": True for k in (stateful or {})}}
-    for key, wanted in {**singles, rng_key: restore_rng}.items():
+    for key, wanted in singles.items():
         if wanted and key in saved:
             targets[key] = None
-        elif wanted and key != "extra":
-            raise CheckpointError(f"checkpoint {path} has no {key!r} entry to restore")
+        elif wanted and key != "extra":  # e.g. a run resumed with --precision fp16
+            warnings.warn(f"checkpoint {path} has no {key!r} state: that object keeps its "
+                          f"current state", stacklevel=2)
     try:
         run_dcp(dcp.load, targets, _world(ctx), storage_reader=reader, planner=LoadPlanner())
     except Exception as exc:  # verified files that still do not load: report, load nothing
@@ -206,10 +210,10 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
     if adapter is not None:
         adapter.commit(optimizer, params, {k[len(OPTIM):]: v for k, v in targets.items()
                                            if k.startswith(OPTIM)})
-    if scaler is not None:
-        scaler.load_state_dict(targets["scaler"])
-    for k, obj in (stateful or {}).items():
-        obj.load_state_dict(targets[f"stateful/{k}"])
+    objects = {"scaler": scaler, **{f"stateful/{k}": v for k, v in (stateful or {}).items()}}
+    for key, obj in objects.items():
+        if obj is not None and key in targets:
+            obj.load_state_dict(targets[key])
     commit_model(tensors, targets)
     if restore_rng:
         set_rng_state(targets[rng_key])

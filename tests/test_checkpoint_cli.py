@@ -184,5 +184,6 @@ def test_fp16_resume_restores_the_loss_scaler(tmp_path, capsys):
     assert got["resumed_from"] == 2 and got["losses"] == ref["losses"]
     assert got["loss_scale"] == ref["loss_scale"] and got["skipped_steps"] == ref["skipped_steps"]
     a, _ = ex.dense_state_dict(tmp_path / "a")
-    b, _ = ex.dense_state_dict(tmp_path / "b")
+    b, manifest = ex.dense_state_dict(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert manifest["scaler"] is True  # DynamicLossScaler.state_dict() went into the checkpoint

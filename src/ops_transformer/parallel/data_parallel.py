@@ -107,12 +107,13 @@ def grad_sync_of(model: nn.Module) -> GradSync | None:
 @contextlib.contextmanager
 def no_sync(model: nn.Module):
     """Accumulate gradients locally (no data-parallel communication) inside this context."""
-    sync = grad_sync_of(model)
-    if sync is None:
-        yield
-        return
-    previous, sync.enabled = sync.enabled, False
+    syncs = [s for s in (grad_sync_of(model), getattr(model, "_ops_transformer_expert_grad_sync",
+                                                        None)) if s is not None]
+    previous = [s.enabled for s in syncs]
+    for sync in syncs:
+        sync.enabled = False
     try:
         yield
     finally:
-        sync.enabled = previous
+        for sync, enabled in zip(syncs, previous):
+            sync.enabled = enabled

@@ -8,9 +8,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.gpt import GPT
+from ..layers.moe import scale_expert_grads, split_expert_params
 from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, no_sync
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
+from .moe_plan import check_expert_parallel
 from .plan import Plan, apply_plan
 
 log = logging.getLogger("ops_transformer")
@@ -55,9 +57,10 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
             raise ValueError("the planner found no layout that fits (its 'best' is null)")
         plan = plan["best"]
     if isinstance(plan, dict) and {"tp", "dp", "attention"} <= set(plan):  # a planner layout
-        if (plan["tp"], plan["dp"]) != (ctx.tp_size, ctx.dp_size):
-            raise ValueError(f"the plan is for dp={plan['dp']} × tp={plan['tp']}, but this job "
-                             f"runs dp={ctx.dp_size} × tp={ctx.tp_size}")
+        if (plan["tp"], plan["dp"], plan.get("ep", 1)) != (ctx.tp_size, ctx.dp_size, ctx.ep_size):
+            raise ValueError(f"the plan is for dp={plan['dp']} × ep={plan.get('ep', 1)} × "
+                             f"tp={plan['tp']}, but this job runs dp={ctx.dp_size} × "
+                             f"ep={ctx.ep_size} × tp={ctx.tp_size}")
         attention = plan["attention"]
         plan = "auto"
     elif isinstance(plan, dict):
@@ -96,16 +99,26 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     if getattr(model, "parallel_plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_plan is set)")
     resolved = resolve_plan(model, ctx, plan, attention, loss_parallel, vocab)
+    if ctx.ep_size > 1:
+        check_expert_parallel(model, resolved, ctx)
     if ctx.tp_size > 1:
         apply_plan(model, resolved, ctx, _Groups(model, ctx))
         if loss_parallel and _is_hf(model):
             model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
+    elif ctx.ep_size > 1:  # experts only
+        apply_plan(model, Plan({k: r for k, r in resolved.rules.items() if r["style"] == "moe"}),
+                   ctx, _Groups(model, ctx))
     model.parallel_plan = resolved
-    if ctx.dp_size > 1:
-        model._ops_transformer_grad_sync = GradSync(model.parameters(), ctx.dp_group,
+    if ctx.dp_ep_size > 1:  # EP ranks read different micro-batches, like DP ranks
+        dense, experts = split_expert_params(model.parameters())
+        scale_expert_grads(experts, ctx.ep_size)
+        model._ops_transformer_grad_sync = GradSync(dense, ctx.dp_ep_group,
                                                     bucket_bytes=bucket_bytes)
-    log.info("parallelize: tp=%d dp=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
-             resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
+        if experts and ctx.dp_size > 1:
+            model._ops_transformer_expert_grad_sync = GradSync(experts, ctx.dp_group,
+                                                               bucket_bytes=bucket_bytes)
+    log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
+             ctx.ep_size, resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model
 
 

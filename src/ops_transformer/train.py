@@ -1,4 +1,4 @@
-"""Training the reference GPT with ``dp × tp`` parallelism: the loop behind ``train`` and ``demo``.
+"""Training the reference GPT with ``dp × ep × tp`` parallelism: the loop behind ``train`` and ``demo``.
 
 :func:`validate` checks a :class:`TrainConfig` before any process starts; :func:`train_worker` runs on
 every rank (under ``launch`` or ``torchrun``) and returns the metrics on rank 0. The loop is the plain
@@ -21,10 +21,11 @@ from .comm import collectives as C
 from .comm.ledger import CommLedger
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
+from .models.moe import moe_stats
 from .parallel.context import check_degrees, init_parallel
 from .parallelize import parallelize
 from .parallelize.gpt_plan import gpt_plan
-from .planner.strategies import layer_cost, vocab_cost
+from .planner.strategies import ffn_cost, layer_cost, moe_cost, vocab_cost
 from .utils.plot import write_line_plot_png
 from .utils.progress import Progress
 
@@ -48,6 +49,7 @@ class TrainConfig:
     sample_prompt: str = "def "
     progress: bool = True
     layers: int | None = None  # overrides the preset's n_layers
+    ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -66,16 +68,29 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
         raise ValueError(f"--lr must be positive, got {cfg.lr}")
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
-    dp, _, tp = check_degrees(world_size, cfg.tp, cfg.dp, 1)
+    dp, ep, tp = check_degrees(world_size, cfg.tp, cfg.dp, cfg.ep)
     model_cfg = cfg.model_config()
+    check_train_ep(model_cfg, cfg.preset, ep)
     if model_cfg.vocab_size < VOCAB_SIZE:
         raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; byte-level "
                          f"data needs at least {VOCAB_SIZE}")
-    if cfg.batch % dp:
-        raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})")
-    gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // dp, seq=cfg.seq)  # sizes vs tp
+    if cfg.batch % (dp * ep):
+        raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})" if ep == 1 else
+                         f"--batch ({cfg.batch}) must be divisible by dp ({dp}) × ep ({ep}): "
+                         f"each of the {dp * ep} ranks reads its own rows")
+    gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
     check_corpus(load_corpus(cfg.data), cfg.seq)
     return dp, tp
+
+
+def check_train_ep(model_cfg: GPTConfig, preset_name: str, ep: int) -> None:
+    """``--ep`` needs an MoE preset whose experts divide by it."""
+    if ep > 1 and not model_cfg.n_experts:
+        raise ValueError(f"--ep ({ep}) needs a mixture-of-experts preset (moe-tiny, moe-small); "
+                         f"{preset_name!r} has a dense FFN")
+    if model_cfg.n_experts and model_cfg.n_experts % ep:
+        raise ValueError(f"--ep ({ep}) must divide the preset's n_experts "
+                         f"({model_cfg.n_experts})")
 
 
 def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch: int,
@@ -85,44 +100,66 @@ def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch:
     local micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` layers, plus — with a
     vocab-parallel embedding and head — the embedding's all-reduce (``b·s·h``) and the loss's
     all-gather (``tp·3N`` elements, ``N = b·s``) in forward and the LM head's input-gradient
-    all-reduce in backward (:func:`~ops_transformer.planner.vocab_cost`)."""
+    all-reduce in backward (:func:`~ops_transformer.planner.vocab_cost`). An MoE layer's FFN pair
+    is counted on ``batch·seq·top_k`` routed slots (:func:`~ops_transformer.planner.moe_cost`):
+    exact in calls, in elements only for a balanced routing."""
     if tp == 1:
         return {}
     c = model_cfg
     layer = layer_cost(attention, batch, seq, c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, tp,
                        bias=c.bias, swiglu=c.mlp == "swiglu").total()
     out = {kind: {k: v * c.n_layers for k, v in entry.items()} for kind, entry in layer.items()}
-    for kind, entry in vocab_cost(vocab, batch, seq, c.d_model, c.vocab_size, tp).total().items():
-        total = out.setdefault(kind, {"calls": 0, "elements": 0})
-        total["calls"] += entry["calls"]
-        total["elements"] += entry["elements"]
+    extra = [vocab_cost(vocab, batch, seq, c.d_model, c.vocab_size, tp).total()]
+    for i in range(c.n_layers):
+        if c.is_moe_layer(i):  # the routed FFN pair instead of the dense one
+            extra.append(moe_cost(batch, seq, c.d_model, c.d_ff, c.n_experts, c.top_k, 1, tp).total())
+            extra.append({k: {f: -n for f, n in e.items()} for k, e in ffn_cost(
+                batch, seq, c.d_model, c.d_ff, tp).total().items()})
+    for comm in extra:
+        for kind, entry in comm.items():
+            total = out.setdefault(kind, {"calls": 0, "elements": 0})
+            total["calls"] += entry["calls"]
+            total["elements"] += entry["elements"]
     return out
 
 
 def _global_loss(loss: torch.Tensor, ctx) -> float:
     loss = loss.detach().clone()
-    if ctx.dp_size > 1:  # the global-batch loss, for reporting (not part of the step's ledger)
-        C.all_reduce(loss, ctx.dp_group, label="report_loss")
-        loss /= ctx.dp_size
+    if ctx.dp_ep_size > 1:  # the global-batch loss, for reporting (not part of the step's ledger)
+        C.all_reduce(loss, ctx.dp_ep_group, label="report_loss")
+        loss /= ctx.dp_ep_size
     return float(loss)
+
+
+def global_moe_stats(model, ctx) -> dict:
+    """The last step's load-balancing loss (summed over MoE layers, mean over the ``dp × ep``
+    micro-batches, before the coefficient) and fraction of dropped token-slots (over all ranks'
+    slots), for reporting."""
+    local = moe_stats(model)
+    values = torch.tensor([local["aux_loss"], local["dropped"], local["slots"]],
+                          dtype=torch.float64)
+    C.all_reduce(values, ctx.dp_ep_group, label="report_moe")
+    aux, dropped, slots = values.tolist()
+    return {"aux_loss": aux / ctx.dp_ep_size, "dropped": int(dropped), "slots": int(slots),
+            "dropped_fraction": dropped / slots if slots else 0.0}
 
 
 def train_worker(cfg: TrainConfig) -> dict | None:
     """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere."""
-    ctx = init_parallel(tp=cfg.tp, dp=cfg.dp)
+    ctx = init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep)
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
-    plan = gpt_plan(model_cfg, ctx.tp_size, cfg.attention, batch=cfg.batch // ctx.dp_size,
+    plan = gpt_plan(model_cfg, ctx.tp_size, cfg.attention, batch=cfg.batch // ctx.dp_ep_size,
                     seq=cfg.seq)  # `auto` ranks the strategies for this run's shapes
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     lead = ctx.rank == 0
-    losses, step_times, last = [], [], None
+    losses, step_times, last, moe_history = [], [], None, []
     bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)
     for step in range(cfg.steps):
         x, y = slice_for_rank(*get_batch(data, step, batch=cfg.batch, seq=cfg.seq, seed=cfg.seed),
-                              ctx.dp_rank, ctx.dp_size)
+                              ctx.dp_ep_rank, ctx.dp_ep_size)  # EP ranks read their own rows
         x, y = x.to(ctx.device), y.to(ctx.device)
         start = time.perf_counter()
         with CommLedger() as ledger:
@@ -137,13 +174,18 @@ def train_worker(cfg: TrainConfig) -> dict | None:
             raise ValueError(f"the loss became {losses[-1]} at step {step}; lower --lr "
                              f"(now {cfg.lr})")
         tokens_per_s = cfg.batch * cfg.seq / step_times[-1]
+        moe = global_moe_stats(model, ctx) if model_cfg.n_experts else {}
+        if moe:
+            moe_history.append(moe)
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
-                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"})
+                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"},
+                   **({"aux": moe["aux_loss"], "dropped": f"{moe['dropped_fraction']:.1%}"}
+                      if moe else {}))
     bar.close()
     sample = _sample(model, cfg, ctx.device)
     if not lead:
         return None
-    return _metrics(cfg, ctx, model, losses, step_times, last, sample)
+    return _metrics(cfg, ctx, model, losses, step_times, last, sample, moe_history)
 
 
 def _sample(model, cfg: TrainConfig, device) -> str:
@@ -155,13 +197,14 @@ def _sample(model, cfg: TrainConfig, device) -> str:
     return decode(out[0].tolist())
 
 
-def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
+def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, moe_history=()) -> dict:
     warm = step_times[min(2, len(step_times) - 1):]  # the first steps pay one-off costs
     median_step = sorted(warm)[len(warm) // 2]
     comm = ledger.summary()
     tp_ranks = tuple(range(ctx.rank, ctx.rank + ctx.tp_size))  # rank 0's TP group
     metrics = {
-        "preset": cfg.preset, "tp": ctx.tp_size, "dp": ctx.dp_size, "steps": cfg.steps,
+        "preset": cfg.preset, "tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
+        "steps": cfg.steps,
         "batch": cfg.batch, "seq": cfg.seq, "lr": cfg.lr, "seed": cfg.seed,
         "attention": model.parallel_plan.attention, "vocab": model.parallel_plan.vocab,
         "attention_reason": model.parallel_plan.reason,
@@ -177,6 +220,9 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
         "plan": model.parallel_plan.to_dict(),
     }
+    if moe_history:
+        metrics["moe"] = {"aux_loss": [m["aux_loss"] for m in moe_history],
+                          "dropped_fraction": [m["dropped_fraction"] for m in moe_history]}
     if cfg.out:
         write_outputs(Path(cfg.out), metrics)
     return metrics

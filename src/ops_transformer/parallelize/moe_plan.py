@@ -60,9 +60,11 @@ def hf_moe_plan(model: nn.Module, tp: int, loss_parallel: bool = False) -> Plan:
             rule.update(mlp)
         per_layer.append(rule)
     uniform = all(r == per_layer[0] for r in per_layer)
+    head = {k: rules.pop(k) for k in ("lm_head",) if k in rules}  # the layers first, for reading
     for i, layer_rules in enumerate(per_layer[:1] if uniform else per_layer):
         name = f"{p}layers.{'*' if uniform else i}.mlp"
         rules.update({name + k: v for k, v in layer_rules.items()})
+    rules.update(head)
     return Plan(rules=rules, attention="heads",
                 reason=f"Hugging Face {model.config.model_type} plan (experts over ep, "
                        f"each column→row over tp)")

@@ -11,6 +11,7 @@ from .specs import MODEL_PRESETS, ClusterSpec, ModelSpec
 from .strategies import (ATTENTION_STRATEGIES, VOCAB_MODES, LayerCost, attention_cost, ffn_cost,
                          layer_cost, vocab_cost)
 from .topology import Topology, detect_topology
+from .strategies import moe_cost
 
 __all__ = [
     "A100_NVLINK", "ATTENTION_STRATEGIES", "CPU_GLOO", "CalibratedProfile", "ClusterSpec", "GPUS",
@@ -19,3 +20,4 @@ __all__ = [
     "attention_problem", "choose_attention", "choose_vocab", "detect_topology", "ffn_cost", "gpu",
     "layer_cost", "link", "load_profile", "model_state_bytes", "search", "vocab_cost",
 ]
+__all__ += ["moe_cost"]

@@ -9,7 +9,8 @@ Step time of one candidate (all per GPU, no pipeline parallelism)::
     tp_comm   = layers × micro-steps × Σ_collectives (α + wire_bytes / β_tp)
     dp_comm   = gradient reduction (ZeRO-3: + 2 parameter all-gathers) over dp, exposed only past
                 the backward pass it overlaps (2/3 of compute), as DDP does
-    ep_comm   = 4 all-to-alls of the routed tokens per MoE layer and micro-step
+    ep_comm   = per MoE layer and micro-step, the all-to-alls of the routed tokens and the count
+                all-gather (:func:`~.strategies.moe_cost`), over the EP group
     step      = compute + tp_comm + ep_comm + exposed dp_comm
 
 ``β_tp`` is the intra-node link while the TP group fits in a node, else the inter-node link
@@ -27,7 +28,7 @@ from types import SimpleNamespace
 from ..comm.ledger import wire_elements
 from .choose import attention_problem
 from .memory import RECOMPUTE, activation_bytes_per_layer, model_state_bytes
-from .strategies import ATTENTION_STRATEGIES, layer_cost
+from .strategies import ATTENTION_STRATEGIES, attention_cost, layer_cost, moe_cost
 
 EFFICIENCY = 0.5  # achievable fraction of peak FLOP/s on large GEMMs (assumed; MFU 40–55% typical)
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -124,9 +125,16 @@ def step_time(model, cluster, o: Options, peak_flops: float) -> dict[str, float]
     elif o.recompute == "selective":
         flops += 4 * model.layers * tokens * model.seq * model.hidden  # attention core forward
     compute = flops / cluster.count / (peak_flops * EFFICIENCY)
-    layer = layer_cost(o.attention, o.micro_batch, model.seq, model.hidden, model.heads,
-                       model.kv_heads, model.ffn // o.ep if model.experts > 1 else model.ffn,
-                       o.tp, swiglu=model.ffn_type == "swiglu").priced()
+    swiglu, moe_ep = model.ffn_type == "swiglu", {}
+    if model.experts > 1:  # attention, then the MoE FFN: its TP pair here, its EP part below
+        moe = (o.micro_batch, model.seq, model.hidden, model.ffn, model.experts, model.top_k)
+        moe_tp = moe_cost(*moe, 1, o.tp, swiglu=swiglu).total()
+        moe_ep = moe_cost(*moe, o.ep, 1, swiglu=swiglu).total()
+        layer = attention_cost(o.attention, o.micro_batch, model.seq, model.hidden, model.heads,
+                               model.kv_heads, o.tp).priced() + ([(o.tp, moe_tp)] if moe_tp else [])
+    else:
+        layer = layer_cost(o.attention, o.micro_batch, model.seq, model.hidden, model.heads,
+                           model.kv_heads, model.ffn, o.tp, swiglu=swiglu).priced()
     link = _bandwidth(cluster, o.tp)
     tp_comm = model.layers * micro_steps * sum(_collectives_time(comm, p, link, size)
                                                for p, comm in layer)
@@ -140,12 +148,11 @@ def step_time(model, cluster, o: Options, peak_flops: float) -> dict[str, float]
     dp_comm = _collectives_time(dp_elems, o.dp, dp_link, size)
     dp_bytes = sum(wire_elements(k, c["elements"], o.dp) for k, c in dp_elems.items()) * size
     ep_comm = ep_bytes = 0.0
-    if o.ep > 1:
-        routed = o.micro_batch * model.seq * model.hidden * model.top_k
-        a2a = {"all_to_all": {"calls": 4, "elements": routed * 4}}
+    if moe_ep:
         ep_comm = model.layers * micro_steps * _collectives_time(
-            a2a, o.ep, _bandwidth(cluster, o.ep * o.tp), size)
-        ep_bytes = model.layers * micro_steps * wire_elements("all_to_all", routed * 4, o.ep) * size
+            moe_ep, o.ep, _bandwidth(cluster, o.ep * o.tp), size)
+        ep_bytes = model.layers * micro_steps * size * sum(
+            wire_elements(k, c["elements"], o.ep) for k, c in moe_ep.items())
     exposed_dp = max(0.0, dp_comm - 2 / 3 * compute)
     total = compute + tp_comm + ep_comm + exposed_dp
     return {"step_time_s": total, "compute_s": compute, "tp_comm_s": tp_comm,

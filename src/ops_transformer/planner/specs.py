@@ -128,7 +128,8 @@ class ModelSpec:
                    hidden=cfg.d_model, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, ffn=cfg.d_ff,
                    ffn_type=cfg.mlp, vocab=cfg.vocab_size, seq=seq or cfg.max_seq_len,
                    global_batch=global_batch, micro_batch=micro_batch, dtype=dtype,
-                   tie_embeddings=cfg.tie_embeddings)
+                   tie_embeddings=cfg.tie_embeddings, experts=max(cfg.n_experts, 1),
+                   top_k=cfg.top_k if cfg.n_experts > 1 else 1)
 
     @classmethod
     def from_hf_config(cls, config, *, seq: int | None = None, global_batch: int = 8,

@@ -212,3 +212,34 @@ def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
         return LayerCost(flops=flops, activation_bytes=logits)
     return LayerCost(_comm(("all_reduce", bsh), ("all_gather", tp * 3 * tokens)),
                      _comm(("all_reduce", bsh)), flops, logits, tp)
+
+
+def moe_cost(b: int, s: int, h: int, ffn: int, experts: int, top_k: int, ep: int, tp: int,
+             dtype=torch.float32, *, swiglu: bool = False) -> LayerCost:
+    """One MoE FFN (:mod:`ops_transformer.layers.moe`) on one rank, dropless, with balanced
+    routing: this rank routes ``S = b·s·top_k`` token-slots and receives as many for its
+    ``experts/ep`` experts (summed over an EP group, what ranks receive is what they send, for
+    any routing).
+
+    * EP group (``ep > 1``; the cost's ``subgroup``, priced on ``ep`` ranks): fwd one all-gather of
+      the per-expert slot counts (``ep·experts`` integers, the uneven all-to-all's split sizes),
+      the dispatch all-to-all ``S·h`` and the combine all-to-all ``S·h``; bwd the same two
+      all-to-alls, ``S·h`` each.
+    * TP group (``tp > 1``): fwd all-reduce ``S·h`` of the experts' partial outputs, bwd
+      all-reduce ``S·h`` of their input gradient — the dense FFN's pair, on routed slots.
+    * FLOPs: the router ``2·bsh·experts`` (replicated) and the experts ``2·S·h·ffn·(2 or 3)``
+      divided by ``tp``, times 3 for a step.
+    * Activations (16-bit bytes as in :func:`ffn_cost`, scaled to ``dtype``): the FFN input
+      ``2bsh``; per routed slot its row dispatched, received and returned ``3·2·S·h``; the
+      experts' intermediates ``4·S·ffn·(mats−1)/tp``.
+    """
+    slots, bsh = b * s * top_k, b * s * h
+    mats = 3 if swiglu else 2
+    flops = 3.0 * (2 * bsh * experts + 2 * slots * h * ffn * mats / tp)
+    act = (_bytes(dtype) / 2) * (2 * bsh + 6 * slots * h + 4 * slots * ffn * (mats - 1) / tp)
+    ep_fwd = _comm(("all_gather", ep * experts), ("all_to_all", slots * h),
+                   ("all_to_all", slots * h)) if ep > 1 else {}
+    ep_bwd = _comm(("all_to_all", slots * h), ("all_to_all", slots * h)) if ep > 1 else {}
+    tp_pair = _comm(("all_reduce", slots * h)) if tp > 1 else {}
+    return LayerCost(_merge(tp_pair, ep_fwd), _merge(tp_pair, ep_bwd), flops, act,
+                     group_size=tp, subgroup=_merge(ep_fwd, ep_bwd), subgroup_size=ep)

@@ -1,6 +1,6 @@
 """parallelize() on Hugging Face MoE models (tiny configs, random weights): Mixtral over TP (experts
-split), over EP and both, and Qwen2-MoE (shared expert, a dense layer): logits, greedy generation
-and training steps equal the unsharded model fed the same per-rank inputs."""
+split), over EP and both; Qwen2-MoE (shared expert, a dense layer), Qwen3-MoE and PhiMoE: logits,
+greedy generation and training steps equal the unsharded model fed the same per-rank inputs."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ tr = pytest.importorskip("transformers")
 tr.logging.set_verbosity_error()
 VOCAB = 1001
 _ = (tr.MixtralForCausalLM, tr.MixtralConfig, tr.Qwen2MoeForCausalLM, tr.Qwen2MoeConfig,
+     tr.Qwen3MoeForCausalLM, tr.Qwen3MoeConfig, tr.PhimoeForCausalLM, tr.PhimoeConfig,
      tr.GenerationMixin)  # imported in the parent: forked ranks inherit them
 
 
@@ -27,6 +28,13 @@ def make(family: str):
     if family == "mixtral":
         return tr.MixtralForCausalLM(tr.MixtralConfig(**small, num_local_experts=4,
                                                       num_experts_per_tok=2))
+    if family == "qwen3_moe":  # per-head q/k norms
+        return tr.Qwen3MoeForCausalLM(tr.Qwen3MoeConfig(**small, num_experts=4, head_dim=16,
+                                                        num_experts_per_tok=2,
+                                                        moe_intermediate_size=64))
+    if family == "phimoe":  # LayerNorm, attention biases, sparsemixer routing
+        return tr.PhimoeForCausalLM(tr.PhimoeConfig(**small, num_local_experts=4,
+                                                    num_experts_per_tok=2))
     # layer 0 dense (mlp_only_layers), layer 1 experts + a gated shared expert
     return tr.Qwen2MoeForCausalLM(tr.Qwen2MoeConfig(
         **small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -61,6 +69,8 @@ def _forward(family, tp, ep):
     pytest.param("mixtral", 2, 2, marks=pytest.mark.slow),
     pytest.param("qwen2_moe", 2, 1, marks=pytest.mark.slow),
     pytest.param("qwen2_moe", 1, 2, marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", 2, 2, marks=pytest.mark.slow),
+    pytest.param("phimoe", 2, 2, marks=pytest.mark.slow),
 ])
 def test_logits_and_generation_equal_unsharded(run_ranks, family, tp, ep):
     ref, ref_state = run_ranks(_forward, 1, family, tp, ep)[0]

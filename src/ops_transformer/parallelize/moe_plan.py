@@ -17,7 +17,7 @@ from torch import nn
 from ..layers.moe import check_experts_divide
 from .plan import Plan
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "phimoe")
 
 
 def n_experts_of(model: nn.Module) -> int:

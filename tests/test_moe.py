@@ -78,7 +78,7 @@ def test_one_expert_top1_without_aux_loss_equals_the_dense_model():
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         return losses, model.state_dict()
 
     dense_losses, dense = train(dense_cfg)
@@ -244,7 +244,7 @@ def _train(tp, ep, dp, capacity):
         step_losses, step_dropped = [], []
         for rows in [chunks[ctx.dp_ep_rank]] if parallel else chunks:
             loss = model(rows[:, :-1], rows[:, 1:])[1]
-            step_losses.append(float(loss))
+            step_losses.append(float(loss.detach()))
             step_dropped.append(moe_stats(model)["dropped"])
             (loss if parallel else loss / micro).backward()
         opt.step()
@@ -365,3 +365,14 @@ def test_train_cli_ep_errors(argv, needle, capsys):
 
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_a_planner_layout_must_match_the_expert_parallel_degree():
+    from ops_transformer import ParallelContext
+
+    ctx = ParallelContext(rank=0, world_size=2, tp_size=1, tp_rank=0, dp_size=1, dp_rank=0,
+                          ep_size=2)
+    layout = {"dp": 2, "tp": 1, "ep": 1, "attention": "heads"}
+    with pytest.raises(ValueError, match=r"the plan is for dp=2 × ep=1 × tp=1, but this job runs "
+                                         r"dp=1 × ep=2 × tp=1"):
+        parallelize(GPT(preset("moe-tiny")), ctx, plan=layout)

@@ -86,8 +86,8 @@ class _Routes:
     """Split sizes of one dispatch: rows sent to / received from each EP rank, and the received
     rows' order (source-major) regrouped expert-major for the local experts."""
 
-    send: list[int]
-    recv: list[int]
+    send: list[int] | None  # None: ep = 1, nothing moves
+    recv: list[int] | None
     per_expert: list[int]  # received rows per local expert
     to_expert_major: torch.Tensor | None  # None: already expert-major (ep = 1)
 
@@ -168,7 +168,7 @@ class ParallelExperts(nn.Module):
     def _routes(self, counts: torch.Tensor) -> _Routes:
         local, ep = self.shard.local, self.ep_size
         if ep == 1:
-            return _Routes([counts.sum().item()], [counts.sum().item()], counts.tolist(), None)
+            return _Routes(None, None, counts.tolist(), None)
         everyone = counts.new_empty(ep * self.n_experts)
         C.all_gather_into(everyone, counts, self.ep_group, label="moe_counts")
         everyone = everyone.view(ep, ep, local).tolist()  # [source][destination][local expert]
@@ -243,9 +243,10 @@ class ParallelExperts(nn.Module):
     def from_stacked(cls, experts: nn.Module, ctx) -> ParallelExperts:
         """From a ``transformers`` experts module: 3-D ``gate_up_proj [E, 2F, h]`` (gate first)
         and ``down_proj [E, h, F]``, ``act_fn`` (Mixtral, Qwen2/3-MoE, OLMoE)."""
-        if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True):
-            raise ValueError(f"{type(experts).__name__}: only [gate; up]-concatenated, "
-                             f"untransposed expert weights are supported")
+        if (getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True)
+                or not getattr(experts, "has_gate", True)):
+            raise ValueError(f"{type(experts).__name__}: only gated experts with [gate; up]-"
+                             f"concatenated, untransposed weights are supported")
         keys = {"w_in": "gate_up_proj", "w_out": "down_proj"}
         biases = {}
         for name, key in (("b_in", "gate_up_proj_bias"), ("b_out", "down_proj_bias")):

@@ -112,8 +112,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     if ctx.dp_ep_size > 1:  # EP ranks read different micro-batches, like DP ranks
         dense, experts = split_expert_params(model.parameters())
         scale_expert_grads(experts, ctx.ep_size)
-        model._ops_transformer_grad_sync = GradSync(dense, ctx.dp_ep_group,
-                                                    bucket_bytes=bucket_bytes)
+        group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
+        model._ops_transformer_grad_sync = GradSync(dense, group, bucket_bytes=bucket_bytes)
         if experts and ctx.dp_size > 1:
             model._ops_transformer_expert_grad_sync = GradSync(experts, ctx.dp_group,
                                                                bucket_bytes=bucket_bytes)

@@ -97,7 +97,7 @@ def _train(family, tp, ep):
         for ep_rank in [ctx.ep_rank] if parallel else range(ep):
             ids = _ids(ep_rank)
             loss = model(input_ids=ids, labels=ids).loss
-            step.append(float(loss))
+            step.append(float(loss.detach()))
             (loss if parallel else loss / ep).backward()
         opt.step()
         opt.zero_grad()

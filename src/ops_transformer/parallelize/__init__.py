@@ -57,10 +57,15 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
             raise ValueError("the planner found no layout that fits (its 'best' is null)")
         plan = plan["best"]
     if isinstance(plan, dict) and {"tp", "dp", "attention"} <= set(plan):  # a planner layout
-        if (plan["tp"], plan["dp"], plan.get("ep", 1)) != (ctx.tp_size, ctx.dp_size, ctx.ep_size):
-            raise ValueError(f"the plan is for dp={plan['dp']} × ep={plan.get('ep', 1)} × "
-                             f"tp={plan['tp']}, but this job runs dp={ctx.dp_size} × "
-                             f"ep={ctx.ep_size} × tp={ctx.tp_size}")
+        wanted = {"dp": plan["dp"], "ep": plan.get("ep", 1), "tp": plan["tp"]}
+        actual = {"dp": ctx.dp_size, "ep": ctx.ep_size, "tp": ctx.tp_size}
+        if wanted != actual:
+            axes = [a for a in wanted if a != "ep" or max(wanted["ep"], actual["ep"]) > 1]
+
+            def show(degrees):
+                return " × ".join(f"{a}={degrees[a]}" for a in axes)
+
+            raise ValueError(f"the plan is for {show(wanted)}, but this job runs {show(actual)}")
         attention = plan["attention"]
         plan = "auto"
     elif isinstance(plan, dict):

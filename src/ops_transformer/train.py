@@ -25,7 +25,7 @@ from .models.moe import moe_stats
 from .parallel.context import check_degrees, init_parallel
 from .parallelize import parallelize
 from .parallelize.gpt_plan import gpt_plan
-from .planner.strategies import ffn_cost, layer_cost, moe_cost, vocab_cost
+from .planner.strategies import model_comm_per_step
 from .utils.plot import write_line_plot_png
 from .utils.progress import Progress
 
@@ -95,32 +95,10 @@ def check_train_ep(model_cfg: GPTConfig, preset_name: str, ep: int) -> None:
 
 def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch: int,
                            seq: int, vocab: str = "parallel") -> dict[str, dict[str, int]]:
-    """The tensor-parallel collectives of one training step on one rank, from the cost model
-    (:func:`ops_transformer.planner.layer_cost`, checked against the ledger by the tests), for a
-    local micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` layers, plus — with a
-    vocab-parallel embedding and head — the embedding's all-reduce (``b·s·h``) and the loss's
-    all-gather (``tp·3N`` elements, ``N = b·s``) in forward and the LM head's input-gradient
-    all-reduce in backward (:func:`~ops_transformer.planner.vocab_cost`). An MoE layer's FFN pair
-    is counted on ``batch·seq·top_k`` routed slots (:func:`~ops_transformer.planner.moe_cost`):
-    exact in calls, in elements only for a balanced routing."""
-    if tp == 1:
-        return {}
-    c = model_cfg
-    layer = layer_cost(attention, batch, seq, c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, tp,
-                       bias=c.bias, swiglu=c.mlp == "swiglu").total()
-    out = {kind: {k: v * c.n_layers for k, v in entry.items()} for kind, entry in layer.items()}
-    extra = [vocab_cost(vocab, batch, seq, c.d_model, c.vocab_size, tp).total()]
-    for i in range(c.n_layers):
-        if c.is_moe_layer(i):  # the routed FFN pair instead of the dense one
-            extra.append(moe_cost(batch, seq, c.d_model, c.d_ff, c.n_experts, c.top_k, 1, tp).total())
-            extra.append({k: {f: -n for f, n in e.items()} for k, e in ffn_cost(
-                batch, seq, c.d_model, c.d_ff, tp).total().items()})
-    for comm in extra:
-        for kind, entry in comm.items():
-            total = out.setdefault(kind, {"calls": 0, "elements": 0})
-            total["calls"] += entry["calls"]
-            total["elements"] += entry["elements"]
-    return out
+    """The tensor-parallel collectives the cost model predicts for one training step on one rank
+    (:func:`ops_transformer.planner.strategies.model_comm_per_step`, checked against the ledger by
+    the tests)."""
+    return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab)
 
 
 def _global_loss(loss: torch.Tensor, ctx) -> float:

@@ -316,7 +316,7 @@ def test_planner_searches_ep_for_moe_models():
 
     spec = ModelSpec.from_gpt_config(preset("moe-small"))
     assert (spec.experts, spec.top_k) == (8, 2)
-    result = search(spec, ClusterSpec.make("a100-80gb", 8), top=1000)
+    result = search(spec, ClusterSpec.make("a100-80gb", 8), top=100_000)
     eps = {c["ep"] for c in result["candidates"]}
     assert eps == {1, 2, 4, 8} and all(c["ffn"] == "experts" for c in result["candidates"])
     assert f"ep={result['best']['ep']}" in result["advice"]

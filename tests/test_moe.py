@@ -20,6 +20,7 @@ from ops_transformer.models.gpt import MLP, GPTConfig
 from ops_transformer.models.moe import (MoE, Router, capacity_mask, init_routers,
                                         load_balancing_loss, moe_stats)
 from ops_transformer.planner import moe_cost
+from ops_transformer.precision import clip_grad_norm_
 
 B, T, STEPS = 4, 16, 3
 
@@ -230,7 +231,7 @@ def test_moe_cost_equals_the_ledger(run_ranks):
 
 # --- the model: 3 SGD steps against the single-device MoE -------------------------------------
 
-def _train(tp, ep, dp, capacity):
+def _train(tp, ep, dp, capacity, clip=None):
     parallel = int(os.environ["WORLD_SIZE"]) > 1
     ctx = init_parallel(tp=tp, ep=ep, dp=dp) if parallel else init_parallel()
     cfg = preset("moe-tiny", max_seq_len=T, moe_capacity_factor=capacity)
@@ -249,6 +250,11 @@ def _train(tp, ep, dp, capacity):
             step_losses.append(float(loss.detach()))
             step_dropped.append(moe_stats(model)["dropped"])
             (loss if parallel else loss / micro).backward()
+        if clip is not None:  # the dense model's norm: experts differ across EP ranks
+            if parallel:
+                clip_grad_norm_(model, clip, ctx)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(step_losses)
@@ -256,20 +262,22 @@ def _train(tp, ep, dp, capacity):
     return ctx.dp_ep_rank, losses, dropped, gather_full_state_dict(model, ctx)
 
 
-@pytest.mark.parametrize("tp,ep,dp,capacity", [
-    (1, 2, 1, None),
-    pytest.param(1, 2, 1, 1.0, marks=pytest.mark.slow),  # capacity: unmarked at the layer level
-    pytest.param(2, 2, 1, None, marks=pytest.mark.slow),
-    pytest.param(2, 2, 1, 1.0, marks=pytest.mark.slow),
-    pytest.param(1, 2, 2, None, marks=pytest.mark.slow),
-    pytest.param(1, 4, 1, 0.75, marks=pytest.mark.slow),
+@pytest.mark.parametrize("tp,ep,dp,capacity,clip", [
+    (1, 2, 1, None, None),
+    pytest.param(1, 2, 1, 1.0, None, marks=pytest.mark.slow),  # capacity: unmarked on the layer
+    pytest.param(2, 2, 1, None, None, marks=pytest.mark.slow),
+    pytest.param(2, 2, 1, 1.0, None, marks=pytest.mark.slow),
+    pytest.param(1, 2, 2, None, None, marks=pytest.mark.slow),
+    pytest.param(1, 4, 1, 0.75, None, marks=pytest.mark.slow),
+    pytest.param(2, 2, 1, None, 0.05, marks=pytest.mark.slow),  # clipped to the dense norm
 ])
 def test_training_equals_single_device_moe_on_the_same_micro_batches(run_ranks, tp, ep, dp,
-                                                                     capacity):
-    _, ref_losses, ref_dropped, ref_state = run_ranks(_train, 1, 1, ep, dp, capacity)[0]
+                                                                     capacity, clip):
+    _, ref_losses, ref_dropped, ref_state = run_ranks(_train, 1, 1, ep, dp, capacity, clip)[0]
     if capacity is not None:
         assert any(d for step in ref_dropped for d in step), "the capacity should drop slots"
-    for micro, losses, dropped, state in run_ranks(_train, tp * ep * dp, tp, ep, dp, capacity):
+    for micro, losses, dropped, state in run_ranks(_train, tp * ep * dp, tp, ep, dp, capacity,
+                                                   clip):
         assert_rel(torch.tensor(losses)[:, 0], torch.tensor(ref_losses)[:, micro],
                    what=f"losses of micro-batch {micro}")
         assert [d[0] for d in dropped] == [d[micro] for d in ref_dropped]

@@ -128,7 +128,8 @@ def test_train_checkpoint_flags_need_a_directory(capsys):
 # --- Hugging Face GPT-2: Conv1D weights (transposed), fused c_attn, tied and padded vocabulary ----
 
 tr = pytest.importorskip("transformers")
-_ = (tr.GPT2LMHeadModel, tr.GPT2Config)  # resolved in the parent, not in every forked rank
+_ = (tr.GPT2LMHeadModel, tr.GPT2Config, tr.MixtralForCausalLM, tr.MixtralConfig,
+     tr.GenerationMixin)  # resolved in the parent, not in every forked rank
 
 
 def _gpt2():
@@ -187,3 +188,29 @@ def test_fp16_resume_restores_the_loss_scaler(tmp_path, capsys):
     b, manifest = ex.dense_state_dict(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert manifest["scaler"] is True  # DynamicLossScaler.state_dict() went into the checkpoint
+
+
+def _mixtral():
+    torch.manual_seed(0)
+    return tr.MixtralForCausalLM(tr.MixtralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, vocab_size=1001, num_local_experts=4,
+        num_experts_per_tok=2))
+
+
+def _save_mixtral(root):
+    ctx = ot.init_parallel(tp=1, ep=2)  # experts 0-1 on rank 0, 2-3 on rank 1
+    model = ot.parallelize(_mixtral(), ctx)
+    ot.save_checkpoint(root, model, None, ctx, 1)
+    with torch.no_grad():
+        return model(IDS).logits  # every EP rank runs the same tokens here
+
+
+def test_mixtral_experts_over_ep_export_for_plain_transformers(run_ranks, tmp_path, capsys):
+    logits = run_ranks(_save_mixtral, 2, tmp_path / "ckpt")[0]
+    out = tmp_path / "exported"
+    assert main(["checkpoint", "export", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    plain = tr.AutoModelForCausalLM.from_pretrained(out)  # gate_up_proj [4, 256, 64] again
+    with torch.no_grad():
+        assert_rel(plain(IDS).logits, logits, 1e-5, "plain transformers from the ep=2 export")

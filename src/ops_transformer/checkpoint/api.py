@@ -23,8 +23,8 @@ from .. import __version__
 from ..comm import collectives as C
 from . import store
 from .chunked import LoadPlanner, SavePlanner
-from .contents import (MODEL, OPTIM, RNG, check_picklable, commit_model, describe_model,
-                       model_entries, model_targets, model_tensors, parameters)
+from .contents import (MODEL, OPTIM, RNG, ModelTensors, check_picklable, commit_model,
+                       describe_model, model_entries, model_targets, unclaimed)
 from .errors import CheckpointError
 from .optim import adapter_for
 from .rng import rng_state, set_rng_state
@@ -42,25 +42,30 @@ def run_dcp(fn, state: dict, group, **kwargs):
         return fn(state, process_group=group, no_dist=group is None, **kwargs)
 
 
-def _agree(error: BaseException | None, ctx, what: str) -> None:
+def _max_over_ranks(tensor: torch.Tensor, ctx) -> torch.Tensor:
+    tensor = tensor.to(ctx.device)
+    C.all_reduce(tensor, _world(ctx), op=C.ReduceOp.MAX, label="checkpoint")
+    return tensor.cpu()
+
+
+def _agree(error: BaseException | None, ctx, what: str, cls=RuntimeError) -> None:
     """Raise on every rank when ``error`` happened on any (no rank is left waiting)."""
-    flag = torch.tensor([ctx.rank + 1 if error is not None else 0], device=ctx.device)
-    C.all_reduce(flag, _world(ctx), op=C.ReduceOp.MAX, label="checkpoint")
+    flag = int(_max_over_ranks(torch.tensor([ctx.rank + 1 if error is not None else 0]), ctx))
     if error is not None:
         raise error
-    if int(flag):
-        raise RuntimeError(f"{what} failed on rank {int(flag) - 1} (its error is reported there)")
+    if flag:
+        raise cls(f"{what} failed on rank {flag - 1} (its error is reported there)")
 
 
 def _layout(ctx) -> dict:
     return {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "ep": ctx.ep_size}
 
 
-def _save_entries(model, optimizer, ctx, extra, scaler, stateful) -> dict[str, Any]:
-    tensors, _ = model_tensors(model)
-    entries: dict[str, Any] = model_entries(tensors)
+def _save_entries(model: ModelTensors, optimizer, ctx, extra, scaler,
+                  stateful) -> dict[str, Any]:
+    entries: dict[str, Any] = model_entries(model)
     if optimizer is not None:
-        state = adapter_for(optimizer).save_state(optimizer, parameters(tensors))
+        state = adapter_for(optimizer).save_state(optimizer, model, ctx)
         entries.update({OPTIM + k: v for k, v in state.items()})
     entries[f"{RNG}{ctx.rank}"] = rng_state()
     if ctx.rank == 0:  # the same on every rank: written once
@@ -94,7 +99,8 @@ def save_checkpoint(root, model, optimizer, ctx, step: int, *, extra=None, keep:
     start = time.perf_counter()
     error = None
     try:
-        entries = _save_entries(model, optimizer, ctx, extra, scaler, stateful)
+        tensors = ModelTensors(model)
+        entries = _save_entries(tensors, optimizer, ctx, extra, scaler, stateful)
         if ctx.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             store.clean_stale(root)
@@ -113,7 +119,8 @@ def save_checkpoint(root, model, optimizer, ctx, step: int, *, extra=None, keep:
     _agree(error, ctx, "hashing the checkpoint files")
     if ctx.rank == 0:
         try:
-            manifest = _manifest(tmp, model, optimizer, ctx, step, extra, scaler, stateful)
+            manifest = _manifest(tmp, model, tensors, optimizer, ctx, step, extra, scaler,
+                                 stateful)
             manifest["write_seconds"] = round(time.perf_counter() - start, 3)
             store.write_manifest(tmp, manifest)
             store.publish(tmp, root, name)
@@ -124,19 +131,20 @@ def save_checkpoint(root, model, optimizer, ctx, step: int, *, extra=None, keep:
     return root / name
 
 
-def _manifest(tmp: Path, model, optimizer, ctx, step, extra, scaler, stateful) -> dict:
+def _manifest(tmp: Path, model, tensors: ModelTensors, optimizer, ctx, step, extra, scaler,
+              stateful) -> dict:
     files = {".metadata": store.file_record(tmp / ".metadata")}
     for rank in range(ctx.world_size):
         part = tmp / f".hashes-{rank}.json"
         files.update(json.loads(part.read_text()))
         part.unlink()
-    tensors, aliases = model_tensors(model)
     plan = getattr(model, "parallel_plan", None)
     return {
         "format": store.FORMAT, "version": store.VERSION, "step": step,
         "created_unix": round(time.time(), 3), "torch": torch.__version__,
         "ops_transformer": __version__, "layout": _layout(ctx),
-        "model": {**describe_model(model), "tensors": len(tensors), "aliases": aliases,
+        "model": {**describe_model(model), "tensors": len(tensors.keys()),
+                  "aliases": tensors.aliases,
                   "plan": ({"attention": plan.attention, "vocab": plan.vocab}
                            if plan is not None else None)},
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
@@ -151,12 +159,11 @@ def verify(path: Path, manifest: dict, ctx=None) -> None:
     sharing the work; a :class:`CheckpointError` naming the first bad file on every rank."""
     names = sorted(manifest["files"])
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
-    codes = torch.zeros(len(names), dtype=torch.int32,
-                        device=ctx.device if ctx is not None else "cpu")
+    codes = torch.zeros(len(names), dtype=torch.int32)
     for i in range(rank, len(names), world):
         codes[i] = store.check_file(path, names[i], manifest["files"][names[i]])
     if ctx is not None:
-        C.all_reduce(codes, _world(ctx), op=C.ReduceOp.MAX, label="checkpoint")
+        codes = _max_over_ranks(codes, ctx)
     bad = [(names[i], int(c)) for i, c in enumerate(codes.tolist()) if c]
     if bad:
         first, code = bad[0]
@@ -183,15 +190,21 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
     verify(path, manifest, ctx)
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
-    tensors, _ = model_tensors(model)
-    targets: dict[str, Any] = model_targets(tensors, saved)
-    adapter = params = None
-    if optimizer is not None:
-        adapter = adapter_for(optimizer)
-        params = parameters(tensors)
-        optim_saved = {k[len(OPTIM):]: v for k, v in saved.items() if k.startswith(OPTIM)}
-        targets.update({OPTIM + k: v for k, v in
-                        adapter.load_targets(optimizer, params, optim_saved).items()})
+    tensors, adapter, targets, error = ModelTensors(model), None, {}, None
+    try:
+        targets = model_targets(tensors, saved)
+        if optimizer is not None:
+            adapter = adapter_for(optimizer)
+            optim_saved = {k[len(OPTIM):]: v for k, v in saved.items() if k.startswith(OPTIM)}
+            targets.update({OPTIM + k: v for k, v in
+                            adapter.load_targets(optimizer, tensors, optim_saved, ctx).items()})
+    except (CheckpointError, ValueError) as exc:
+        error = exc
+    _agree(error, ctx, "checking the checkpoint against the model", CheckpointError)
+    extra_keys = unclaimed(tensors, saved, lambda flags: _max_over_ranks(flags, ctx))
+    if extra_keys:
+        raise CheckpointError(f"the checkpoint does not fit this model: {len(extra_keys)} of its "
+                              f"tensors are in no rank's model (e.g. {extra_keys[:3]})")
     rng_key = f"{RNG}{ctx.rank}" if f"{RNG}{ctx.rank}" in saved else f"{RNG}0"
     if restore_rng and rng_key not in saved:
         raise CheckpointError(f"checkpoint {path} has no RNG states ({rng_key!r})")
@@ -208,8 +221,8 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
     except Exception as exc:  # verified files that still do not load: report, load nothing
         raise CheckpointError(f"checkpoint {path} could not be read: {exc}") from exc
     if adapter is not None:
-        adapter.commit(optimizer, params, {k[len(OPTIM):]: v for k, v in targets.items()
-                                           if k.startswith(OPTIM)})
+        adapter.commit(optimizer, tensors, {k[len(OPTIM):]: v for k, v in targets.items()
+                                            if k.startswith(OPTIM)}, ctx)
     objects = {"scaler": scaler, **{f"stateful/{k}": v for k, v in (stateful or {}).items()}}
     for key, obj in objects.items():
         if obj is not None and key in targets:

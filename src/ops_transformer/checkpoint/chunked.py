@@ -36,6 +36,11 @@ class ChunkedTensor:
         """The chunks ``layout`` gives ``local`` (a parameter, a state tensor, a load buffer)."""
         return cls(layout.global_shape, layout.chunks(local), local)
 
+    @classmethod
+    def of_entry(cls, entry, local: torch.Tensor) -> ChunkedTensor:
+        """The chunks of one dense tensor (an :class:`~.layout.Entry`) in ``local``."""
+        return cls(entry.layout.global_shape, entry.chunks(local), local)
+
     def size(self) -> torch.Size:  # DCP compares it with the stored size on load
         return self.global_shape
 

@@ -14,13 +14,17 @@ held by several replicas give identical chunks, which the checkpoint writes once
 chunks are expressed in dense coordinates, a checkpoint saved at one layout loads at any other:
 each rank reads the parts of the stored chunks that overlap its own (DCP's resharding).
 
-Extension point: a tensor with a ``checkpoint_layout`` attribute (any object with
-``global_shape`` and ``chunks(local)``) uses it instead of its ``shard_spec``. Expert-parallel
-weights or flat ZeRO partitions describe themselves that way.
+Extension points: a tensor with a ``checkpoint_layout`` attribute (any object with
+``global_shape`` and ``chunks(local)``) uses it instead of its ``shard_spec``; a module whose local
+tensors hold several dense tensors, or dense tensors under other names (the experts of an
+expert-parallel layer), maps each of its tensors to :class:`Entry` objects
+(:func:`~ops_transformer.checkpoint.contents.register_module_entries`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -97,8 +101,30 @@ def layout_of(tensor: torch.Tensor) -> Layout:
     custom = getattr(tensor, "checkpoint_layout", None)
     if custom is not None:
         return custom
+    if getattr(tensor, "expert_shard", None) is not None:  # differs across EP ranks
+        raise ValueError("a tensor holding this rank's experts needs a checkpoint layout (its "
+                         "module's entries, or a checkpoint_layout attribute); as a replicated "
+                         "tensor only one EP rank's experts would be saved")
     spec = shard_spec(tensor)
     return SpecLayout(spec) if spec is not None else Replicated(tensor.shape)
+
+
+def _whole(local: torch.Tensor) -> torch.Tensor:
+    return local
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One dense tensor of the checkpoint (``key``: its name in the dense model) and where it
+    lives in a local tensor: ``select(local)`` is the view holding it (the whole tensor, or one
+    expert of a stacked tensor) and ``layout`` gives that view's chunks."""
+
+    key: str
+    layout: Layout
+    select: Callable[[torch.Tensor], torch.Tensor] = _whole
+
+    def chunks(self, local: torch.Tensor) -> list[Chunk]:
+        return self.layout.chunks(self.select(local))
 
 
 def _check_shape(local: torch.Tensor, expected, what: str) -> None:

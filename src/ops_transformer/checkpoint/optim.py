@@ -22,24 +22,24 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .chunked import ChunkedTensor
+from .contents import ModelTensors
 from .errors import CheckpointError
-from .layout import Replicated, layout_of
-
-Params = Mapping[str, torch.Tensor]  # dense-model name → parameter
+from .layout import Entry, Replicated
 
 
 class OptimizerAdapter(Protocol):
-    def save_state(self, optimizer, params: Params) -> dict[str, Any]:
+    def save_state(self, optimizer, model: ModelTensors, ctx) -> dict[str, Any]:
         """Entries to save: key → :class:`ChunkedTensor` or a picklable plain value."""
         ...
 
-    def load_targets(self, optimizer, params: Params, saved: Mapping[str, Any]) -> dict[str, Any]:
+    def load_targets(self, optimizer, model: ModelTensors, saved: Mapping[str, Any],
+                     ctx) -> dict[str, Any]:
         """Entries to load, given the saved keys and their DCP metadata: key →
         :class:`ChunkedTensor` over fresh buffers, or ``None`` for a plain value. Raises
         :class:`CheckpointError` when the saved state does not fit this optimizer."""
         ...
 
-    def commit(self, optimizer, params: Params, loaded: dict[str, Any]) -> None:
+    def commit(self, optimizer, model: ModelTensors, loaded: dict[str, Any], ctx) -> None:
         """Install the loaded entries (check everything first: raise before changing anything)."""
         ...
 
@@ -71,51 +71,68 @@ def _split_state_key(key: str) -> tuple[str, str]:
 
 
 class TorchOptimizerAdapter:
-    """``torch.optim`` optimizers, through their ``state_dict`` / ``load_state_dict``."""
+    """``torch.optim`` optimizers, through their ``state_dict`` / ``load_state_dict``. A
+    parameter's state is saved under each dense key the parameter holds (see
+    :class:`~.contents.ModelTensors`). Each rank saves its parameter groups (``param_groups/<rank>``:
+    hyperparameters and the dense keys of its parameters); a load takes the union of the keys, so
+    ranks may hold different parameters (experts over ``ep``)."""
 
-    def save_state(self, optimizer, params: Params) -> dict[str, Any]:
+    def save_state(self, optimizer, model: ModelTensors, ctx) -> dict[str, Any]:
         flat = _flat_params(optimizer)
-        names = _names(params, flat)
+        _check_known(model, flat)
         sd = optimizer.state_dict()
         out: dict[str, Any] = {}
         for index, state in sd["state"].items():
-            fqn, param = names[index], flat[index]
+            param = flat[index]
             for name, value in state.items():
-                key = f"state/{fqn}/{name}"
-                out[key] = _chunked(param, value, key) if isinstance(value, torch.Tensor) else value
-        out["param_groups"] = [{**{k: v for k, v in g.items() if k != "params"},
-                                "params": [names[i] for i in g["params"]]}
-                               for g in sd["param_groups"]]
+                for entry in model.entries_of(param):
+                    key = f"state/{entry.key}/{name}"
+                    out[key] = (_chunked(param, value, entry, key)
+                                if isinstance(value, torch.Tensor) else value)
+        out[f"param_groups/{ctx.rank}"] = [
+            {**{k: v for k, v in g.items() if k != "params"},
+             "params": _group_keys(model, [flat[i] for i in g["params"]])}
+            for g in sd["param_groups"]]
         return out
 
-    def load_targets(self, optimizer, params: Params, saved: Mapping[str, Any]) -> dict[str, Any]:
-        if "param_groups" not in saved:
+    def load_targets(self, optimizer, model: ModelTensors, saved: Mapping[str, Any],
+                     ctx) -> dict[str, Any]:
+        groups = [k for k in saved if k.startswith("param_groups/")]
+        if not groups:
             raise CheckpointError("the checkpoint holds no optimizer state (it was saved with "
                                   "optimizer=None); pass optimizer=None to load the model only")
-        held = {id(p) for p in _flat_params(optimizer)}
-        targets: dict[str, Any] = {"param_groups": None}
+        flat = _flat_params(optimizer)
+        _check_known(model, flat)
+        held = {e.key: (p, e) for p in flat for e in model.entries_of(p)}
+        local = set(model.keys())
+        buffers: dict[tuple[int, str], torch.Tensor] = {}  # one per parameter and state
+        targets: dict[str, Any] = dict.fromkeys(groups)
         for key, md in saved.items():
             if not key.startswith("state/"):
                 continue
-            fqn, name = _split_state_key(key)
-            param = params.get(fqn)
-            if param is None or id(param) not in held:
+            dense, name = _split_state_key(key)
+            if dense not in held:
+                if dense not in local:  # another rank's (its experts): not loaded here
+                    continue
                 raise CheckpointError(f"the checkpoint has optimizer state {name!r} for parameter "
-                                      f"{fqn!r}, which this optimizer does not hold")
-            targets[key] = (_buffer_for(param, md, key) if isinstance(md, TensorStorageMetadata)
-                            else None)
+                                      f"{dense!r}, which this optimizer does not hold")
+            if isinstance(md, TensorStorageMetadata):
+                targets[key] = _target(*held[dense], md, key, buffers, name)
+            else:
+                targets[key] = None
         return targets
 
-    def commit(self, optimizer, params: Params, loaded: dict[str, Any]) -> None:
+    def commit(self, optimizer, model: ModelTensors, loaded: dict[str, Any], ctx) -> None:
         flat = _flat_params(optimizer)
         index = {id(p): i for i, p in enumerate(flat)}
-        saved_groups = loaded["param_groups"]
-        _check_groups(saved_groups, optimizer.param_groups, _names(params, flat))
+        owner = {e.key: p for p in flat for e in model.entries_of(p)}
+        saved_groups = _merged_groups(loaded)
+        _check_groups(saved_groups, optimizer.param_groups, model)
         state: dict[int, dict] = {}
         for key, value in loaded.items():
             if key.startswith("state/"):
-                fqn, name = _split_state_key(key)
-                state.setdefault(index[id(params[fqn])], {})[name] = (
+                dense, name = _split_state_key(key)
+                state.setdefault(index[id(owner[dense])], {})[name] = (
                     value.local if isinstance(value, ChunkedTensor) else value)
         groups = [{**{k: v for k, v in saved.items() if k != "params"},
                    "params": [index[id(p)] for p in current["params"]]}
@@ -130,53 +147,73 @@ def _flat_params(optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _names(params: Params, flat: list[torch.Tensor]) -> list[str]:
-    by_id = {id(p): name for name, p in params.items()}
-    missing = [i for i, p in enumerate(flat) if id(p) not in by_id]
+def _check_known(model: ModelTensors, flat: list[torch.Tensor]) -> None:
+    missing = [i for i, p in enumerate(flat) if model.name_of(p) is None]
     if missing:
         raise ValueError(f"the optimizer holds {len(missing)} tensor(s) that are not parameters "
                          f"of the model (first: index {missing[0]}, shape "
                          f"{tuple(flat[missing[0]].shape)}); an optimizer over other tensors (a "
                          f"ZeRO flat shard, say) needs its own adapter: see "
                          f"register_optimizer_adapter")
-    return [by_id[id(p)] for p in flat]
 
 
-def _chunked(param: torch.Tensor, value: torch.Tensor, key: str) -> ChunkedTensor:
+def _group_keys(model: ModelTensors, params: list[torch.Tensor]) -> list[str]:
+    return [e.key for p in params for e in model.entries_of(p)]
+
+
+def _chunked(param: torch.Tensor, value: torch.Tensor, entry: Entry, key: str) -> ChunkedTensor:
     value = value.detach()
-    layout = layout_of(param)
     if value.dim() > 0 and value.shape == param.shape:
-        return ChunkedTensor.of(layout, value)
-    if value.dim() == 0 or isinstance(layout, Replicated):
+        return ChunkedTensor.of_entry(entry, value)
+    if value.dim() == 0 or (isinstance(entry.layout, Replicated)
+                            and tuple(entry.layout.global_shape) == tuple(param.shape)):
         return ChunkedTensor.of(Replicated(value.shape), value)
     raise ValueError(f"optimizer state {key!r} has shape {tuple(value.shape)}, neither its sharded "
                      f"parameter's local shape {tuple(param.shape)} nor a scalar: its layout is "
                      f"unknown; register an adapter with register_optimizer_adapter")
 
 
-def _buffer_for(param: torch.Tensor, md: TensorStorageMetadata, key: str) -> ChunkedTensor:
-    layout = layout_of(param)
+def _target(param: torch.Tensor, entry: Entry, md: TensorStorageMetadata, key: str,
+            buffers: dict, name: str) -> ChunkedTensor:
     dtype, size = md.properties.dtype, tuple(md.size)
-    if size and size == tuple(layout.global_shape):
-        return ChunkedTensor.of(layout, torch.zeros(param.shape, dtype=dtype, device=param.device))
-    if not size or isinstance(layout, Replicated):
+    if size and size == tuple(entry.layout.global_shape):
+        buffer = buffers.get((id(param), name))
+        if buffer is None:
+            buffer = buffers[(id(param), name)] = torch.zeros(param.shape, dtype=dtype,
+                                                              device=param.device)
+        return ChunkedTensor.of_entry(entry, buffer)
+    replicated = isinstance(entry.layout, Replicated) and \
+        tuple(entry.layout.global_shape) == tuple(param.shape)
+    if not size or replicated:
         return ChunkedTensor.of(Replicated(size), torch.zeros(size, dtype=dtype,
                                                               device=param.device))
     raise CheckpointError(f"optimizer state {key!r} was saved with shape {size}, which does not "
-                          f"fit its parameter (dense shape {tuple(layout.global_shape)})")
+                          f"fit its parameter (dense shape {tuple(entry.layout.global_shape)})")
 
 
-def _check_groups(saved_groups: list[dict], current_groups: list[dict], names: list[str]) -> None:
+def _merged_groups(loaded: dict[str, Any]) -> list[dict]:
+    """The saved ranks' parameter groups: rank 0's hyperparameters, every rank's keys."""
+    per_rank = [v for k, v in sorted(loaded.items(), key=lambda kv: kv[0])
+                if k.startswith("param_groups/")]
+    merged = [dict(g, params=set()) for g in per_rank[0]]
+    for groups in per_rank:
+        if len(groups) != len(merged):
+            raise CheckpointError("the saved ranks' optimizers have different numbers of "
+                                  "parameter groups")
+        for target, group in zip(merged, groups):
+            target["params"].update(group["params"])
+    return merged
+
+
+def _check_groups(saved_groups: list[dict], current_groups: list[dict],
+                  model: ModelTensors) -> None:
     if len(saved_groups) != len(current_groups):
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} parameter "
                               f"groups, this one has {len(current_groups)}")
-    start = 0
-    for i, (saved, current) in enumerate(zip(saved_groups, current_groups)):
-        mine = set(names[start:start + len(current["params"])])
-        start += len(current["params"])
-        theirs = set(saved["params"])
-        if mine != theirs:
-            diff = sorted(mine ^ theirs)
-            raise CheckpointError(f"optimizer parameter group {i} differs from the checkpoint's: "
-                                  f"{len(diff)} parameter(s) in one but not the other, e.g. "
-                                  f"{diff[:3]}")
+    for i, current in enumerate(current_groups):
+        for key in _group_keys(model, current["params"]):
+            where = [j for j, g in enumerate(saved_groups) if key in g["params"]]
+            if where != [i]:
+                raise CheckpointError(f"optimizer parameter {key!r} is in group {i} here but "
+                                      f"{'in group ' + str(where[0]) if where else 'in no group'} "
+                                      f"of the checkpoint's optimizer")

@@ -25,8 +25,8 @@ CFG = preset("llama-tiny", vocab_size=250)
 BATCH, SEQ = 4, 16
 
 
-def _job(tp, dp, *, seed, optimizer="adamw", cfg=CFG, attention="heads"):
-    ctx = ot.init_parallel(tp=tp, dp=dp)
+def _job(tp, dp, *, seed, optimizer="adamw", cfg=CFG, attention="heads", ep=1):
+    ctx = ot.init_parallel(tp=tp, dp=dp, ep=ep)
     torch.manual_seed(seed)
     model = ot.parallelize(ot.GPT(cfg), ctx, gpt_plan(cfg, tp, attention, vocab="parallel"))
     if optimizer == "adamw":
@@ -39,8 +39,8 @@ def _job(tp, dp, *, seed, optimizer="adamw", cfg=CFG, attention="heads"):
 def _batch(step, ctx=None):
     tokens = torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1),
                            generator=torch.Generator().manual_seed(step))
-    if ctx is not None and ctx.dp_size > 1:
-        tokens = tokens.chunk(ctx.dp_size)[ctx.dp_rank]
+    if ctx is not None and ctx.dp_ep_size > 1:  # data-parallel and EP ranks read their own rows
+        tokens = tokens.chunk(ctx.dp_ep_size)[ctx.dp_ep_rank]
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -98,8 +98,8 @@ def test_resumed_run_is_bit_identical(run_ranks, tmp_path, tp, dp, optimizer):
 
 # --- resharding ---------------------------------------------------------------------------------
 
-def _save_for_reshard(root, tp, dp, attention="heads"):
-    ctx, model, opt = _job(tp, dp, seed=0, attention=attention)
+def _save_for_reshard(root, tp, dp, attention="heads", ep=1, cfg=CFG):
+    ctx, model, opt = _job(tp, dp, seed=0, attention=attention, ep=ep, cfg=cfg)
     _train(ctx, model, opt, range(2))
     ot.save_checkpoint(root, model, opt, ctx, 2)
     before = _eval_loss(model)
@@ -107,8 +107,8 @@ def _save_for_reshard(root, tp, dp, attention="heads"):
     return before, _eval_loss(model)
 
 
-def _load_resharded(root, tp, dp):
-    ctx, model, opt = _job(tp, dp, seed=1)
+def _load_resharded(root, tp, dp, ep=1, cfg=CFG):
+    ctx, model, opt = _job(tp, dp, seed=1, ep=ep, cfg=cfg)
     info = ot.load_checkpoint(root, model, opt, ctx)
     before = _eval_loss(model)
     _train(ctx, model, opt, range(2, 4))  # the optimizer state was resharded too
@@ -369,61 +369,30 @@ def test_registered_optimizer_adapter_and_stateful_objects(tmp_path, monkeypatch
 MOE = preset("moe-tiny", moe_capacity_factor=None, moe_aux_loss_coef=0.0)
 
 
-def _moe_job(tp, ep, seed):
-    ctx = ot.init_parallel(tp=tp, ep=ep)
-    torch.manual_seed(seed)
-    model = ot.parallelize(ot.GPT(MOE), ctx)
-    return ctx, model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _moe_train(ctx, model, opt, steps):
-    for step in steps:
-        tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-        tokens = tokens.chunk(ctx.dp_ep_size)[ctx.dp_ep_rank]  # EP ranks read their own rows
-        model(tokens[:, :-1], tokens[:, 1:])[1].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-
-def _moe_save(root, tp, ep):
-    ctx, model, opt = _moe_job(tp, ep, seed=0)
-    _moe_train(ctx, model, opt, range(2))
-    ot.save_checkpoint(root, model, opt, ctx, 2)
-    before = _eval_loss(model)
-    _moe_train(ctx, model, opt, range(2, 4))
-    return before, _eval_loss(model)
-
-
-def _moe_load(root, tp, ep):
-    ctx, model, opt = _moe_job(tp, ep, seed=1)
-    info = ot.load_checkpoint(root, model, opt, ctx)
-    before = _eval_loss(model)
-    _moe_train(ctx, model, opt, range(2, 4))
-    return before, _eval_loss(model), info
-
-
 @pytest.mark.parametrize("saved,loaded", [
     ((1, 2), (1, 1)),  # experts over ep → the unparallelised reference MoE (one MLP per expert)
     pytest.param((2, 1), (1, 2), marks=pytest.mark.slow),
     pytest.param((1, 2), (2, 2), marks=pytest.mark.slow),
 ], ids=["ep2-dense", "tp2-ep2", "ep2-tp2xep2"])
 def test_moe_checkpoint_loads_at_another_tp_and_ep(run_ranks, tmp_path, saved, loaded):
-    before, trained = run_ranks(_moe_save, saved[0] * saved[1], tmp_path, *saved)[0]
-    got_before, got_trained, info = run_ranks(_moe_load, loaded[0] * loaded[1], tmp_path,
-                                              *loaded)[0]
+    (tp, ep), (tp2, ep2) = saved, loaded
+    before, trained = run_ranks(_save_for_reshard, tp * ep, tmp_path, tp, 1, "heads", ep,
+                                MOE)[0]
+    got_before, got_trained, info = run_ranks(_load_resharded, tp2 * ep2, tmp_path, tp2, 1, ep2,
+                                              MOE)[0]
     assert info["saved_layout"]["ep"] == saved[1]
     assert_rel(got_before, before, 1e-6, "loss of the loaded MoE model")
     assert_rel(got_trained, trained, 1e-5, "loss after two more steps")
 
 
 def _moe_resume(root, save):
-    ctx, model, opt = _moe_job(1, 2, seed=0 if save else 1)
+    ctx, model, opt = _job(1, 1, seed=0 if save else 1, ep=2, cfg=MOE)
     if save:
-        _moe_train(ctx, model, opt, range(2))
+        _train(ctx, model, opt, range(2))
         ot.save_checkpoint(root, model, opt, ctx, 2)
     else:
         ot.load_checkpoint(root, model, opt, ctx)
-    _moe_train(ctx, model, opt, range(2, 4))
+    _train(ctx, model, opt, range(2, 4))
     return ot.gather_full_state_dict(model, ctx)
 
 

@@ -4,15 +4,20 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 import warnings
 from pathlib import Path
 
+import torch
+
 from ..models.gpt import PRESETS
 from ..parallel import launch
+from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
+from ..parallel.rank_process import set_rank_threads
 from ..train import TrainConfig, train_worker, validate
 from ..utils.progress import format_table
+from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
+                      under_torchrun, world_size)
 
 HELP = "train the reference GPT with tensor (and data) parallelism"
 ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
@@ -21,7 +26,7 @@ ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
 def add_parser(p) -> None:
     p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
                    "run under torchrun (or as one process)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / tp)")
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--data", help="a text file or a directory (default: the Python standard "
@@ -31,12 +36,13 @@ def add_parser(p) -> None:
     p.add_argument("--seq", type=int, default=64, help="sequence length in bytes")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention", default="auto", choices=ATTENTION)
+    p.add_argument("--attention", choices=ATTENTION, help="attention strategy (default auto)")
     p.add_argument("--plan", help="a plan from 'ops-transformer plan --out FILE' (its best "
                    "layout) or a candidate from it: sets --tp, --dp and --attention")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_launch_timeout(p)
 
 
 def layout_from_plan(path: str) -> dict:
@@ -64,23 +70,40 @@ def layout_from_plan(path: str) -> dict:
 
 def config_from_args(args, out_prefix: str) -> TrainConfig:
     out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    layout = {"tp": args.tp, "dp": args.dp, "attention": args.attention}
+    given = {"tp": args.tp, "dp": args.dp, "attention": args.attention}
+    layout = {"tp": 1 if args.tp is None else args.tp, "dp": args.dp,
+              "attention": args.attention or "auto"}
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
+        conflicts = [f"--{k} {v} (the plan has {layout[k]})" for k, v in given.items()
+                     if v is not None and v != layout[k]]
+        if conflicts:
+            raise ValueError(f"--plan {args.plan!r} sets --tp, --dp and --attention, but "
+                             f"also {', '.join(conflicts)}: drop the flag or the plan")
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
                        progress=not args.no_progress, **layout)
 
 
-def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:
-    """Validate, then train on ``nproc`` local ranks or on the ranks of this torchrun job."""
+def run_training(cfg: TrainConfig, nproc: int | None,
+                 timeout: float = DEFAULT_LAUNCH_TIMEOUT) -> dict | None:
+    """Validate (the output directory included), then train on ``nproc`` local ranks, on the
+    ranks of this torchrun job, or in this one process (with the launcher's thread policy)."""
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    validate(cfg, world_size() if nproc is None else nproc)
+    if cfg.out:
+        check_out_dir(cfg.out)
     if nproc is not None:
-        if nproc < 1:
-            raise ValueError(f"--nproc must be at least 1, got {nproc}")
-        validate(cfg, nproc)
-        return launch(train_worker, nproc, cfg)[0]
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    return train_worker(cfg)
+        return launch(train_worker, nproc, cfg, timeout=timeout)[0]
+    if under_torchrun():
+        return train_worker(cfg)
+    threads = torch.get_num_threads()
+    set_rank_threads()
+    try:
+        return train_worker(cfg)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def summary(metrics: dict) -> str:
@@ -98,14 +121,15 @@ def summary(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
+    timeout = launch_timeout(args)
     nproc = args.nproc
-    if args.plan and nproc is None and "WORLD_SIZE" not in os.environ:
+    if args.plan and nproc is None and not under_torchrun():
         nproc = cfg.tp * (cfg.dp or 1)  # a plan fixes the layout: launch it locally
-    metrics = run_training(cfg, nproc)
+    metrics = run_training(cfg, nproc, timeout)
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:
-        print(json.dumps(metrics, indent=2))
+        print_json(metrics)
         return 0
     print(summary(metrics))
     print(f"\nsample: {metrics['sample']!r}")

@@ -116,3 +116,23 @@ def _free_port() -> int:
 def _no_leftover_group():
     yield
     assert not dist.is_initialized(), "a test left a process group in the test process"
+
+
+def _rank0_returns_at_once():
+    import torch.distributed.device_mesh as dm
+
+    original = dm.new_group
+    rank = int(os.environ["RANK"])
+
+    def slow_new_group(*args, ranks=None, **kwargs):
+        if rank != 0 and ranks == [rank]:  # a slower peer, still building its own groups
+            time.sleep(1.0)
+        return original(*args, ranks=ranks, **kwargs)
+
+    dm.new_group = slow_new_group
+    ctx = init_parallel(tp=2)  # rank 0 hosts the store every rank's groups rendezvous through
+    return ctx.tp_size
+
+
+def test_a_rank_that_returns_at_once_does_not_break_slower_peers(run_ranks):
+    assert run_ranks(_rank0_returns_at_once, 2, timeout=60) == [2, 2]

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..comm import collectives as C
 from .teardown import DEFAULT_TEARDOWN_TIMEOUT_S, destroy_process_groups
 
 MESH_AXES = ("dp", "ep", "tp")
@@ -168,6 +169,9 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dp, ep, tp), mesh_dim_names=MESH_AXES)
+    # No rank returns before every rank has connected its groups through the rendezvous store,
+    # which rank 0 may host: a rank 0 that finished and exited would break the others' set-up.
+    C.barrier(dist.group.WORLD)
     ctx = ParallelContext.from_mesh(mesh, device, backend)
     return _own_default_group(ctx) if created else ctx
 

@@ -71,6 +71,13 @@ def test_calibrate_out_under_a_file(tmp_path, capsys, no_work):
     one_error_line(capsys, "--out", "cannot be created")
 
 
+def test_plan_out_under_a_file(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["plan", "--model", "gpt3-175b", "--out", str(blocker / "plan.json")]) == 2
+    one_error_line(capsys, "--out", "cannot be created")
+
+
 # --- flags -------------------------------------------------------------------------------------
 
 def test_plan_conflicting_with_explicit_layout_flags(tmp_path, capsys, no_work):

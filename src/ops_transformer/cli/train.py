@@ -14,6 +14,7 @@ from ..models.gpt import PRESETS
 from ..parallel import launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallel.rank_process import set_rank_threads
+from ..precision import PRECISIONS
 from ..train import TrainConfig, train_worker, validate
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
@@ -27,7 +28,9 @@ def add_parser(p) -> None:
     p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
                    "run under torchrun (or as one process)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
-    p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / tp)")
+    p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (tp·ep))")
+    p.add_argument("--ep", type=int, help="expert-parallel degree for MoE presets "
+                   "(moe-tiny, moe-small): n_experts/ep experts per rank (default 1)")
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--data", help="a text file or a directory (default: the Python standard "
                    "library's sources on this machine)")
@@ -42,6 +45,11 @@ def add_parser(p) -> None:
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="compute dtype: fp32, or bf16 / fp16 autocast over fp32 master weights "
+                   "(fp16 with a dynamic loss scaler); default fp32")
+    p.add_argument("--clip-grad", type=float, metavar="NORM",
+                   help="clip the gradients to this total norm (the dense model's)")
     add_launch_timeout(p)
 
 
@@ -55,9 +63,6 @@ def layout_from_plan(path: str) -> dict:
     if not isinstance(best, dict) or not {"tp", "dp", "attention"} <= set(best):
         raise ValueError(f"--plan {path!r} has no layout (its 'best' is null: nothing fits, or it "
                          f"is not a planner result)")
-    if best.get("ep", 1) != 1:
-        raise ValueError(f"--plan {path!r} uses expert parallelism (ep={best['ep']}), which "
-                         f"train does not run")
     skipped = [f"{k}={best[k]}" for k, default in (("zero_stage", 0), ("recompute", "none"),
                                                     ("sequence_parallel", False))
                if best.get(k, default) != default]
@@ -65,24 +70,29 @@ def layout_from_plan(path: str) -> dict:
         warnings.warn(f"--plan: train runs the plan's layout but not yet {', '.join(skipped)} "
                       f"(SPEC F7 is not implemented); memory use will be higher than planned",
                       stacklevel=2)
-    return {"tp": best["tp"], "dp": best["dp"], "attention": best["attention"]}
+    return {"tp": best["tp"], "dp": best["dp"], "ep": best.get("ep", 1),
+            "attention": best["attention"]}
 
 
 def config_from_args(args, out_prefix: str) -> TrainConfig:
     out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    given = {"tp": args.tp, "dp": args.dp, "attention": args.attention}
+    given = {"tp": args.tp, "dp": args.dp, "ep": getattr(args, "ep", None),
+             "attention": args.attention}
     layout = {"tp": 1 if args.tp is None else args.tp, "dp": args.dp,
+              "ep": 1 if given["ep"] is None else given["ep"],
               "attention": args.attention or "auto"}
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
         conflicts = [f"--{k} {v} (the plan has {layout[k]})" for k, v in given.items()
                      if v is not None and v != layout[k]]
         if conflicts:
-            raise ValueError(f"--plan {args.plan!r} sets --tp, --dp and --attention, but "
+            raise ValueError(f"--plan {args.plan!r} sets --tp, --dp, --ep and --attention, but "
                              f"also {', '.join(conflicts)}: drop the flag or the plan")
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
-                       progress=not args.no_progress, **layout)
+                       progress=not args.no_progress, **layout,
+                       precision=args.precision,
+                       clip_grad=args.clip_grad)
 
 
 def run_training(cfg: TrainConfig, nproc: int | None,
@@ -108,23 +118,40 @@ def run_training(cfg: TrainConfig, nproc: int | None,
 
 def summary(metrics: dict) -> str:
     rows = [
-        {"": "layout", "value": f"dp={metrics['dp']} × tp={metrics['tp']}"},
+        {"": "layout", "value": f"dp={metrics['dp']} × "
+                                + (f"ep={metrics['ep']} × " if metrics.get("ep", 1) > 1 else "")
+                                + f"tp={metrics['tp']}"},
         {"": "attention", "value": metrics["attention"]},
+        {"": "precision", "value": _precision_line(metrics)},
         {"": "parameters", "value": f"{metrics['params']:,}"},
         {"": "loss first → last", "value": f"{metrics['loss_first']:.4f} → "
                                            f"{metrics['loss_last']:.4f}"},
         {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s']:,.0f}"},
         {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
     ]
+    if "moe" in metrics:
+        rows.append({"": "MoE aux loss / dropped (last)",
+                     "value": f"{metrics['moe']['aux_loss'][-1]:.4f} / "
+                              f"{metrics['moe']['dropped_fraction'][-1]:.1%} of token-slots"})
     return format_table(rows)
+
+
+def _precision_line(metrics: dict) -> str:
+    line = metrics.get("precision", "fp32")
+    if "loss_scale" in metrics:
+        line += f" (loss scale {metrics['loss_scale']:g}, {metrics['skipped_steps']} skipped steps)"
+    if metrics.get("clip_grad"):
+        line += f", gradients clipped to norm {metrics['clip_grad']:g}"
+    return line
 
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
     timeout = launch_timeout(args)
     nproc = args.nproc
-    if args.plan and nproc is None and not under_torchrun():
-        nproc = cfg.tp * (cfg.dp or 1)  # a plan fixes the layout: launch it locally
+    size = cfg.tp * cfg.ep * (cfg.dp or 1)
+    if nproc is None and not under_torchrun() and (args.plan or size > 1):
+        nproc = size  # the layout is fixed (a plan, or degrees above 1): launch it locally
     metrics = run_training(cfg, nproc, timeout)
     if metrics is None:  # not rank 0 of a torchrun job
         return 0

@@ -44,6 +44,8 @@ class ParallelContext:
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
     mesh: object | None = field(default=None, repr=False)  # torch DeviceMesh, or None for one rank
+    # The ranks that read different data at one TP rank: dp × ep (dense gradients average here).
+    dp_ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
     device: torch.device = torch.device("cpu")
     backend: str | None = None
     owned_group: dist.ProcessGroup | None = field(default=None, repr=False)  # made by init_parallel
@@ -72,14 +74,34 @@ class ParallelContext:
         tp_size, tp_rank, tp_group = axis("tp")
         dp_size, dp_rank, dp_group = axis("dp")
         ep_size, ep_rank, ep_group = axis("ep")
+        dp_ep_group = dp_group if ep_size == 1 else ep_group if dp_size == 1 else \
+            mesh["dp", "ep"]._flatten("dp_ep").get_group()
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
                    tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank,
                    ep_size=ep_size, ep_rank=ep_rank, tp_group=tp_group, dp_group=dp_group,
-                   ep_group=ep_group, mesh=mesh, device=device, backend=backend)
+                   ep_group=ep_group, mesh=mesh, device=device, backend=backend,
+                   dp_ep_group=dp_ep_group)
+
+    @property
+    def dp_ep_size(self) -> int:
+        """Ranks reading different micro-batches (``dp × ep``): EP ranks hold different experts
+        but, like data-parallel ranks, each feeds its own rows of the global batch."""
+        return self.dp_size * self.ep_size
+
+    @property
+    def dp_ep_rank(self) -> int:
+        """This rank's micro-batch among the ``dp × ep`` ones (``dp_rank · ep + ep_rank``)."""
+        return self.dp_rank * self.ep_size + self.ep_rank
 
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """Every rank of the job (``None`` for one process): for what all ranks must agree on,
+        such as a skipped step."""
+        return dist.group.WORLD if self.world_size > 1 else None
 
     def __str__(self) -> str:
         return (f"rank {self.rank}/{self.world_size} (dp {self.dp_rank}/{self.dp_size}, "
@@ -169,10 +191,10 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dp, ep, tp), mesh_dim_names=MESH_AXES)
+    ctx = ParallelContext.from_mesh(mesh, device, backend)  # may create more (flattened) groups
     # No rank returns before every rank has connected its groups through the rendezvous store,
     # which rank 0 may host: a rank 0 that finished and exited would break the others' set-up.
     C.barrier(dist.group.WORLD)
-    ctx = ParallelContext.from_mesh(mesh, device, backend)
     return _own_default_group(ctx) if created else ctx
 
 

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.bucketing import GradSums, add_grad_reducer
 from ..models.gpt import GPT
+from ..layers.moe import scale_expert_grads, split_expert_params
 from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, no_sync
+from ..precision.policy import resolve_grad_reduce_dtype
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
+from .moe_plan import check_expert_parallel
 from .plan import Plan, apply_plan
 
 log = logging.getLogger("ops_transformer")
@@ -55,9 +60,15 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
             raise ValueError("the planner found no layout that fits (its 'best' is null)")
         plan = plan["best"]
     if isinstance(plan, dict) and {"tp", "dp", "attention"} <= set(plan):  # a planner layout
-        if (plan["tp"], plan["dp"]) != (ctx.tp_size, ctx.dp_size):
-            raise ValueError(f"the plan is for dp={plan['dp']} × tp={plan['tp']}, but this job "
-                             f"runs dp={ctx.dp_size} × tp={ctx.tp_size}")
+        wanted = {"dp": plan["dp"], "ep": plan.get("ep", 1), "tp": plan["tp"]}
+        actual = {"dp": ctx.dp_size, "ep": ctx.ep_size, "tp": ctx.tp_size}
+        if wanted != actual:
+            axes = [a for a in wanted if a != "ep" or max(wanted["ep"], actual["ep"]) > 1]
+
+            def show(degrees):
+                return " × ".join(f"{a}={degrees[a]}" for a in axes)
+
+            raise ValueError(f"the plan is for {show(wanted)}, but this job runs {show(actual)}")
         attention = plan["attention"]
         plan = "auto"
     elif isinstance(plan, dict):
@@ -77,7 +88,8 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
 
 def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
                 vocab: str = "auto", loss_parallel: bool = False,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> nn.Module:
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                grad_reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """Apply tensor parallelism over ``ctx.tp_group`` and data-parallel gradient averaging over
     ``ctx.dp_group`` to ``model`` (in place) and return it.
 
@@ -92,20 +104,42 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     ``base_model_tp_plan``) return what the unsharded model returns: full-vocabulary logits, so
     ``generate`` works unchanged. With ``loss_parallel=True`` the logits stay sharded and the loss
     (``labels=``) is the vocab-parallel cross-entropy — the full logits are never gathered.
+
+    ``grad_reduce_dtype`` is the dtype of the gradient reductions — data-parallel averaging and the
+    sums of replicated parameters' partial gradients (replicated KV heads, strategy B's output
+    projection), coalesced at the end of backward
+    (:class:`~ops_transformer.comm.bucketing.GradSums`). Default: float32 when the parameters are
+    16-bit, else the parameters' dtype.
     """
     if getattr(model, "parallel_plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_plan is set)")
     resolved = resolve_plan(model, ctx, plan, attention, loss_parallel, vocab)
+    if ctx.ep_size > 1:
+        check_expert_parallel(model, resolved, ctx)
     if ctx.tp_size > 1:
         apply_plan(model, resolved, ctx, _Groups(model, ctx))
         if loss_parallel and _is_hf(model):
             model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
+    elif ctx.ep_size > 1:  # experts only
+        apply_plan(model, Plan({k: r for k, r in resolved.rules.items() if r["style"] == "moe"}),
+                   ctx, _Groups(model, ctx))
     model.parallel_plan = resolved
-    if ctx.dp_size > 1:
-        model._ops_transformer_grad_sync = GradSync(model.parameters(), ctx.dp_group,
-                                                    bucket_bytes=bucket_bytes)
-    log.info("parallelize: tp=%d dp=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
-             resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
+    reduce_dtype = resolve_grad_reduce_dtype(model, grad_reduce_dtype)
+    if ctx.dp_ep_size > 1:  # EP ranks read different micro-batches, like DP ranks
+        dense, experts = split_expert_params(model.parameters())
+        scale_expert_grads(experts, ctx.ep_size)
+        group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
+        model._ops_transformer_grad_sync = GradSync(dense, group, bucket_bytes=bucket_bytes,
+                                                    reduce_dtype=reduce_dtype)
+        if experts and ctx.dp_size > 1:
+            model._ops_transformer_expert_grad_sync = GradSync(
+                experts, ctx.dp_group, bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype)
+    # Built after the data-parallel averaging, so its end-of-backward sums run after it.
+    sums = GradSums.of_module(model, dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+    if sums is not None:
+        add_grad_reducer(model, sums)
+    log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
+             ctx.ep_size, resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model
 
 

@@ -27,6 +27,9 @@ style          effect
 ``kv_split``   the reference attention → :class:`FeatureSplitAttention` (strategy B; ``rope``)
 ``attrs``      set the module's per-rank attributes (``set``: name → value), e.g. the split size of
                a fused QKV output in Hugging Face's GPT-2
+``moe``        the reference MoE → :class:`ParallelMoE`; a ``transformers`` experts module →
+               :class:`ParallelExperts`: ``n_experts/ep`` experts per EP rank, each column→row
+               over TP, tokens moved by all-to-alls over the EP group
 ============== =============================================================================
 """
 
@@ -38,13 +41,17 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..comm.primitives import copy_to_tp_region, gather_from_tp_region, grad_sum_hook
+from ..comm.bucketing import mark_partial_grad
+from ..comm.primitives import copy_to_tp_region, gather_from_tp_region
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..layers.attention import FeatureSplitAttention
 from ..layers.head import GatheredLMHead, VocabParallelLMHead
+from ..layers.linear import to_compute_dtype
+from ..layers.moe import to_expert_parallel
 
 STYLES = ("colwise", "rowwise", "gather_in", "region", "vocab", "vocab_head", "vocab_logits",
           "kv_split", "attrs")
+STYLES += ("moe",)  # mixture of experts (layers/moe.py)
 
 
 @dataclass
@@ -115,7 +122,7 @@ def _colwise(module, ctx, groups, sub_blocks=None, kv_heads=None, reduce_input_g
     if replicas > 1:
         group = groups.replica_group(replicas)
         for p in layer.parameters():  # each replica saw only its query heads: sum the gradients
-            p.register_hook(grad_sum_hook(group, "kv_replica_grads"))
+            mark_partial_grad(p, group)
     return layer
 
 
@@ -128,12 +135,12 @@ def _gather_in(module, ctx, groups):
 def _region(module, ctx, groups, set=None):
     _attrs(module, ctx, groups, set)
 
-    def enter(m, args, kwargs):
+    def enter(m, args, kwargs):  # in autocast's dtype: the backward all-reduce runs in it too
         if args:
-            return (copy_to_tp_region(args[0], ctx.tp_group), *args[1:]), kwargs
+            return (copy_to_tp_region(to_compute_dtype(args[0]), ctx.tp_group), *args[1:]), kwargs
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": copy_to_tp_region(kwargs["hidden_states"],
-                                                                       ctx.tp_group)}
+            hidden = copy_to_tp_region(to_compute_dtype(kwargs["hidden_states"]), ctx.tp_group)
+            return args, {**kwargs, "hidden_states": hidden}
         raise ValueError(f"region style: {type(m).__name__} was called without a positional "
                          f"input or a hidden_states keyword")
 
@@ -170,6 +177,7 @@ _APPLY = {
     "vocab_logits": _vocab_logits,
     "kv_split": lambda m, ctx, groups, rope=False: FeatureSplitAttention(m, ctx, rope=rope),
     "attrs": _attrs,
+    "moe": lambda m, ctx, groups: to_expert_parallel(m, ctx),
 }
 
 

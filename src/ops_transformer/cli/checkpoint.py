@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from ..checkpoint import export as ex
+from ..checkpoint import store
 from ..utils.progress import format_table
+from ._common import check_out_dir, check_out_file, print_json, refuse_torchrun
 
 HELP = "inspect a sharded checkpoint, or export its dense weights"
 
@@ -79,7 +80,7 @@ def _rows(info: dict) -> list[dict]:
 def _inspect(args) -> int:
     info = ex.describe_root(Path(args.dir), check=not args.no_verify)
     if args.json:
-        print(json.dumps(info, indent=2))
+        print_json(info)
         return 0
     if not info["checkpoints"]:
         print(f"{info['root']}: no checkpoint")
@@ -92,9 +93,12 @@ def _inspect(args) -> int:
 
 
 def _export(args) -> int:
-    state, manifest = ex.dense_state_dict(args.dir, args.step)
     out = Path(args.out)
-    if manifest["model"].get("kind") == "huggingface" and out.suffix != ".safetensors":
+    manifest = store.read_manifest(store.resolve(args.dir, args.step))  # small: no tensors read
+    huggingface = manifest["model"].get("kind") == "huggingface" and out.suffix != ".safetensors"
+    (check_out_dir if huggingface else check_out_file)(out, "--out")
+    state, manifest = ex.dense_state_dict(args.dir, args.step)
+    if huggingface:
         ex.export_huggingface(state, manifest, out)
         what = f"a save_pretrained directory ({manifest['model']['class']})"
     else:
@@ -105,4 +109,5 @@ def _export(args) -> int:
 
 
 def run(args) -> int:
+    refuse_torchrun("checkpoint", "reads and writes files in one process")
     return _inspect(args) if args.action == "inspect" else _export(args)

@@ -12,9 +12,17 @@ from .optim import OptimizerAdapter, TorchOptimizerAdapter, register_optimizer_a
 from .restart import launch_with_restarts
 from .store import latest_step, list_steps
 
+from .zero import ZERO_ADAPTER, ZeroOptimizerAdapter
+
 register_module_entries(ParallelExperts, expert_entries)
+try:  # ZeRO (ops_transformer.memory) lands from its own branch: a plain import once it has
+    from ..memory.zero import ZeroOptimizer
+except ImportError:
+    pass
+else:
+    register_optimizer_adapter(ZeroOptimizer, ZERO_ADAPTER)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify", "CheckpointError", "Layout",
            "Replicated", "SpecLayout", "layout_of", "OptimizerAdapter", "TorchOptimizerAdapter",
            "register_optimizer_adapter", "latest_step", "list_steps", "launch_with_restarts", "Entry",
-           "ModelTensors", "register_module_entries"]
+           "ModelTensors", "register_module_entries", "ZeroOptimizerAdapter"]

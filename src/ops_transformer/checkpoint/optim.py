@@ -97,10 +97,7 @@ class TorchOptimizerAdapter:
 
     def load_targets(self, optimizer, model: ModelTensors, saved: Mapping[str, Any],
                      ctx) -> dict[str, Any]:
-        groups = [k for k in saved if k.startswith("param_groups/")]
-        if not groups:
-            raise CheckpointError("the checkpoint holds no optimizer state (it was saved with "
-                                  "optimizer=None); pass optimizer=None to load the model only")
+        groups = saved_group_keys(saved)
         flat = _flat_params(optimizer)
         _check_known(model, flat)
         held = {e.key: (p, e) for p in flat for e in model.entries_of(p)}
@@ -141,6 +138,15 @@ class TorchOptimizerAdapter:
 
 
 TORCH_ADAPTER = TorchOptimizerAdapter()
+
+
+def saved_group_keys(saved: Mapping[str, Any]) -> list[str]:
+    """The saved ranks' ``param_groups/<rank>`` keys; none: a :class:`CheckpointError`."""
+    groups = [k for k in saved if k.startswith("param_groups/")]
+    if not groups:
+        raise CheckpointError("the checkpoint holds no optimizer state (it was saved with "
+                              "optimizer=None); pass optimizer=None to load the model only")
+    return groups
 
 
 def _flat_params(optimizer) -> list[torch.Tensor]:

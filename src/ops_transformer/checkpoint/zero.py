@@ -39,7 +39,7 @@ from .chunked import ChunkedTensor
 from .contents import ModelTensors
 from .errors import CheckpointError
 from .layout import Entry, Replicated
-from .optim import _check_groups, _merged_groups, _split_state_key
+from .optim import _check_groups, _merged_groups, _split_state_key, saved_group_keys
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -169,10 +169,7 @@ class ZeroOptimizerAdapter:
 
     def load_targets(self, optimizer, model: ModelTensors, saved: Mapping[str, Any],
                      ctx) -> dict[str, Any]:
-        groups = [k for k in saved if k.startswith("param_groups/")]
-        if not groups:
-            raise CheckpointError("the checkpoint holds no optimizer state (it was saved with "
-                                  "optimizer=None); pass optimizer=None to load the model only")
+        groups = saved_group_keys(saved)
         _check_known(optimizer, model)
         names: dict[str, list[str]] = {}
         for key in saved:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import ops_transformer as ot
-from ops_transformer.checkpoint.zero import range_boxes
+from ops_transformer.checkpoint import Entry, SpecLayout
+from ops_transformer.checkpoint.zero import entry_pieces, flat_view, range_boxes
 
 zero_module = pytest.importorskip("ops_transformer.memory.zero")  # until memory (#7) is merged
 zero_optimizer = zero_module.zero_optimizer
@@ -16,6 +17,7 @@ from ops_transformer.parallelize.gpt_plan import gpt_plan  # noqa: E402
 
 from helpers import assert_rel  # noqa: E402
 from test_checkpoint import CFG, _eval_loss, _train  # noqa: E402
+from test_checkpoint_layout import SPECS, _specs  # noqa: E402
 
 BUCKET = 64 * 1024  # several buckets for the tiny model: parameters cut at bucket and chunk edges
 
@@ -46,6 +48,35 @@ def test_range_boxes_cover_the_run_exactly():
         expected[start:stop] = 1
         assert torch.equal(mark.reshape(-1), expected), (start, stop)
     assert len(range_boxes((10, 10), 13, 87)) == 3  # partial row, whole rows, partial row
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_flat_runs_of_every_layout_land_on_their_dense_elements(name):
+    """Every run [a, b) of a local shard (a ZeRO chunk's share of it): its rectangles hold exactly
+    the dense elements of local elements a … b-1, read through views of a flat chunk."""
+    shape, options = SPECS[name]
+    dense = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    expected_dense = dense.t() if options.get("transposed") else dense
+    for spec in _specs(shape, 2, **options) + _specs(shape, 4, **options):  # tp 4: padding
+        entry = Entry("w", SpecLayout(spec))
+        local = spec.shard(dense)
+        kept = torch.zeros(local.shape, dtype=torch.bool)  # the real elements (no padding)
+        for _, piece in entry.chunks(kept):
+            piece.fill_(True)
+        n = local.numel()
+        for a, b in [(0, n), (1, n - 1), (n // 3, 2 * n // 3), (5, 6), (n - 7, n)]:
+            shift = 3  # local element j at flat[j + 3]
+            flat = torch.full((n + 5,), float("nan"))
+            flat[shift + a:shift + b] = local.reshape(-1)[a:b]
+            seen = 0
+            for offsets, part in entry_pieces(entry, local.shape, a, b):
+                got = flat_view(flat, part, shift)
+                region = tuple(slice(o, o + k) for o, k in zip(offsets, got.shape))
+                assert torch.equal(got, expected_dense[region]), (spec, a, b, offsets)
+                seen += got.numel()
+            in_run = torch.zeros(n, dtype=torch.bool)
+            in_run[a:b] = True
+            assert seen == int((in_run & kept.reshape(-1)).sum()), (spec, a, b)
 
 
 # --- resumption ---------------------------------------------------------------------------------

@@ -73,40 +73,56 @@ def range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
     return boxes + tail
 
 
+def _count_below(bound: int, base: int, sizes, strides) -> int:
+    """How many elements of a strided view (strides decreasing and nested, as those of views of a
+    contiguous tensor in that order) sit at flat positions below ``bound``; ``base``: the first's."""
+    if not sizes:
+        return int(base < bound)
+    n, stride = sizes[0], strides[0]
+    reach = sum((m - 1) * st for m, st in zip(sizes[1:], strides[1:]))
+    inner = 1
+    for m in sizes[1:]:
+        inner *= m
+    full = min(n, max(0, -(-(bound - base - reach) // stride))) if stride else (
+        n if base + reach < bound else 0)
+    if full == n:
+        return n * inner
+    return full * inner + _count_below(bound, base + full * stride, sizes[1:], strides[1:])
+
+
 def entry_pieces(entry: Entry, local_shape, start: int, stop: int) -> list[tuple[tuple[int, ...],
                                                                                 torch.Tensor]]:
-    """``(dense offsets, local flat indices)`` of the rectangles of ``entry`` made of the local
-    tensor's elements ``[start, stop)``; the index tensor has the rectangle's (dense) shape."""
-    index = torch.arange(int(torch.Size(local_shape).numel())).view(local_shape)
+    """``(dense offsets, view)`` of the rectangles of ``entry`` made of the local tensor's
+    elements ``[start, stop)``. ``view`` is a view of a meta tensor of ``local_shape``, in dense
+    orientation: its ``storage_offset()`` and ``stride()`` place the rectangle in the local
+    tensor's row-major elements (:func:`flat_view` turns it into a view of a flat chunk)."""
+    local = torch.empty(local_shape, device="meta")
     pieces = []
-    for offsets, view in entry.chunks(index):
+    for offsets, view in entry.chunks(local):
         if view.numel() == 0:
             continue
-        # in this order of the view's dimensions its flat indices grow in row-major order
+        # in this order of the view's dimensions its elements' positions grow in row-major order
         order = sorted(range(view.dim()), key=lambda d: (-view.stride(d), d))
-        ordered = view.permute(order)
-        values = ordered.reshape(-1)
-        lo = int(torch.searchsorted(values, start))
-        hi = int(torch.searchsorted(values, stop))
-        for box_off, box_size in range_boxes(tuple(ordered.shape), lo, hi):
-            dense_off, dense_size = list(offsets), [0] * view.dim()
-            for k, d in enumerate(order):
-                dense_off[d] += box_off[k]
-                dense_size[d] = box_size[k]
+        sizes = [view.shape[d] for d in order]
+        strides = [view.stride(d) for d in order]
+        base = view.storage_offset()
+        lo = _count_below(start, base, sizes, strides)
+        hi = _count_below(stop, base, sizes, strides)
+        for box_off, box_size in range_boxes(tuple(sizes), lo, hi):
             part = view
-            for d in range(view.dim()):
-                part = part.narrow(d, dense_off[d] - offsets[d], dense_size[d])
-            pieces.append((tuple(dense_off), part.contiguous()))
+            dense_off = list(offsets)
+            for k, d in enumerate(order):
+                part = part.narrow(d, box_off[k], box_size[k])
+                dense_off[d] += box_off[k]
+            pieces.append((tuple(dense_off), part))
     return pieces
 
 
-class FlatShard(ChunkedTensor):
-    """The rectangles of one dense tensor held by a flat chunk: ``positions[i]`` are the chunk
-    positions of ``chunks[i]``'s elements."""
-
-    def __init__(self, global_shape, chunks, positions: list[torch.Tensor]):
-        super().__init__(global_shape, chunks)
-        self.positions = positions
+def flat_view(flat: torch.Tensor, part: torch.Tensor, shift: int) -> torch.Tensor:
+    """The elements of the meta view ``part`` (from :func:`entry_pieces`) in ``flat``, where local
+    element ``j`` sits at ``flat[j + shift]``."""
+    return flat.as_strided(part.shape, part.stride(), flat.storage_offset()
+                           + part.storage_offset() + shift)
 
 
 def _overlap(bucket, off: int, numel: int) -> tuple[int, int]:
@@ -119,12 +135,27 @@ def _params(bucket, model: ModelTensors):
     return [(p, off, model.entries_of(p)) for p, off in zip(bucket.params, bucket.offsets)]
 
 
+def _bucket_of(optimizer, model: ModelTensors) -> dict[str, int]:
+    """Dense key → index of the bucket holding it."""
+    return {e.key: i for i, b in enumerate(optimizer.buckets)
+            for _, _, entries in _params(b, model) for e in entries}
+
+
 def _check_known(optimizer, model: ModelTensors) -> None:
     unknown = [n for b in optimizer.buckets for n, p in zip(b.names, b.params)
                if model.name_of(p) is None]
     if unknown:
         raise ValueError(f"the ZeRO optimizer holds parameters the model passed to the checkpoint "
                          f"does not (e.g. {unknown[:3]}): pass the model it was built on")
+
+
+class FlatShard(ChunkedTensor):
+    """Load target: the rectangles of one dense tensor, as views into ``flat``, the new chunk of
+    state ``name`` of bucket ``bucket`` (shared by the bucket's parameters)."""
+
+    def __init__(self, global_shape, chunks, bucket: int, name: str, flat: torch.Tensor):
+        super().__init__(global_shape, chunks)
+        self.bucket, self.name, self.flat = bucket, name, flat
 
 
 class ZeroOptimizerAdapter:
@@ -138,34 +169,20 @@ class ZeroOptimizerAdapter:
             state = inner["state"].get(i)
             if not state:
                 continue  # never stepped
+            _check_state(state, bucket)
             for p, off, entries in _params(bucket, model):
                 a, b = _overlap(bucket, off, p.numel())
                 if a >= b:
                     continue
                 for entry in entries:
+                    pieces = entry_pieces(entry, p.shape, a, b)
                     for name, value in state.items():
-                        key = f"state/{entry.key}/{name}"
-                        out[key] = self._entry(bucket, p, off, entry, name, value, a, b)
-        groups = inner["param_groups"]
-        keys = [e.key for b in optimizer.buckets for p, _, es in _params(b, model) for e in es]
+                        out[f"state/{entry.key}/{name}"] = _saved(value, entry, pieces,
+                                                                  off - bucket.lo)
+        keys = list(_bucket_of(optimizer, model))
         out[f"param_groups/{ctx.rank}"] = [{**{k: v for k, v in g.items() if k != "params"},
-                                            "params": keys} for g in groups]
+                                            "params": keys} for g in inner["param_groups"]]
         return out
-
-    @staticmethod
-    def _entry(bucket, p, off: int, entry: Entry, name: str, value, a: int, b: int):
-        if not isinstance(value, torch.Tensor):
-            return value
-        value = value.detach()
-        if value.dim() == 0:
-            return ChunkedTensor.of(Replicated(()), value)
-        if tuple(value.shape) != (bucket.chunk,):
-            raise ValueError(f"ZeRO optimizer state {name!r} has shape {tuple(value.shape)}, "
-                             f"neither one value per element of the chunk ({bucket.chunk}) nor a "
-                             f"scalar: its layout is unknown")
-        chunks = [(o, value[idx + (off - bucket.lo)])
-                  for o, idx in entry_pieces(entry, p.shape, a, b)]
-        return ChunkedTensor(entry.layout.global_shape, chunks)
 
     def load_targets(self, optimizer, model: ModelTensors, saved: Mapping[str, Any],
                      ctx) -> dict[str, Any]:
@@ -176,16 +193,17 @@ class ZeroOptimizerAdapter:
             if key.startswith("state/"):
                 dense, name = _split_state_key(key)
                 names.setdefault(dense, []).append(name)
-        held = {e.key for b in optimizer.buckets for _, _, es in _params(b, model) for e in es}
-        stray = sorted(d for d in names if d not in held and d in set(model.keys()))
+        held, local = _bucket_of(optimizer, model), set(model.keys())
+        stray = sorted(d for d in names if d not in held and d in local)
         if stray:
             raise CheckpointError(f"the checkpoint has optimizer state for parameter {stray[0]!r}, "
                                   f"which this optimizer does not hold")
         targets: dict[str, Any] = dict.fromkeys(groups)
-        for bucket in optimizer.buckets:
+        for i, bucket in enumerate(optimizer.buckets):
             params = _params(bucket, model)
             if not any(e.key in names for _, _, es in params for e in es):
                 continue  # never stepped: keeps no state
+            flats: dict[str, torch.Tensor] = {}
             for p, off, entries in params:
                 a, b = _overlap(bucket, off, p.numel())
                 for entry in entries:
@@ -193,52 +211,60 @@ class ZeroOptimizerAdapter:
                         raise CheckpointError(f"the checkpoint has no optimizer state for "
                                               f"parameter {entry.key!r}, but has some for the "
                                               f"parameters stepped with it")
+                    pieces = entry_pieces(entry, p.shape, a, b) if a < b else []
                     for name in names[entry.key]:
                         key = f"state/{entry.key}/{name}"
-                        targets[key] = _load_target(saved[key], entry, p, a, b, off, bucket, key)
+                        targets[key] = _target(saved[key], entry, pieces, off - bucket.lo, i,
+                                               bucket, name, flats, key)
         return targets
 
     def commit(self, optimizer, model: ModelTensors, loaded: dict[str, Any], ctx) -> None:
         saved_groups = _merged_groups(loaded)
-        params = [p for b in optimizer.buckets for p in b.params]
-        _check_groups(saved_groups, [{"params": params}], model)
+        _check_groups(saved_groups, [{"params": [p for b in optimizer.buckets
+                                                 for p in b.params]}], model)
+        bucket_of = _bucket_of(optimizer, model)
         state: dict[int, dict] = {}
-        for i, bucket in enumerate(optimizer.buckets):
-            chunk: dict[str, Any] = {}
-            scalars: dict[str, list] = {}
-            for p, off, entries in _params(bucket, model):
-                for entry in entries:
-                    prefix = f"state/{entry.key}/"
-                    for key, value in loaded.items():
-                        if not key.startswith(prefix):
-                            continue
-                        name = key[len(prefix):]
-                        if isinstance(value, FlatShard):
-                            flat = chunk.get(name)
-                            if flat is None:
-                                dtype = value.chunks[0][1].dtype if value.chunks else \
-                                    bucket.flat.dtype
-                                flat = chunk[name] = torch.zeros(bucket.chunk, dtype=dtype,
-                                                                 device=bucket.flat.device)
-                            for (_, data), pos in zip(value.chunks, value.positions):
-                                flat[pos] = data.to(flat.dtype)
-                        else:
-                            scalars.setdefault(name, []).append(
-                                (entry.key, value.local if isinstance(value, ChunkedTensor)
-                                 else value))
-            for name, values in scalars.items():
-                first = values[0][1]
-                if any(not _same(v, first) for _, v in values[1:]):
-                    warnings.warn(f"optimizer state {name!r} differs between parameters that the "
-                                  f"ZeRO optimizer steps together (bucket {i}); using "
-                                  f"{values[0][0]!r}'s", stacklevel=3)
-                chunk[name] = first
-            if chunk:
-                state[i] = chunk
+        scalars: dict[tuple[int, str], list] = {}
+        for key, value in loaded.items():
+            if not key.startswith("state/"):
+                continue
+            if isinstance(value, FlatShard):
+                state.setdefault(value.bucket, {})[value.name] = value.flat
+                continue
+            dense, name = _split_state_key(key)
+            if dense in bucket_of:  # (another rank's experts are not this optimizer's)
+                value = value.local if isinstance(value, ChunkedTensor) else value
+                scalars.setdefault((bucket_of[dense], name), []).append((dense, value))
+        for (i, name), values in scalars.items():
+            first = values[0][1]
+            if any(not _same(v, first) for _, v in values[1:]):
+                warnings.warn(f"optimizer state {name!r} differs between parameters that the "
+                              f"ZeRO optimizer steps together (bucket {i}); using "
+                              f"{values[0][0]!r}'s", stacklevel=3)
+            state.setdefault(i, {})[name] = first
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": list(range(len(optimizer.buckets)))} for g in saved_groups]
         optimizer.load_state_dict({"state": state, "param_groups": groups,
                                    "zero": optimizer.layout()})
+
+
+def _check_state(state: dict, bucket) -> None:
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() and tuple(value.shape) != \
+                (bucket.chunk,):
+            raise ValueError(f"ZeRO optimizer state {name!r} has shape {tuple(value.shape)}, "
+                             f"neither one value per element of the chunk ({bucket.chunk}) nor a "
+                             f"scalar: its layout is unknown")
+
+
+def _saved(value, entry: Entry, pieces, shift: int):
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    if value.dim() == 0:
+        return ChunkedTensor.of(Replicated(()), value)
+    return ChunkedTensor(entry.layout.global_shape,
+                         [(o, flat_view(value, part, shift)) for o, part in pieces])
 
 
 def _same(a, b) -> bool:
@@ -247,7 +273,8 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _load_target(md, entry: Entry, p: torch.Tensor, a: int, b: int, off: int, bucket, key: str):
+def _target(md, entry: Entry, pieces, shift: int, index: int, bucket, name: str,
+            flats: dict, key: str):
     if not isinstance(md, TensorStorageMetadata):
         return None
     dtype, size = md.properties.dtype, tuple(md.size)
@@ -257,10 +284,11 @@ def _load_target(md, entry: Entry, p: torch.Tensor, a: int, b: int, off: int, bu
         raise CheckpointError(f"optimizer state {key!r} was saved with shape {size}, which does "
                               f"not fit its parameter (dense shape "
                               f"{tuple(entry.layout.global_shape)})")
-    pieces = entry_pieces(entry, p.shape, a, b) if a < b else []
-    chunks = [(o, torch.zeros(idx.shape, dtype=dtype, device=bucket.flat.device))
-              for o, idx in pieces]
-    return FlatShard(size, chunks, [idx + (off - bucket.lo) for _, idx in pieces])
+    flat = flats.get(name)
+    if flat is None:  # zeros: the padding, as the optimizer keeps it
+        flat = flats[name] = torch.zeros(bucket.chunk, dtype=dtype, device=bucket.flat.device)
+    return FlatShard(size, [(o, flat_view(flat, part, shift)) for o, part in pieces], index, name,
+                     flat)
 
 
 ZERO_ADAPTER = ZeroOptimizerAdapter()

@@ -19,9 +19,9 @@ entries have the same keys as :class:`~.optim.TorchOptimizerAdapter`'s (``state/
 so the two write interchangeable checkpoints. Element-wise state (Adam's moments) is written this
 way; scalar state (``step``) is replicated under every parameter the rank's chunk touches.
 
-On load each rank reads the rectangles of its own chunk (DCP reads the overlapping parts of
-whatever was stored) into fresh buffers, then scatters them into new flat chunks; padding is zero,
-as the optimizer has it. A bucket whose parameters have no saved state was never stepped and keeps
+Each rectangle is a strided view of the flat chunk (:func:`flat_view`): saved without a copy, and
+on load DCP reads the overlapping parts of whatever was stored straight into views of a fresh flat
+chunk (its padding zero, as the optimizer keeps it), installed once everything is read. A bucket whose parameters have no saved state was never stepped and keeps
 none. ZeRO steps a bucket as a whole, so one ``step`` per bucket: loading a ``torch.optim``
 checkpoint whose parameters of one bucket were stepped different numbers of times takes the
 first parameter's, with a warning.

@@ -125,6 +125,26 @@ def test_train_checkpoint_flags_need_a_directory(capsys):
     assert "--max-restarts needs --resume" in capsys.readouterr().err
 
 
+def test_output_locations_are_checked_before_any_work(tmp_path, capsys, monkeypatch):
+    from ops_transformer.cli import train as cli_train
+
+    def work(*args, **kwargs):
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(cli_train, "train_worker", work)
+    monkeypatch.setattr(ex, "dense_state_dict", work)
+    blocker = tmp_path / "file"
+    blocker.write_text("keep me")
+    assert main(["train", "--steps", "2", "--ckpt-dir", str(blocker), "--out",
+                 str(tmp_path / "run")]) == 2
+    assert "--ckpt-dir" in capsys.readouterr().err and blocker.read_text() == "keep me"
+    ot.save_checkpoint(tmp_path / "ckpt", ot.GPT(ot.GPTConfig()), None,
+                       ot.ParallelContext.single(), 1)
+    assert main(["checkpoint", "export", str(tmp_path / "ckpt"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {str(tmp_path)!r} is a directory" in err, err
+
+
 # --- Hugging Face GPT-2: Conv1D weights (transposed), fused c_attn, tied and padded vocabulary ----
 
 tr = pytest.importorskip("transformers")

@@ -16,14 +16,16 @@ from ..parallel.launch import RankError, launch
 log = logging.getLogger("ops_transformer")
 
 
-def launch_with_restarts(fn, nprocs: int, *args, max_restarts: int = 0, **kwargs) -> list:
-    """``launch(fn, nprocs, *args, **kwargs)``, started again up to ``max_restarts`` times after a
-    rank fails (killed, crashed, timed out); returns the results of the attempt that finished."""
+def launch_with_restarts(fn, nprocs: int, *args, max_restarts: int = 0, launcher=launch,
+                         **kwargs) -> list:
+    """``launcher(fn, nprocs, *args, **kwargs)`` (default :func:`launch`), started again up to
+    ``max_restarts`` times after a rank fails (killed, crashed, timed out); returns the results
+    of the attempt that finished."""
     if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
         raise ValueError(f"max_restarts must be a non-negative integer, got {max_restarts!r}")
     for attempt in range(max_restarts + 1):
         try:
-            return launch(fn, nprocs, *args, **kwargs)
+            return launcher(fn, nprocs, *args, **kwargs)
         except RankError as exc:
             if attempt == max_restarts or isinstance(exc, ValueError):
                 raise

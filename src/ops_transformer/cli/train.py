@@ -12,6 +12,7 @@ import torch
 
 from ..models.gpt import PRESETS
 from ..checkpoint import launch_with_restarts
+from ..parallel import launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
@@ -110,7 +111,7 @@ def run_training(cfg: TrainConfig, nproc: int | None,
         check_out_dir(cfg.ckpt_dir, "--ckpt-dir")
     if nproc is not None:
         return launch_with_restarts(train_worker, nproc, cfg, max_restarts=cfg.max_restarts,
-                                    timeout=timeout)[0]
+                                    launcher=launch, timeout=timeout)[0]
     if cfg.max_restarts:
         raise ValueError("--max-restarts restarts local ranks (--nproc); under torchrun use "
                          "torchrun's own --max-restarts")

@@ -183,3 +183,30 @@ def test_zero_checkpoint_trains_on_at_another_layout(run_ranks, tmp_path, saved,
     assert info["resharded"]
     assert_rel(got_before, before, 1e-6, "loss of the loaded model")
     assert_rel(got_trained, trained, 1e-5, "loss after two more steps")
+
+
+# --- the train command --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_train_zero2_resume_is_bit_identical(tmp_path, capsys):
+    import json
+
+    from ops_transformer.checkpoint import export as ex
+    from ops_transformer.cli.main import main
+
+    base = ["train", "--nproc", "2", "--dp", "2", "--zero", "2", "--clip-grad", "1.0", "--batch",
+            "4", "--seq", "32", "--save-every", "2", "--no-progress", "--json"]
+
+    def run(name, steps, *more):
+        assert main(base + ["--steps", str(steps), "--ckpt-dir", str(tmp_path / name),
+                            "--out", str(tmp_path / f"{name}-{steps}"), *more]) == 0
+        capsys.readouterr()
+        return json.loads((tmp_path / f"{name}-{steps}" / "metrics.json").read_text())
+
+    whole = run("whole", 4)
+    run("parts", 2)
+    resumed = run("parts", 4, "--resume")
+    assert resumed["resumed_from"] == 2 and resumed["losses"] == whole["losses"]
+    ref, _ = ex.dense_state_dict(tmp_path / "whole")
+    got, _ = ex.dense_state_dict(tmp_path / "parts")
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)

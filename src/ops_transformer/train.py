@@ -107,14 +107,18 @@ def _global_loss(loss: torch.Tensor, ctx) -> float:
     return float(loss)
 
 
-def train_worker(cfg: TrainConfig) -> dict | None:
-    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere."""
-    ctx = init_parallel(tp=cfg.tp, dp=cfg.dp)
+def train_worker(cfg: TrainConfig, profile=None) -> dict | None:
+    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere.
+
+    ``profile``: the hardware profile (or its path) for the automatic choices and the collective
+    algorithms; rank 0's is used by every rank (``init_parallel``). ``None``: the built-in one."""
+    ctx = init_parallel(tp=cfg.tp, dp=cfg.dp, profile=profile)
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
     plan = gpt_plan(model_cfg, ctx.tp_size, cfg.attention, batch=cfg.batch // ctx.dp_size,
-                    seq=cfg.seq)  # `auto` ranks the strategies for this run's shapes
+                    seq=cfg.seq, profile=ctx.profile)  # `auto`: for this run's shapes, on the
+    #                                                     profile every rank agreed on
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     lead = ctx.rank == 0

@@ -10,6 +10,7 @@ import torch
 from ..data import decode, encode
 from ..parallel import init_parallel, launch
 from ..parallelize import parallelize
+from ._profile import command_profile
 
 
 class ByteTokenizer:
@@ -50,7 +51,7 @@ def load_parallel(root: Path, auto_class: str, tp: int):
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.logging.disable_progress_bar()
-    ctx = init_parallel(tp=tp)
+    ctx = init_parallel(tp=tp, profile=command_profile(None))  # rank 0 reads it, then broadcasts
     model = getattr(transformers, auto_class).from_pretrained(root).eval()
     if tp > 1:
         model = parallelize(model, ctx)

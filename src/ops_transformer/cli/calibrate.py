@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from ..planner.calibrate import calibrate
-from ..planner.profile import default_profile_path, save_profile
+from ..planner.profile import save_profile
+from ._profile import ENV_VAR, profile_path
 from ..utils.progress import format_table
 
 HELP = ("measure matmul FLOP/s, collective latency and bandwidth, and the point-to-point "
@@ -13,7 +14,8 @@ HELP = ("measure matmul FLOP/s, collective latency and bandwidth, and the point-
 
 
 def add_parser(p) -> None:
-    p.add_argument("--out", help=f"where to write the profile (default {default_profile_path()})")
+    p.add_argument("--out", help=f"where to write the profile (default: ${ENV_VAR} if set, else "
+                   f"~/.cache/ops-transformer/profile.json)")
     p.add_argument("--world-sizes", help="comma-separated numbers of local ranks for the "
                    "collectives (default 2,4; 2 with --quick)")
     p.add_argument("--quick", action="store_true", help="few sizes and runs: seconds, rough")
@@ -69,7 +71,7 @@ def run(args) -> int:
     sizes = parse_world_sizes(args.world_sizes) if args.world_sizes else \
         ((2,) if args.quick else (2, 4))
     profile = calibrate(sizes, quick=args.quick, progress=not args.no_progress)
-    path = save_profile(profile, args.out)
+    path = save_profile(profile, args.out or profile_path())
     if args.json:
         print(json.dumps(profile, indent=2))
         return 0

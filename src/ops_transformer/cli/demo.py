@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..parallel import launch
 from ..train import TrainConfig, train_worker, validate, write_outputs
+from ._profile import command_profile
 from .train import summary
 
 HELP = "train the tiny GPT at tp=2 on 2 local ranks and check it against tp=1"
@@ -47,9 +48,10 @@ def run(args) -> int:
                                 progress=False)
     print(f"demo: GPT preset 'tiny' on {args.tp} local ranks (tp={args.tp}), {cfg.steps} steps of "
           f"{cfg.batch}×{cfg.seq} bytes of the Python standard library", flush=True)
-    metrics = launch(train_worker, args.tp, cfg)[0]
+    profile = command_profile("the demo's automatic attention choice")
+    metrics = launch(train_worker, args.tp, cfg, profile)[0]
     print(f"demo: re-running the first {check.steps} steps at tp=1 on one process ...", flush=True)
-    reference = launch(train_worker, 1, check)[0]
+    reference = launch(train_worker, 1, check, profile)[0]
     pairs = list(zip(metrics["losses"], reference["losses"]))
     metrics["max_rel_loss_diff_vs_tp1"] = max(abs(a - b) / abs(b) for a, b in pairs)
     expected = metrics["expected_tp_comm_per_step"]

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..planner.search import search
 from ..planner.specs import ClusterSpec, ModelSpec
 from ..utils.progress import format_table
+from ._profile import command_profile
 
 HELP = "predict step time and memory of every dp × tp × ep layout and pick the best"
 
@@ -35,7 +36,7 @@ def _cluster(args) -> ClusterSpec:
     if args.gpu == "local":
         from ..planner.local import local_cluster
 
-        return local_cluster(args.gpus)
+        return local_cluster(args.gpus, command_profile("--gpu local"))
     return ClusterSpec.make(args.gpu, args.gpus, args.gpus_per_node)
 
 
@@ -64,7 +65,7 @@ def run(args) -> int:
         from ..planner.local import local_profile
         from ..planner.validate import run_validation
 
-        return run_validation(local_profile(), json_output=args.json)
+        return run_validation(local_profile(command_profile("--validate")), json_output=args.json)
     result = search(_model(args), _cluster(args), top=args.top)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -13,6 +13,7 @@ from ..models.gpt import PRESETS
 from ..parallel import launch
 from ..train import TrainConfig, train_worker, validate
 from ..utils.progress import format_table
+from ._profile import command_profile
 
 HELP = "train the reference GPT with tensor (and data) parallelism"
 ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
@@ -73,14 +74,15 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
 
 
 def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:
-    """Validate, then train on ``nproc`` local ranks or on the ranks of this torchrun job."""
+    """Validate, then train on ``nproc`` local ranks or on the ranks of this torchrun job, with
+    the calibrated profile if there is one (needed for ``--attention auto``)."""
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    validate(cfg, nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1")))
+    profile = command_profile("--attention auto" if cfg.attention == "auto" else None)
     if nproc is not None:
-        if nproc < 1:
-            raise ValueError(f"--nproc must be at least 1, got {nproc}")
-        validate(cfg, nproc)
-        return launch(train_worker, nproc, cfg)[0]
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    return train_worker(cfg)
+        return launch(train_worker, nproc, cfg, profile)[0]
+    return train_worker(cfg, profile)
 
 
 def summary(metrics: dict) -> str:

@@ -10,7 +10,7 @@ from .search import search
 from .specs import MODEL_PRESETS, ClusterSpec, ModelSpec
 from .strategies import (ATTENTION_STRATEGIES, VOCAB_MODES, LayerCost, attention_cost, ffn_cost,
                          layer_cost, vocab_cost)
-from .topology import Topology, detect_topology
+from ..comm.topology import Topology, detect_topology
 
 __all__ = [
     "A100_NVLINK", "ATTENTION_STRATEGIES", "CPU_GLOO", "CalibratedProfile", "ClusterSpec", "GPUS",

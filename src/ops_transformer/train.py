@@ -178,6 +178,8 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
             model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_size,
             cfg.seq, model.parallel_plan.vocab),
         "params": _dense_param_count(model.cfg),
+        "ranks_per_node": ctx.ranks_per_node,
+        "comm_by_level": ledger.by_level(),  # what ran inside a node and across nodes
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
         "plan": model.parallel_plan.to_dict(),
     }

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .comm import collectives as C
+from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
@@ -48,6 +49,7 @@ class TrainConfig:
     sample_prompt: str = "def "
     progress: bool = True
     layers: int | None = None  # overrides the preset's n_layers
+    ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -67,6 +69,8 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, _, tp = check_degrees(world_size, cfg.tp, cfg.dp, 1)
+    if cfg.ranks_per_node is not None:
+        NodeLayout(world_size, cfg.ranks_per_node)  # divides the number of processes
     model_cfg = cfg.model_config()
     if model_cfg.vocab_size < VOCAB_SIZE:
         raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; byte-level "
@@ -112,7 +116,7 @@ def train_worker(cfg: TrainConfig, profile=None) -> dict | None:
 
     ``profile``: the hardware profile (or its path) for the automatic choices and the collective
     algorithms; rank 0's is used by every rank (``init_parallel``). ``None``: the built-in one."""
-    ctx = init_parallel(tp=cfg.tp, dp=cfg.dp, profile=profile)
+    ctx = init_parallel(tp=cfg.tp, dp=cfg.dp, ranks_per_node=cfg.ranks_per_node, profile=profile)
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices

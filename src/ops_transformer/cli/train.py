@@ -33,6 +33,9 @@ def add_parser(p) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention", default="auto", choices=ATTENTION)
+    p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: torchrun's "
+                   "LOCAL_WORLD_SIZE, else all on one node); e.g. 2 with --nproc 4 simulates 2 "
+                   "nodes x 2 ranks")
     p.add_argument("--plan", help="a plan from 'ops-transformer plan --out FILE' (its best "
                    "layout) or a candidate from it: sets --tp, --dp and --attention")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
@@ -70,7 +73,8 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
         layout = layout_from_plan(args.plan)
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
-                       progress=not args.no_progress, **layout)
+                       progress=not args.no_progress,
+                       ranks_per_node=getattr(args, "ranks_per_node", None), **layout)
 
 
 def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:

@@ -1,7 +1,8 @@
-"""The calibrated profile on the command line: located by the CLI ($OPS_TRANSFORMER_PROFILE, else
-~/.cache/ops-transformer/profile.json) and passed down; a corrupt or unreadable one is a one-line
-error naming the file and how to regenerate it (exit 2) when an automatic choice needs it, and only
-a warning when every choice was made explicitly (``--attention``)."""
+"""The communication engine on the command line. The calibrated profile: located by the CLI
+($OPS_TRANSFORMER_PROFILE, else ~/.cache/ops-transformer/profile.json) and passed down; a corrupt or
+unreadable one is a one-line error naming the file and how to regenerate it (exit 2) when an
+automatic choice needs it, and only a warning when every choice was made explicitly
+(``--attention``). ``--ranks-per-node``: simulated nodes."""
 
 from __future__ import annotations
 
@@ -56,3 +57,18 @@ def test_calibrated_profile_reaches_the_ranks(profile_file, tmp_path, capsys):
     assert main(TRAIN + ["--nproc", "2", "--tp", "2", "--out", str(tmp_path / "run")]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert "calibrated here" in metrics["attention_reason"]
+
+
+def test_train_on_simulated_nodes(tmp_path, capsys):
+    assert main(TRAIN + ["--nproc", "4", "--tp", "2", "--dp", "2", "--ranks-per-node", "2",
+                         "--out", str(tmp_path / "run")]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["ranks_per_node"] == 2 and metrics["config"]["ranks_per_node"] == 2
+    assert set(metrics["comm_by_level"]) == {"intra", "inter"}  # TP in a node, DP across
+    assert set(metrics["comm_by_level"]["inter"]) == {"all_reduce"}
+
+
+def test_ranks_per_node_must_divide_the_processes(capsys):
+    assert main(TRAIN + ["--nproc", "4", "--tp", "2", "--ranks-per-node", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "ranks_per_node (3) must divide the world size (4)" in err and "Traceback" not in err

@@ -25,7 +25,7 @@ from .models.gpt import GPT, GPTConfig, preset
 from .parallel.context import check_degrees, init_parallel
 from .parallelize import parallelize
 from .parallelize.gpt_plan import gpt_plan
-from .planner.strategies import layer_cost, vocab_cost
+from .planner.strategies import model_comm_per_step
 from .utils.plot import write_line_plot_png
 from .utils.progress import Progress
 
@@ -84,23 +84,10 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
 
 def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch: int,
                            seq: int, vocab: str = "parallel") -> dict[str, dict[str, int]]:
-    """The tensor-parallel collectives of one training step on one rank, from the cost model
-    (:func:`ops_transformer.planner.layer_cost`, checked against the ledger by the tests), for a
-    local micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` layers, plus — with a
-    vocab-parallel embedding and head — the embedding's all-reduce (``b·s·h``) and the loss's
-    all-gather (``tp·3N`` elements, ``N = b·s``) in forward and the LM head's input-gradient
-    all-reduce in backward (:func:`~ops_transformer.planner.vocab_cost`)."""
-    if tp == 1:
-        return {}
-    c = model_cfg
-    layer = layer_cost(attention, batch, seq, c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, tp,
-                       bias=c.bias, swiglu=c.mlp == "swiglu").total()
-    out = {kind: {k: v * c.n_layers for k, v in entry.items()} for kind, entry in layer.items()}
-    for kind, entry in vocab_cost(vocab, batch, seq, c.d_model, c.vocab_size, tp).total().items():
-        total = out.setdefault(kind, {"calls": 0, "elements": 0})
-        total["calls"] += entry["calls"]
-        total["elements"] += entry["elements"]
-    return out
+    """The tensor-parallel collectives the cost model predicts for one training step on one rank
+    (:func:`ops_transformer.planner.strategies.model_comm_per_step`, checked against the ledger by
+    the tests)."""
+    return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab)
 
 
 def _global_loss(loss: torch.Tensor, ctx) -> float:

@@ -1,24 +1,19 @@
-"""What one collective costs with each algorithm the communication engine can run (SPEC F11).
+"""Which algorithm the communication engine runs a collective with, priced by the cost model
+(SPEC F11).
 
-A group of ``p = k·m`` ranks, ``k`` on each of ``m`` nodes. Every step is priced by the profile's
-one collective-time formula, :meth:`~.hardware.HardwareProfile.collective_time`
-(``α + wire_elements · bytes / β``), at its level: ``"intra"`` inside a node, ``"inter"`` across
-nodes (the slower of the two links, see :meth:`~.hardware.HardwareProfile.across_nodes`).
-``n`` is the ledger's element count (the full logical tensor).
-
-============== ============================ ==================================================
-kind           flat (one ring)              hierarchical (three / two steps)
-============== ============================ ==================================================
-all_reduce     AR(p, n) at the node level   RS(k, n) intra → AR(m, n/k) inter → AG(k, n) intra
-all_gather     AG(p, n)                     AG(m, n/k) inter → AG(k, n) intra
-reduce_scatter RS(p, n)                     RS(k, n) intra → RS(m, n/k) inter
-============== ============================ ==================================================
+A group of ``p = k·m`` ranks, ``k`` on each of ``m`` nodes, a message of ``n`` elements (the
+ledger's count). Both forms are priced by the one collective-time formula
+(:func:`~.cost.collective_time`): ``flat`` as one ring over all ``p`` ranks — at the inter-node
+figures when it crosses nodes (:meth:`~.hardware.HardwareProfile.inter_alpha_beta`, the slower of
+the profile's intra- and inter-node α and β) — and ``hierarchical`` as
+:func:`~.cost.hierarchical_time`'s stages (intra-node reduce-scatter → inter-node all-reduce of the
+``n/k`` shard → intra-node all-gather; all-gather and reduce-scatter likewise).
 
 Across nodes the flat ring pays the inter-node link for all ``(p−1)/p`` of its volume; the
 hierarchical form sends only ``1/k`` of it between nodes, for two more latencies. With equal links
 (a profile measured on one machine) flat always wins; the slower the inter-node link, the smaller the
-message from which hierarchical wins (as in NCCL's tree/ring choice, or Horovod's hierarchical
-all-reduce, Sergeev & Del Balso 2018).
+message from which hierarchical wins (the reasoning of Horovod's hierarchical all-reduce, Sergeev &
+Del Balso 2018, and of NCCL's tree/ring choice).
 
 Point-to-point: in a group of two, both ranks swap what the other needs with one send/recv pair
 (all-reduce: the whole tensor, all-gather: the shard, reduce-scatter: the other's half) and combine
@@ -29,6 +24,7 @@ profile without it (the built-in ones) never chooses point-to-point.
 
 from __future__ import annotations
 
+from .cost import comm_time, hierarchical_time
 from .hardware import HardwareProfile
 
 ALGORITHMS = ("flat", "hierarchical", "p2p")
@@ -37,25 +33,19 @@ HIERARCHICAL_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 def flat_time(profile: HardwareProfile, kind: str, elements: int, per_node: int, nodes: int,
               bytes_per_element: int = 4) -> float:
-    """One ring over all ``per_node × nodes`` ranks, at the inter-node level when ``nodes > 1``."""
-    level = "inter" if nodes > 1 else "intra"
-    return profile.collective_time(kind, elements, per_node * nodes, bytes_per_element, level)
+    """One ring over all ``per_node × nodes`` ranks, at the inter-node figures when ``nodes > 1``."""
+    alpha_beta = profile.inter_alpha_beta if nodes > 1 else profile.alpha_beta
+    return comm_time({kind: {"calls": 1, "elements": elements}}, per_node * nodes, alpha_beta,
+                     bytes_per_element)
 
 
-def hierarchical_time(profile: HardwareProfile, kind: str, elements: int, per_node: int,
-                      nodes: int, bytes_per_element: int = 4) -> float:
-    """The steps of the module docstring's table, each priced at its level."""
-    k, m, n, b = per_node, nodes, elements, bytes_per_element
-    shard = -(-n // k)  # the part of the tensor one local rank carries between nodes
-    t = profile.collective_time
-    if kind == "all_reduce":
-        return (t("reduce_scatter", shard * k, k, b) + t("all_reduce", shard, m, b, "inter")
-                + t("all_gather", shard * k, k, b))
-    if kind == "all_gather":
-        return t("all_gather", shard, m, b, "inter") + t("all_gather", n, k, b)
-    if kind == "reduce_scatter":
-        return t("reduce_scatter", n, k, b) + t("reduce_scatter", shard, m, b, "inter")
-    raise ValueError(f"no hierarchical algorithm for {kind!r}; known: {HIERARCHICAL_KINDS}")
+def staged_time(profile: HardwareProfile, kind: str, elements: int, per_node: int, nodes: int,
+                bytes_per_element: int = 4) -> float:
+    """The hierarchical form: :func:`~.cost.hierarchical_time` with the profile's intra- and
+    inter-node α and β."""
+    return hierarchical_time(kind, elements, nodes=nodes, per_node=per_node,
+                             intra=profile.alpha_beta, inter=profile.inter_alpha_beta,
+                             bytes_per_element=bytes_per_element)
 
 
 def exchanged_bytes(kind: str, elements: int, bytes_per_element: int = 4) -> int:
@@ -84,8 +74,8 @@ def algorithm_times(profile: HardwareProfile, kind: str, elements: int, per_node
     ``hierarchical`` when the group spans nodes with several ranks on each."""
     times = {"flat": flat_time(profile, kind, elements, per_node, nodes, bytes_per_element)}
     if kind in HIERARCHICAL_KINDS and nodes > 1 and per_node > 1:
-        times["hierarchical"] = hierarchical_time(profile, kind, elements, per_node, nodes,
-                                                  bytes_per_element)
+        times["hierarchical"] = staged_time(profile, kind, elements, per_node, nodes,
+                                            bytes_per_element)
     return times
 
 

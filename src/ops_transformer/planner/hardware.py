@@ -1,12 +1,11 @@
 """A hardware profile for the α–β cost model, and the profile of this kind of machine.
 
-Collective time (Hockney's α–β model, with the per-rank volumes of ring algorithms, Patarasuk & Yuan
-2009): ``t = α + wire_elements(kind, n, p) · bytes / β`` where ``wire_elements`` is ``2(p−1)/p·n``
-for an all-reduce and ``(p−1)/p·n`` for an all-gather, a reduce-scatter or an all-to-all. Compute
-time: ``FLOPs / achieved FLOP/s``. A step whose ranks sit on different nodes (``level="inter"``)
-pays the slower of the intra-node figures and the profile's inter-node ones
-(``inter_node_alpha_s``, ``inter_node_bandwidth``; ``None``: the same as inside a node, which is all a
-one-machine measurement can say).
+Collective time is the cost model's one formula (:func:`~.cost.collective_time`: Hockney's α–β
+model with the per-rank volumes of ring algorithms); a profile only says which α and β a collective
+of a given kind and group size gets. Compute time: ``FLOPs / achieved FLOP/s``. Between nodes
+(:meth:`HardwareProfile.inter_alpha_beta`) a collective gets the slower of those figures and the
+profile's ``inter_node_alpha_s`` / ``inter_node_bandwidth`` (``None``: the same as inside a node,
+which is all a measurement on one machine can say).
 
 ``CPU_GLOO`` are rough figures of the development machine (2 shared cores, gloo over loopback, one
 thread per rank) from one early measurement (medians of 1-element and 4M-element all-reduces at 2
@@ -18,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..comm.ledger import wire_elements
+from .cost import comm_time
 
 
 @dataclass(frozen=True)
@@ -30,17 +29,15 @@ class HardwareProfile:
     inter_node_alpha_s: float | None = None  # latency of a collective across nodes (None: as above)
     inter_node_bandwidth: float | None = None  # bytes/s per rank across nodes (None: as above)
 
-    def alpha_beta(self, kind: str, group_size: int, level: str = "intra") -> tuple[float, float]:
+    def alpha_beta(self, kind: str, group_size: int) -> tuple[float, float]:
         """``(α, β)`` of a collective of ``kind`` over ``group_size`` ranks: the same for all here;
-        a measured profile (:class:`~.profile.CalibratedProfile`) has one pair per kind. Across
-        nodes (``level="inter"``) see :meth:`across_nodes`."""
-        return self.across_nodes(self.alpha_s, self.bandwidth, level)
+        a measured profile (:class:`~.profile.CalibratedProfile`) has one pair per kind."""
+        return self.alpha_s, self.bandwidth
 
-    def across_nodes(self, alpha: float, beta: float, level: str) -> tuple[float, float]:
-        """``(α, β)`` of a link inside a node, made the slower of it and the inter-node figures
-        when ``level == "inter"`` (a ring across nodes runs at its slowest link)."""
-        if level != "inter":
-            return alpha, beta
+    def inter_alpha_beta(self, kind: str, group_size: int) -> tuple[float, float]:
+        """``(α, β)`` of a collective whose ranks sit on different nodes: the slower of
+        :meth:`alpha_beta` and the inter-node figures (a ring runs at its slowest link)."""
+        alpha, beta = self.alpha_beta(kind, group_size)
         if self.inter_node_alpha_s is not None:
             alpha = max(alpha, self.inter_node_alpha_s)
         if self.inter_node_bandwidth is not None:
@@ -48,22 +45,14 @@ class HardwareProfile:
         return alpha, beta
 
     def collective_time(self, kind: str, elements: int, group_size: int,
-                        bytes_per_element: int = 4, level: str = "intra") -> float:
-        """``α + wire_elements(kind, n, p) · bytes / β`` for one call."""
+                        bytes_per_element: int = 4) -> float:
+        """One call: :func:`~.cost.collective_time` with this profile's α and β."""
         return self.comm_time({kind: {"calls": 1, "elements": elements}}, group_size,
-                              bytes_per_element, level) if elements > 0 else 0.0
+                              bytes_per_element) if elements > 0 else 0.0
 
-    def comm_time(self, comm: dict, group_size: int, bytes_per_element: int = 4,
-                  level: str = "intra") -> float:
-        """Time of ``{kind: {"calls", "elements"}}``: ``α`` per call plus the volume term."""
-        if group_size <= 1:
-            return 0.0
-        total = 0.0
-        for kind, c in comm.items():
-            alpha, beta = self.alpha_beta(kind, group_size, level)
-            total += c["calls"] * alpha + wire_elements(kind, c["elements"], group_size) * \
-                bytes_per_element / beta
-        return total
+    def comm_time(self, comm: dict, group_size: int, bytes_per_element: int = 4) -> float:
+        """Time of a :class:`~.cost.Comm` (``{kind: {"calls", "elements"}}``) on one group."""
+        return comm_time(comm, group_size, self.alpha_beta, bytes_per_element)
 
     def compute_time(self, flops: float) -> float:
         return flops / self.matmul_flops

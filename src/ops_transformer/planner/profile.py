@@ -42,12 +42,15 @@ class CalibratedProfile(HardwareProfile):
     matmul_by_size: dict = field(default_factory=dict, compare=False, repr=False)
     p2p_threshold_bytes: int | None = None
     p2p_small_messages: str = "send_recv"  # the faster method below the threshold
+    # {catalogue card: bf16 matmul efficiency} measured by `calibrate` on a GPU (the planner's
+    # efficiency for that card, planner/efficiency.py); empty on a CPU machine.
+    gpu_efficiency: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def alpha_beta(self, kind: str, group_size: int, level: str = "intra") -> tuple[float, float]:
+    def alpha_beta(self, kind: str, group_size: int) -> tuple[float, float]:
         if not self.per_kind:
-            return self.across_nodes(self.alpha_s, self.bandwidth, level)
+            return self.alpha_s, self.bandwidth
         p = min(self.per_kind, key=lambda q: (abs(q - group_size), -q))
-        return self.across_nodes(*self.per_kind[p].get(kind, (self.alpha_s, self.bandwidth)), level)
+        return self.per_kind[p].get(kind, (self.alpha_s, self.bandwidth))
 
 
 def load_profile(path) -> CalibratedProfile:
@@ -95,8 +98,19 @@ def _from_dict(data: dict) -> CalibratedProfile:
         per_kind=per_kind,
         matmul_by_size={int(n): float(f) for n, f in data.get("matmul_flops", {}).items()},
         p2p_threshold_bytes=None if threshold is None else int(threshold),
-        p2p_small_messages=str((data.get("p2p") or {}).get("small_messages", "send_recv")))
+        p2p_small_messages=str((data.get("p2p") or {}).get("small_messages", "send_recv")),
+        gpu_efficiency=_gpu_efficiency(data.get("gpu")))
 
 
 def _optional_float(value) -> float | None:
     return None if value is None else float(value)
+
+
+def _gpu_efficiency(entry) -> dict:
+    """``{card: efficiency}`` from a profile's ``"gpu"`` entry (:func:`.calibrate.gpu_efficiency`)
+    when the device is a catalogue card."""
+    if not isinstance(entry, dict) or not entry.get("catalogue"):
+        return {}
+    value = entry.get("matmul_efficiency")
+    return {entry["catalogue"]: float(value)} if isinstance(value, (int, float)) and value > 0 \
+        else {}

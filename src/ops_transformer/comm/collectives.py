@@ -62,9 +62,9 @@ def _recorded(kind: str, tensor: torch.Tensor, elements: int, group: ProcessGrou
 
 def _algorithm(group: ProcessGroup, kind: str, tensor: torch.Tensor, elements: int, op):
     """``(name, GroupAlgorithms)`` the engine runs this collective with; ``("flat", …)`` for a
-    group it does not know, and for reductions other than sum / max / min."""
+    group it does not know, for empty tensors and for reductions other than sum / max / min."""
     found = _engine.lookup(group)
-    if found is None or op not in _A.REDUCE_OPS:
+    if found is None or elements == 0 or op not in _A.REDUCE_OPS:
         return "flat", found
     return found.choose(kind, elements, tensor.dtype), found
 

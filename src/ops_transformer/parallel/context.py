@@ -163,9 +163,11 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     dp, ep, tp = check_degrees(world_size, tp, dp, ep)
     rank = dist.get_rank()
-    if ranks_per_node is None:
+    declared = ranks_per_node is not None
+    if not declared:
         ranks_per_node = _env_int("LOCAL_WORLD_SIZE")
-    layout, agreed = agree_setup(rank, world_size, ranks_per_node, profile, backend)
+    layout, agreed = agree_setup(rank, world_size, ranks_per_node, profile, backend,
+                                 declared=declared)
     device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
               else torch.device("cpu"))
     from torch.distributed.device_mesh import init_device_mesh

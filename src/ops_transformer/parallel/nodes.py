@@ -51,13 +51,21 @@ def resolve_profile_source(profile, backend: str | None) -> HardwareProfile:
 
 
 def agree_setup(rank: int, world_size: int, ranks_per_node: int | None, profile,
-                backend: str | None) -> tuple[NodeLayout, HardwareProfile]:
+                backend: str | None, *, declared: bool = True
+                ) -> tuple[NodeLayout, HardwareProfile]:
     """Rank 0's node layout and profile, on every rank (one broadcast over the world).
 
-    ``ranks_per_node``: this rank's declared value, or ``None`` for all ranks on one node. Only
-    rank 0's arguments count; its errors are raised everywhere (with ``on rank 0`` appended)."""
+    ``ranks_per_node``: this rank's value, or ``None`` for all ranks on one node; when not
+    ``declared`` (read from ``torchrun``) and not a divisor of the world size (nodes of different
+    sizes), a warning and one node. Only rank 0's arguments count; its errors are raised everywhere
+    (with ``on rank 0`` appended)."""
     message = None
     if rank == 0:
+        if not declared and ranks_per_node is not None and world_size % ranks_per_node:
+            log.warning("init_parallel: LOCAL_WORLD_SIZE (%d) does not divide the world size "
+                        "(%d): nodes of different sizes are not modelled, every collective runs "
+                        "flat", ranks_per_node, world_size)
+            ranks_per_node = None
         try:
             layout = NodeLayout(world_size, world_size if ranks_per_node is None
                                 else ranks_per_node)

@@ -96,10 +96,9 @@ def _inputs(seed, shape, world):
             for r in range(world)]
 
 
-def _collectives(ctx):
-    """All-reduce (odd size: padded), all-gather and reduce-scatter on the TP group, sync and
-    async, against the exact sums; returns the ledgers' views."""
-    g, r, p = ctx.tp_group, ctx.tp_rank, ctx.tp_size
+def _collectives(g, r, p):
+    """All-reduce (odd size: padded), all-gather and reduce-scatter on group ``g`` (this rank is
+    its ``r``-th of ``p``), sync and async, against the exact sums; returns the ledger."""
     xs = _inputs(0, (3, 7), p)  # 21 elements: not a multiple of the ranks per node
     full = sum(x.double() for x in xs).float()
     with CommLedger() as ledger:
@@ -123,9 +122,8 @@ def _collectives(ctx):
     return y, ledger
 
 
-def _autograd(ctx):
+def _autograd(g, r, p):
     """The TP primitives built on these collectives: forward and input gradients vs dense."""
-    g, r, p = ctx.tp_group, ctx.tp_rank, ctx.tp_size
     xs, grads = _inputs(30, (2 * p, 6), p), _inputs(40, (2 * p, 6), p)
     x = xs[r].clone().requires_grad_()
     y = reduce_from_tp_region(x, g)
@@ -147,8 +145,8 @@ def _autograd(ctx):
 def _hierarchical_worker(profile):
     ctx = init_parallel(tp=4, ranks_per_node=2, profile=profile)
     found = lookup(ctx.tp_group)
-    y, ledger = _collectives(ctx)
-    _autograd(ctx)
+    y, ledger = _collectives(ctx.tp_group, ctx.tp_rank, ctx.tp_size)
+    _autograd(ctx.tp_group, ctx.tp_rank, ctx.tp_size)
     return (ctx.ranks_per_node, found.describe(), y, ledger.summary(), ledger.by_algorithm(),
             ledger.by_level(), [r.steps for r in ledger.records])
 
@@ -176,28 +174,35 @@ def test_hierarchical_equals_flat_at_2_nodes_x_2(run_ranks):
 
 
 def _p2p_worker(profile, numel):
-    ctx = init_parallel(tp=2, ranks_per_node=1, profile=profile)
-    g, r = ctx.tp_group, ctx.tp_rank
-    xs = _inputs(50, (numel,), 2)
-    y = xs[r].clone()
-    with CommLedger() as ledger:
-        C.all_reduce(y, g)
-        _collectives(ctx)
-        _autograd(ctx)
-    return y, ledger.records[0], ledger.by_algorithm()
+    """dp 2 × tp 2 on 2 nodes × 2: TP groups of two inside a node, DP groups of two across."""
+    ctx = init_parallel(tp=2, dp=2, ranks_per_node=2, profile=profile)
+    out = {}
+    for axis in ("tp", "dp"):
+        g, r = getattr(ctx, f"{axis}_group"), getattr(ctx, f"{axis}_rank")
+        xs = _inputs(50, (numel,), 2)
+        y = xs[r].clone()
+        with CommLedger() as ledger:
+            C.all_reduce(y, g)
+            _collectives(g, r, 2)
+            _autograd(g, r, 2)
+        out[axis] = (y, ledger.records[0], ledger.by_algorithm())
+    return out
 
 
-def test_p2p_equals_flat_bitwise_at_2_ranks(run_ranks):
-    small, large = run_ranks(_p2p_worker, 2, P2P, 1000), run_ranks(_p2p_worker, 2, P2P, 1 << 15)
-    for rank in range(2):
-        y, record, by_algo = small[rank]
-        assert torch.equal(y, small[0][0])
-        assert torch.equal(y, _inputs(50, (1000,), 2)[0] + _inputs(50, (1000,), 2)[1])
-        assert record.algorithm == "p2p" and record.level == "inter"
-        assert [(s.kind, s.elements, s.group_ranks) for s in record.steps] == \
-            [("send", 1000, (0, 1)), ("recv", 1000, (0, 1))]
-        assert set(by_algo) == {"p2p"}
-        assert large[rank][1].algorithm == "flat"  # 128 KiB: above the threshold
+def test_p2p_equals_flat_bitwise_in_groups_of_two(run_ranks):
+    small, large = run_ranks(_p2p_worker, 4, P2P, 1000), run_ranks(_p2p_worker, 4, P2P, 1 << 15)
+    xs = _inputs(50, (1000,), 2)
+    for rank in range(4):
+        for axis, level in (("tp", "intra"), ("dp", "inter")):
+            y, record, by_algo = small[rank][axis]
+            assert torch.equal(y, xs[0] + xs[1])  # the flat sum of two, bit for bit
+            assert record.algorithm == "p2p" and record.level == level
+            peers = (rank - rank % 2, rank - rank % 2 + 1) if axis == "tp" else (rank % 2,
+                                                                                 rank % 2 + 2)
+            assert [(s.kind, s.elements, s.group_ranks) for s in record.steps] == \
+                [("send", 1000, peers), ("recv", 1000, peers)]
+            assert set(by_algo) == {"p2p"}
+            assert large[rank][axis][1].algorithm == "flat"  # 128 KiB: above the threshold
 
 
 def _layout_worker(tp, ranks_per_node, env_local_world_size):

@@ -30,6 +30,7 @@ from . import ledger as _ledger
 ProcessGroup = dist.ProcessGroup
 ReduceOp = dist.ReduceOp
 
+_NO_RANGE = contextlib.nullcontext()  # reusable: no profiler range when the profiler is off
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -57,7 +58,7 @@ def _recorded(kind: str, tensor: torch.Tensor, elements: int, group: ProcessGrou
                        level=level, steps=steps)
     if _profiler_enabled():
         return torch.profiler.record_function(f"ops_transformer::{kind}")
-    return contextlib.nullcontext()
+    return _NO_RANGE
 
 
 def _algorithm(group: ProcessGroup, kind: str, tensor: torch.Tensor, elements: int, op):
@@ -114,7 +115,7 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: Proces
 def _step_range(name: str):
     if _profiler_enabled():
         return torch.profiler.record_function(f"ops_transformer::{name}")
-    return contextlib.nullcontext()
+    return _NO_RANGE
 
 
 def run_all_reduce(tensor: torch.Tensor, group: ProcessGroup, op, name: str):

@@ -20,8 +20,8 @@ costs exactly its compute plus its communication; below 1, communication overlap
 as the median over rounds of the per-round ratio of medians. Targets (issue 15): ``ours/dtensor``
 ≤ 0.5 at ``small`` and ≤ 0.8 at ``medium``; floor ≤ 1.1 at both.
 
-Before timing, every size is checked once: ``ours`` and ``dtensor`` losses against the dense
-model's (rank 0), and one step's collectives (``CommLedger``).
+Before timing, every size is checked once: ``ours`` and ``dtensor`` losses and full-vocabulary
+logits against the dense model's, and one step's collectives (``CommLedger``).
 
     python benchmarks/bench_hf_llama.py --rounds 10 --json out.json
 """
@@ -43,7 +43,7 @@ from ops_transformer import CommLedger, parallelize
 from ops_transformer.comm import collectives as C
 
 from _common import (OtherLoad, add_timing_args, check_counts, finish, format_paired, interleave,
-                     job_meta, method_stats, paired_ratio, time_steps)
+                     job_meta, method_stats, paired_ratio, rel_err, time_steps)
 
 METHODS = ("dtensor", "ours", "nocomm", "alone")  # the baseline first (method_stats)
 TP = 2
@@ -191,8 +191,12 @@ def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | No
                (torch.randint(0, size.vocab, (size.batch, size.seq), generator=gen)
                 for _ in range(4))]
     losses = {m: float(train_step(model, batches[0])) for m, model in models.items()}
-    if ctx.rank == 0:
-        losses["dense"] = float(train_step(dense_llama(size), batches[0]))
+    dense = dense_llama(size)
+    losses["dense"] = float(train_step(dense, batches[0]))
+    with torch.no_grad():  # the full-vocabulary logits against the dense model's
+        ref = dense(input_ids=batches[0][0]).logits
+        logits_err = {m: rel_err(model(input_ids=batches[0][0]).logits, ref)
+                      for m, model in models.items()}
     with CommLedger() as ledger:
         train_step(models["ours"], batches[1])
     records = list(ledger.records)
@@ -212,7 +216,8 @@ def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | No
             return time_steps(lambda: train_step(model, next_batch()), warmup, steps)
 
     times = interleave(METHODS, rounds, block)
-    return {"size": asdict(size), "losses": losses, "steps": steps, "warmup": warmup,
+    return {"size": asdict(size), "losses": losses, "logits_rel_err": logits_err,
+            "steps": steps, "warmup": warmup,
             "attention": models["ours"].parallel_plan.reason,
             "ledger": ledger.summary(), "by_algorithm": ledger.by_algorithm(),
             "collectives_per_step": len(records), "times": times}
@@ -243,8 +248,10 @@ def report(per_rank: list[dict]) -> list[dict]:
         print(f"\n[{s['name']}] Llama hidden {s['hidden']}, FFN {s['ffn']}, {s['layers']} layers, "
               f"{s['heads']} heads / {s['kv_heads']} KV, vocab {s['vocab']}, batch {s['batch']} "
               f"x seq {s['seq']}; {res['warmup']} untimed + {res['steps']} timed steps per block")
-        print(f"  loss rel. diff vs dense: ours {abs(res['losses']['ours'] - dense) / dense:.1e}, "
-              f"dtensor {abs(res['losses']['dtensor'] - dense) / dense:.1e}")
+        print(f"  vs dense: loss rel. diff ours {abs(res['losses']['ours'] - dense) / dense:.1e}, "
+              f"dtensor {abs(res['losses']['dtensor'] - dense) / dense:.1e}; logits max rel. "
+              f"err ours {res['logits_rel_err']['ours']:.1e}, dtensor "
+              f"{res['logits_rel_err']['dtensor']:.1e}")
         print(f"  ours per step: {res['collectives_per_step']} collectives {res['ledger']} "
               f"by algorithm {sorted(res['by_algorithm'])}")
         print("  rank 0 median ms: " + ", ".join(f"{m} {stats['ms'][m]:.2f}" for m in METHODS))
@@ -253,7 +260,8 @@ def report(per_rank: list[dict]) -> list[dict]:
         print(f"  floor ours / (nocomm + alone)  {format_paired(floor)}   target <= "
               f"{FLOOR_TARGET}: {'met' if floor['median'] <= FLOOR_TARGET else 'NOT met'}")
         rows.append({"size": s, "ms": stats["ms"], "ours/dtensor": vs_dtensor, "floor": floor,
-                     "losses": res["losses"], "ledger": res["ledger"],
+                     "losses": res["losses"], "logits_rel_err": res["logits_rel_err"],
+                     "ledger": res["ledger"],
                      "by_algorithm": res["by_algorithm"]})
     return rows
 

@@ -210,7 +210,7 @@ def _layout_worker(tp, ranks_per_node, env_local_world_size):
         os.environ["LOCAL_WORLD_SIZE"] = env_local_world_size  # as torchrun sets it
     ctx = init_parallel(tp=tp, ranks_per_node=ranks_per_node)
     levels = {axis: lookup(getattr(ctx, f"{axis}_group")).level
-              for axis in ("tp", "dp") if getattr(ctx, f"{axis}_group") is not None}
+              for axis in ("tp", "dp", "world") if getattr(ctx, f"{axis}_group") is not None}
     import torch.distributed as dist
 
     return ctx.ranks_per_node, tuple(dist.get_process_group_ranks(ctx.tp_group)), levels
@@ -219,9 +219,12 @@ def _layout_worker(tp, ranks_per_node, env_local_world_size):
 def test_tp_groups_stay_inside_a_node(run_ranks):
     out = run_ranks(_layout_worker, 4, 2, 2, None)
     assert [o[1] for o in out] == [(0, 1), (0, 1), (2, 3), (2, 3)]
-    assert all(o[0] == 2 and o[2] == {"tp": "intra", "dp": "inter"} for o in out)
+    assert all(o[0] == 2 and o[2] == {"tp": "intra", "dp": "inter", "world": "inter"}
+               for o in out)
     from_env = run_ranks(_layout_worker, 4, 4, None, "2")  # ranks_per_node=None: torchrun's
-    assert all(o[0] == 2 and o[2] == {"tp": "inter"} for o in from_env)
+    assert all(o[0] == 2 and o[2] == {"tp": "inter", "world": "inter"} for o in from_env)
+    one_node = run_ranks(_layout_worker, 2, 2, None, None)  # launch's LOCAL_WORLD_SIZE: 2
+    assert all(o[0] == 2 and o[2] == {"tp": "intra", "world": "intra"} for o in one_node)
 
 
 def _bad_ranks_per_node(value):

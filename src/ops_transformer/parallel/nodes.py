@@ -8,7 +8,7 @@ corrupt profile, a ``ranks_per_node`` that does not divide the world) is raised 
 none waits for the others. Every automatic choice below (attention strategy, vocabulary split,
 collective algorithm) is then derived from these agreed values.
 
-:func:`build_engine` then gives each group of the context's mesh its
+:func:`build_engine` then gives each group of the context's mesh, and the world group, its
 :class:`~ops_transformer.comm.engine.GroupAlgorithms`, creating the intra- and inter-node sub-groups
 of the groups that span nodes — only where the profile says a hierarchical collective can win. Every
 rank creates every sub-group, in the same order (``new_group`` is collective).
@@ -95,34 +95,40 @@ def tp_groups_within_nodes(mesh, layout: NodeLayout) -> bool:
 def build_engine(mesh, layout: NodeLayout, profile: HardwareProfile, rank: int,
                  timeout: timedelta) -> dict[str, GroupAlgorithms]:
     """Register a :class:`GroupAlgorithms` for this rank's group on each axis of ``mesh`` (of more
-    than one rank); returns them by axis name."""
+    than one rank) and for the world group; returns them by axis name (and ``"world"``)."""
+    families = [(axis, axis_groups(mesh, axis), mesh.get_group(axis))
+                for axis in mesh.mesh_dim_names if mesh[axis].size() > 1]
+    if layout.world_size > 1:
+        families.append(("world", [list(range(layout.world_size))], dist.group.WORLD))
     mine: dict[str, GroupAlgorithms] = {}
-    for axis in mesh.mesh_dim_names:
-        if mesh[axis].size() == 1:
-            continue
+    for name, all_groups, group in families:
         subgroups = {}
-        for ranks in axis_groups(mesh, axis):
+        for ranks in all_groups:  # every rank creates every sub-group, in this order
             subgroups.update(_subgroups(ranks, layout, profile, timeout))
-        group = mesh.get_group(axis)
-        ranks = tuple(dist.get_process_group_ranks(group))
-        split = layout.split(ranks)
-        even = split is not None
-        intra = next((r for r in split if rank in r), []) if even else []
-        inter = [node[intra.index(rank)] for node in split] if even else []
-        algorithms = GroupAlgorithms(
-            group=group, rank=rank, ranks=ranks,
-            per_node=len(split[0]) if even else len(ranks),
-            nodes=len(split) if even else len({layout.node_of(r) for r in ranks}),
-            level=layout.level(ranks), profile=profile,
-            intra=subgroups.get(tuple(intra)), inter=subgroups.get(tuple(inter)),
-            intra_ranks=tuple(intra), inter_ranks=tuple(inter))
-        register(group, algorithms)
-        mine[axis] = algorithms
+        mine[name] = _describe(group, rank, layout, profile, subgroups)
+        register(group, mine[name])
     if not tp_groups_within_nodes(mesh, layout):
         log.info("init_parallel: tensor-parallel groups span nodes (tp=%d, %d ranks per node); "
                  "their collectives may run hierarchically", mesh["tp"].size(),
                  layout.ranks_per_node)
     return mine
+
+
+def _describe(group, rank: int, layout: NodeLayout, profile: HardwareProfile,
+              subgroups: dict) -> GroupAlgorithms:
+    """This rank's view of ``group``: its shape over the nodes and its sub-groups."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    split = layout.split(ranks)
+    even = split is not None
+    intra = next((r for r in split if rank in r), []) if even else []
+    inter = [node[intra.index(rank)] for node in split] if even else []
+    return GroupAlgorithms(
+        group=group, rank=rank, ranks=ranks,
+        per_node=len(split[0]) if even else len(ranks),
+        nodes=len(split) if even else len({layout.node_of(r) for r in ranks}),
+        level=layout.level(ranks), profile=profile,
+        intra=subgroups.get(tuple(intra)), inter=subgroups.get(tuple(inter)),
+        intra_ranks=tuple(intra), inter_ranks=tuple(inter))
 
 
 def _subgroups(ranks: list[int], layout: NodeLayout, profile: HardwareProfile,

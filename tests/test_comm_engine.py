@@ -205,15 +205,17 @@ def test_p2p_equals_flat_bitwise_in_groups_of_two(run_ranks):
             assert large[rank][axis][1].algorithm == "flat"  # 128 KiB: above the threshold
 
 
-def _layout_worker(tp, ranks_per_node, env_local_world_size):
+def _layout_worker(tp, ranks_per_node, env_local_world_size, ep=1):
     if env_local_world_size is not None:
         os.environ["LOCAL_WORLD_SIZE"] = env_local_world_size  # as torchrun sets it
-    ctx = init_parallel(tp=tp, ranks_per_node=ranks_per_node)
+    ctx = init_parallel(tp=tp, ep=ep, ranks_per_node=ranks_per_node)
+    axes = ("tp", "dp", "world") if ep == 1 else ("dp", "ep", "dp_ep", "world")
     levels = {axis: lookup(getattr(ctx, f"{axis}_group")).level
-              for axis in ("tp", "dp", "world") if getattr(ctx, f"{axis}_group") is not None}
+              for axis in axes if getattr(ctx, f"{axis}_group") is not None}
     import torch.distributed as dist
 
-    return ctx.ranks_per_node, tuple(dist.get_process_group_ranks(ctx.tp_group)), levels
+    tp_ranks = tuple(dist.get_process_group_ranks(ctx.tp_group)) if ctx.tp_group else (ctx.rank,)
+    return ctx.ranks_per_node, tp_ranks, levels
 
 
 def test_tp_groups_stay_inside_a_node(run_ranks):
@@ -225,6 +227,9 @@ def test_tp_groups_stay_inside_a_node(run_ranks):
     assert all(o[0] == 2 and o[2] == {"tp": "inter", "world": "inter"} for o in from_env)
     one_node = run_ranks(_layout_worker, 2, 2, None, None)  # launch's LOCAL_WORLD_SIZE: 2
     assert all(o[0] == 2 and o[2] == {"tp": "intra", "world": "intra"} for o in one_node)
+    experts = run_ranks(_layout_worker, 4, 1, 2, None, 2)  # dp 2 × ep 2: the flattened group too
+    assert all(o[2] == {"dp": "inter", "ep": "intra", "dp_ep": "inter", "world": "inter"}
+               for o in experts)
 
 
 def _bad_ranks_per_node(value):

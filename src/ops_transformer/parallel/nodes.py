@@ -80,11 +80,17 @@ def agree_setup(rank: int, world_size: int, ranks_per_node: int | None, profile,
     return layout, agreed
 
 
-def axis_groups(mesh, axis: str) -> list[list[int]]:
-    """Every group of global ranks along ``axis`` of the mesh, in a fixed order."""
+def axis_groups(mesh, axes) -> list[list[int]]:
+    """Every group of global ranks along ``axes`` of the mesh (one name, or several flattened
+    together), in a fixed order."""
     names = tuple(mesh.mesh_dim_names)
-    ranks = mesh.mesh.movedim(names.index(axis), -1)
-    return [sorted(g) for g in ranks.reshape(-1, ranks.shape[-1]).tolist()]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    dims = [names.index(a) for a in axes]
+    ranks = mesh.mesh.movedim(dims, list(range(-len(dims), 0)))
+    size = 1
+    for d in dims:
+        size *= mesh.mesh.shape[d]
+    return [sorted(g) for g in ranks.reshape(-1, size).tolist()]
 
 
 def tp_groups_within_nodes(mesh, layout: NodeLayout) -> bool:
@@ -93,11 +99,14 @@ def tp_groups_within_nodes(mesh, layout: NodeLayout) -> bool:
 
 
 def build_engine(mesh, layout: NodeLayout, profile: HardwareProfile, rank: int,
-                 timeout: timedelta) -> dict[str, GroupAlgorithms]:
+                 timeout: timedelta, dp_ep_group=None) -> dict[str, GroupAlgorithms]:
     """Register a :class:`GroupAlgorithms` for this rank's group on each axis of ``mesh`` (of more
-    than one rank) and for the world group; returns them by axis name (and ``"world"``)."""
+    than one rank), for the flattened ``dp × ep`` group when given, and for the world group;
+    returns them by name (axis, ``"dp_ep"``, ``"world"``)."""
     families = [(axis, axis_groups(mesh, axis), mesh.get_group(axis))
                 for axis in mesh.mesh_dim_names if mesh[axis].size() > 1]
+    if dp_ep_group is not None:
+        families.append(("dp_ep", axis_groups(mesh, ("dp", "ep")), dp_ep_group))
     if layout.world_size > 1:
         families.append(("world", [list(range(layout.world_size))], dist.group.WORLD))
     mine: dict[str, GroupAlgorithms] = {}

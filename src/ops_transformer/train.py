@@ -111,12 +111,17 @@ def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch:
 
 
 def train_worker(cfg: TrainConfig, profile=None) -> dict | None:
-    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere.
+    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere. The process
+    groups it starts are torn down before it returns.
 
     ``profile``: the hardware profile (or its path) for the automatic choices and the collective
     algorithms; rank 0's is used by every rank (``init_parallel``). ``None``: the built-in one."""
-    ctx = init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, ranks_per_node=cfg.ranks_per_node,
-                        profile=profile)
+    with init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, ranks_per_node=cfg.ranks_per_node,
+                       profile=profile) as ctx:
+        return _train(cfg, ctx)
+
+
+def _train(cfg: TrainConfig, ctx) -> dict | None:
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ..planner.profile import load_profile
+from ._common import is_lead
 
 ENV_VAR = "OPS_TRANSFORMER_PROFILE"
 
@@ -22,11 +23,6 @@ def profile_path() -> Path:
     """``$OPS_TRANSFORMER_PROFILE`` if set, else ``~/.cache/ops-transformer/profile.json``."""
     override = os.environ.get(ENV_VAR)
     return Path(override) if override else Path.home() / ".cache" / "ops-transformer" / "profile.json"
-
-
-def reads_files() -> bool:
-    """Whether this process reads the profile for its job: not a torchrun rank other than 0."""
-    return os.environ.get("RANK", "0") == "0"
 
 
 def command_profile(needed_for: str | None):
@@ -38,7 +34,7 @@ def command_profile(needed_for: str | None):
     ``None`` (every choice was made explicitly, the profile only refines the collectives) it is a
     warning on stderr and the built-in profile is used.
     """
-    if not reads_files():
+    if not is_lead():  # under torchrun, rank 0 reads it for everyone
         return None
     path = profile_path()
     if not path.exists():

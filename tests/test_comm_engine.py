@@ -17,7 +17,7 @@ from ops_transformer.comm import collectives as C
 from ops_transformer.comm.engine import NodeLayout, lookup
 from ops_transformer.comm.ledger import CommStep
 from ops_transformer.planner.collective_algorithms import (algorithm_times, choose_algorithm,
-                                                           p2p_faster, staged_time)
+                                                           executed_time, p2p_faster, staged_time)
 from ops_transformer.planner.hardware import CPU_GLOO, HardwareProfile
 from ops_transformer.planner.profile import CalibratedProfile
 
@@ -142,19 +142,31 @@ def _autograd(g, r, p):
     assert torch.equal(x3.grad, torch.cat([gr[:2] for gr in grads]))
 
 
+def _priced(g):
+    """Each kind at sizes the ranks per node divide (no padding), fp32 and bf16: the records."""
+    with CommLedger() as ledger:
+        for dtype in (torch.float32, torch.bfloat16):
+            for n in (8, 1 << 14, 1 << 16):
+                C.all_reduce(torch.ones(n, dtype=dtype), g)
+                C.all_gather_into(torch.empty(n, dtype=dtype), torch.ones(n // 4, dtype=dtype), g)
+                C.reduce_scatter_into(torch.empty(n // 4, dtype=dtype), torch.ones(n, dtype=dtype),
+                                      g)
+    return ledger.records
+
+
 def _hierarchical_worker(profile):
     ctx = init_parallel(tp=4, ranks_per_node=2, profile=profile)
     found = lookup(ctx.tp_group)
     y, ledger = _collectives(ctx.tp_group, ctx.tp_rank, ctx.tp_size)
     _autograd(ctx.tp_group, ctx.tp_rank, ctx.tp_size)
     return (ctx.ranks_per_node, found.describe(), y, ledger.summary(), ledger.by_algorithm(),
-            ledger.by_level(), [r.steps for r in ledger.records])
+            ledger.by_level(), [r.steps for r in ledger.records], _priced(ctx.tp_group))
 
 
 def test_hierarchical_equals_flat_at_2_nodes_x_2(run_ranks):
     hier = run_ranks(_hierarchical_worker, 4, SLOW_INTER)
     flat = run_ranks(_hierarchical_worker, 4, CPU_GLOO)
-    for rank, (rpn, desc, y, summary, by_algo, by_level, steps) in enumerate(hier):
+    for rank, (rpn, desc, y, summary, by_algo, by_level, steps, _) in enumerate(hier):
         assert rpn == 2 and desc["level"] == "inter" and (desc["per_node"], desc["nodes"]) == (2, 2)
         node, local = divmod(rank, 2)
         assert desc["intra_ranks"] == [2 * node, 2 * node + 1]
@@ -171,6 +183,36 @@ def test_hierarchical_equals_flat_at_2_nodes_x_2(run_ranks):
         assert by_level["inter"]["all_reduce"]["calls"] == 3  # sum, async sum, max
         assert set(by_level) == {"intra", "inter"}
         assert set(flat[rank][5]) == {"inter"}  # flat: one ring across the nodes
+
+
+def test_cost_formula_equals_the_ledger(run_ranks):
+    """The engine runs the algorithm the planner's formula prices lowest, and what the ledger says
+    ran, priced step by step at its level, is the time the formula predicted for that algorithm."""
+    inter_10x = dataclasses.replace(CPU_GLOO, inter_node_bandwidth=CPU_GLOO.bandwidth / 10)
+    cases = {"flat": CPU_GLOO, "hierarchical": SLOW_INTER, "mixed": inter_10x}
+    ran = set()
+    for name, profile in cases.items():
+        records = run_ranks(_hierarchical_worker, 4, profile)[1][-1]  # rank 1: node 0, local 1
+        assert len(records) == 18
+        for r in records:
+            size = r.bytes // r.elements
+            chosen, times = choose_algorithm(profile, r.kind, r.elements, 2, 2, size)
+            assert r.algorithm == chosen, (name, r.kind, r.elements, r.dtype)
+            assert executed_time(profile, r.executed()) == pytest.approx(times[chosen], rel=1e-12)
+            assert len(r.executed()) == (1 if chosen == "flat" else 3 if r.kind == "all_reduce"
+                                         else 2)
+            ran.add(chosen)
+        if name == "mixed":  # the 10× slower link: small messages flat, large ones hierarchical
+            by_size = {(r.elements, r.dtype): {q.algorithm for q in records
+                                               if (q.elements, q.dtype) == (r.elements, r.dtype)}
+                       for r in records}
+            assert by_size[8, torch.float32] == by_size[8, torch.bfloat16] == {"flat"}
+            assert by_size[1 << 16, torch.float32] == by_size[1 << 16, torch.bfloat16] == \
+                {"hierarchical"}
+            # the bytes decide, not the elements: 64 KiB of fp32 go hierarchical, 32 KiB of bf16 not
+            assert by_size[1 << 14, torch.float32] == {"hierarchical"}
+            assert by_size[1 << 14, torch.bfloat16] == {"flat"}
+    assert ran == {"flat", "hierarchical"}
 
 
 def _p2p_worker(profile, numel):

@@ -20,11 +20,16 @@ Point-to-point: in a group of two, both ranks swap what the other needs with one
 locally. ``calibrate`` measures where a swap beats an all-gather of the same bytes
 (``p2p_threshold_bytes``, ``p2p_small_messages``); :func:`p2p_faster` reads that measurement. A
 profile without it (the built-in ones) never chooses point-to-point.
+
+What ran is priced by the same formula: :func:`executed_time` takes the ledger's steps
+(:meth:`~ops_transformer.comm.ledger.CommLedger.executed`: kind, elements, sub-group, level) and
+charges each at its level — so the time the engine predicted for its choice and the time of what
+the ledger says ran are one number (tested).
 """
 
 from __future__ import annotations
 
-from .cost import comm_time, hierarchical_time
+from .cost import collective_time, comm_time, hierarchical_time
 from .hardware import HardwareProfile
 
 ALGORITHMS = ("flat", "hierarchical", "p2p")
@@ -91,3 +96,21 @@ def choose_algorithm(profile: HardwareProfile, kind: str, elements: int, per_nod
             and p2p_faster(profile, exchanged_bytes(kind, elements, bytes_per_element))):
         return "p2p", times
     return min(times, key=lambda a: (times[a], a != "flat")), times
+
+
+def executed_time(profile: HardwareProfile, steps) -> float:
+    """Predicted seconds of collectives as they ran: each of the ledger's steps (``CommStep`` or
+    a flat ``CommRecord``'s :meth:`executed`) priced by :func:`~.cost.collective_time` on its own
+    group, at the profile's inter-node figures when its level is ``"inter"``. The receive of a
+    point-to-point swap runs while its send does: it adds no time of its own."""
+    total = 0.0
+    for step in steps:
+        if step.kind == "recv":
+            continue
+        group_size = len(step.group_ranks)
+        alpha_beta = profile.inter_alpha_beta if step.level == "inter" else profile.alpha_beta
+        alpha, beta = alpha_beta(step.kind, group_size)
+        total += collective_time(step.kind, step.elements, group_size, alpha_s=alpha,
+                                 bandwidth=beta,
+                                 bytes_per_element=step.bytes // max(step.elements, 1))
+    return total

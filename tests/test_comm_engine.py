@@ -187,32 +187,26 @@ def test_hierarchical_equals_flat_at_2_nodes_x_2(run_ranks):
 
 def test_cost_formula_equals_the_ledger(run_ranks):
     """The engine runs the algorithm the planner's formula prices lowest, and what the ledger says
-    ran, priced step by step at its level, is the time the formula predicted for that algorithm."""
-    inter_10x = dataclasses.replace(CPU_GLOO, inter_node_bandwidth=CPU_GLOO.bandwidth / 10)
-    cases = {"flat": CPU_GLOO, "hierarchical": SLOW_INTER, "mixed": inter_10x}
-    ran = set()
-    for name, profile in cases.items():
-        records = run_ranks(_hierarchical_worker, 4, profile)[1][-1]  # rank 1: node 0, local 1
-        assert len(records) == 18
-        for r in records:
-            size = r.bytes // r.elements
-            chosen, times = choose_algorithm(profile, r.kind, r.elements, 2, 2, size)
-            assert r.algorithm == chosen, (name, r.kind, r.elements, r.dtype)
-            assert executed_time(profile, r.executed()) == pytest.approx(times[chosen], rel=1e-12)
-            assert len(r.executed()) == (1 if chosen == "flat" else 3 if r.kind == "all_reduce"
-                                         else 2)
-            ran.add(chosen)
-        if name == "mixed":  # the 10× slower link: small messages flat, large ones hierarchical
-            by_size = {(r.elements, r.dtype): {q.algorithm for q in records
-                                               if (q.elements, q.dtype) == (r.elements, r.dtype)}
-                       for r in records}
-            assert by_size[8, torch.float32] == by_size[8, torch.bfloat16] == {"flat"}
-            assert by_size[1 << 16, torch.float32] == by_size[1 << 16, torch.bfloat16] == \
-                {"hierarchical"}
-            # the bytes decide, not the elements: 64 KiB of fp32 go hierarchical, 32 KiB of bf16 not
-            assert by_size[1 << 14, torch.float32] == {"hierarchical"}
-            assert by_size[1 << 14, torch.bfloat16] == {"flat"}
-    assert ran == {"flat", "hierarchical"}
+    ran, priced step by step at its level, is the time the formula predicted for that algorithm.
+    With a 10× slower link between the nodes, small messages run flat and large ones
+    hierarchically: both are checked."""
+    profile = dataclasses.replace(CPU_GLOO, inter_node_bandwidth=CPU_GLOO.bandwidth / 10)
+    records = run_ranks(_hierarchical_worker, 4, profile)[1][-1]  # rank 1: node 0, local 1
+    assert len(records) == 18
+    for r in records:
+        chosen, times = choose_algorithm(profile, r.kind, r.elements, 2, 2, r.bytes // r.elements)
+        assert r.algorithm == chosen, (r.kind, r.elements, r.dtype)
+        assert executed_time(profile, r.executed()) == pytest.approx(times[chosen], rel=1e-12)
+        assert len(r.executed()) == (1 if chosen == "flat" else 3 if r.kind == "all_reduce"
+                                     else 2)
+    ran = {(r.elements, r.dtype): {q.algorithm for q in records
+                                   if (q.elements, q.dtype) == (r.elements, r.dtype)}
+           for r in records}
+    assert ran[8, torch.float32] == ran[8, torch.bfloat16] == {"flat"}
+    assert ran[1 << 16, torch.float32] == ran[1 << 16, torch.bfloat16] == {"hierarchical"}
+    # the bytes decide, not the elements: 64 KiB of fp32 go hierarchical, 32 KiB of bf16 do not
+    assert ran[1 << 14, torch.float32] == {"hierarchical"}
+    assert ran[1 << 14, torch.bfloat16] == {"flat"}
 
 
 def _p2p_worker(profile, numel):

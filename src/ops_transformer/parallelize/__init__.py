@@ -12,6 +12,8 @@ from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, no_sync
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
 from .plan import Plan, apply_plan
+from .sequence_parallel import install_sequence_grad_sync, sequence_parallel_plan
+from ..memory.layers import apply_memory_options, check_memory_options
 
 log = logging.getLogger("ops_transformer")
 SUPPORTED = ("ops_transformer.models.GPT",) + tuple(f"Hugging Face {f}" for f in FAMILIES)
@@ -77,7 +79,8 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
 
 def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
                 vocab: str = "auto", loss_parallel: bool = False,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> nn.Module:
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES, sequence_parallel: bool = False,
+                recompute: str = "none", activation_cache: str = "none") -> nn.Module:
     """Apply tensor parallelism over ``ctx.tp_group`` and data-parallel gradient averaging over
     ``ctx.dp_group`` to ``model`` (in place) and return it.
 
@@ -92,18 +95,32 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     ``base_model_tp_plan``) return what the unsharded model returns: full-vocabulary logits, so
     ``generate`` works unchanged. With ``loss_parallel=True`` the logits stay sharded and the loss
     (``labels=``) is the vocab-parallel cross-entropy — the full logits are never gathered.
+
+    Memory (SPEC F7, :mod:`ops_transformer.memory`): ``sequence_parallel=True`` keeps each rank's
+    ``s/tp`` slice of the activations between TP regions (reference GPT with ``attention="heads"``,
+    Hugging Face GPT-2/Llama/Mistral/Qwen2); ``recompute="selective"`` (attention core) or
+    ``"full"`` (every layer) recomputes activations in backward; ``activation_cache="int8"`` keeps
+    each layer's saved activations as int8.
     """
     if getattr(model, "parallel_plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_plan is set)")
+    check_memory_options(recompute, activation_cache)
+    if sequence_parallel and attention == "auto":
+        attention = "heads"  # the one strategy with a sequence-parallel form
     resolved = resolve_plan(model, ctx, plan, attention, loss_parallel, vocab)
+    if sequence_parallel and ctx.tp_size > 1:
+        resolved = sequence_parallel_plan(resolved, model)
     if ctx.tp_size > 1:
         apply_plan(model, resolved, ctx, _Groups(model, ctx))
         if loss_parallel and _is_hf(model):
             model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
     model.parallel_plan = resolved
+    partial = install_sequence_grad_sync(model, ctx) if sequence_parallel else set()
     if ctx.dp_size > 1:
-        model._ops_transformer_grad_sync = GradSync(model.parameters(), ctx.dp_group,
-                                                    bucket_bytes=bucket_bytes)
+        model._ops_transformer_grad_sync = GradSync(
+            [p for p in model.parameters() if id(p) not in partial], ctx.dp_group,
+            bucket_bytes=bucket_bytes)
+    apply_memory_options(model, recompute=recompute, activation_cache=activation_cache)
     log.info("parallelize: tp=%d dp=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
              resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model

@@ -42,9 +42,11 @@ from ..comm.primitives import copy_to_tp_region, gather_from_tp_region, grad_sum
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..layers.attention import FeatureSplitAttention
 from ..layers.head import GatheredLMHead, VocabParallelLMHead
+from .sequence_parallel import SEQUENCE_STYLES
 
 STYLES = ("colwise", "rowwise", "gather_in", "region", "vocab", "vocab_head", "vocab_logits",
           "kv_split", "attrs")
+STYLES += tuple(SEQUENCE_STYLES)  # sequence parallelism: see .sequence_parallel
 
 
 @dataclass
@@ -171,6 +173,7 @@ _APPLY = {
     "kv_split": lambda m, ctx, groups, rope=False: FeatureSplitAttention(m, ctx, rope=rope),
     "attrs": _attrs,
 }
+_APPLY.update(SEQUENCE_STYLES)
 
 
 def matches(name: str, pattern: str) -> bool:

@@ -78,7 +78,11 @@ def _apply_hf(model: nn.Module, recompute: str) -> None:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ValueError(f"recompute='full': {type(model).__name__} does not support gradient "
                              f"checkpointing")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return
     model.config._attn_implementation = _selective_attention(model.config._attn_implementation)
 

@@ -7,6 +7,7 @@ from .int8_cache import Int8ActivationCache
 from .layers import apply_memory_options, transformer_layers
 from .measure import activation_memory
 from .recompute import RECOMPUTE, apply_recompute, checkpointed
+from .zero import ZeroOptimizer, zero_optimizer
 
 __all__ = ["Int8ActivationCache", "activation_memory", "apply_memory_options", "apply_recompute",
-           "checkpointed", "transformer_layers", "RECOMPUTE"]
+           "checkpointed", "transformer_layers", "RECOMPUTE", "ZeroOptimizer", "zero_optimizer"]

@@ -19,6 +19,7 @@ import torch
 
 from .comm import collectives as C
 from .comm.ledger import CommLedger
+from .memory.options import check_memory_flags, make_optimizer
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
 from .parallel.context import check_degrees, init_parallel
@@ -48,6 +49,10 @@ class TrainConfig:
     sample_prompt: str = "def "
     progress: bool = True
     layers: int | None = None  # overrides the preset's n_layers
+    sequence_parallel: bool = False  # memory (SPEC F7): see ops_transformer.memory
+    recompute: str = "none"
+    activation_cache: str = "none"
+    zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -73,6 +78,7 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
                          f"data needs at least {VOCAB_SIZE}")
     if cfg.batch % dp:
         raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})")
+    check_memory_flags(cfg, dp, tp)
     gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // dp, seq=cfg.seq)  # sizes vs tp
     check_corpus(load_corpus(cfg.data), cfg.seq)
     return dp, tp
@@ -113,10 +119,13 @@ def train_worker(cfg: TrainConfig) -> dict | None:
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
-    plan = gpt_plan(model_cfg, ctx.tp_size, cfg.attention, batch=cfg.batch // ctx.dp_size,
+    attention = "heads" if cfg.sequence_parallel and cfg.attention == "auto" else cfg.attention
+    plan = gpt_plan(model_cfg, ctx.tp_size, attention, batch=cfg.batch // ctx.dp_size,
                     seq=cfg.seq)  # `auto` ranks the strategies for this run's shapes
-    model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan,
+                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+                        activation_cache=cfg.activation_cache)
+    opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     lead = ctx.rank == 0
     losses, step_times, last = [], [], None
     bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)

@@ -10,9 +10,11 @@ import argparse
 import sys
 
 from . import calibrate, demo, embed, generate, plan, train
+from . import memory
 
 COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,
             "calibrate": calibrate}
+COMMANDS["memory"] = memory
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import time
-import warnings
 from pathlib import Path
 
 from ..models.gpt import PRESETS
 from ..parallel import launch
 from ..train import TrainConfig, train_worker, validate
+from ..memory.layers import ACTIVATION_CACHES
+from ..memory.options import ZERO_STAGES, memory_from_plan
+from ..memory.recompute import RECOMPUTE
 from ..utils.progress import format_table
 
 HELP = "train the reference GPT with tensor (and data) parallelism"
@@ -33,7 +35,17 @@ def add_parser(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention", default="auto", choices=ATTENTION)
     p.add_argument("--plan", help="a plan from 'ops-transformer plan --out FILE' (its best "
-                   "layout) or a candidate from it: sets --tp, --dp and --attention")
+                   "layout) or a candidate from it: sets --tp, --dp, --attention and the plan's "
+                   "sequence parallelism, recompute and ZeRO stage")
+    p.add_argument("--sequence-parallel", action="store_true", help="keep each rank's slice of "
+                   "the sequence between tensor-parallel regions (needs --tp 2+, heads attention)")
+    p.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                   help="recompute activations in backward: the attention core or every layer")
+    p.add_argument("--activation-cache", default="none", choices=ACTIVATION_CACHES,
+                   help="keep the layers' saved activations as int8 (one scale per 128 values)")
+    p.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES,
+                   help="ZeRO stage over the data-parallel ranks: 1 shards the optimizer state, 2 "
+                   "also the gradients (default 0: off)")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -52,24 +64,22 @@ def layout_from_plan(path: str) -> dict:
     if best.get("ep", 1) != 1:
         raise ValueError(f"--plan {path!r} uses expert parallelism (ep={best['ep']}), which "
                          f"train does not run")
-    skipped = [f"{k}={best[k]}" for k, default in (("zero_stage", 0), ("recompute", "none"),
-                                                    ("sequence_parallel", False))
-               if best.get(k, default) != default]
-    if skipped:
-        warnings.warn(f"--plan: train runs the plan's layout but not yet {', '.join(skipped)} "
-                      f"(SPEC F7 is not implemented); memory use will be higher than planned",
-                      stacklevel=2)
-    return {"tp": best["tp"], "dp": best["dp"], "attention": best["attention"]}
+    return {"tp": best["tp"], "dp": best["dp"], "attention": best["attention"],
+            **memory_from_plan(best, path)}
 
 
 def config_from_args(args, out_prefix: str) -> TrainConfig:
     out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    layout = {"tp": args.tp, "dp": args.dp, "attention": args.attention}
+    layout = {"tp": args.tp, "dp": args.dp, "attention": args.attention,
+              "sequence_parallel": getattr(args, "sequence_parallel", False),
+              "recompute": getattr(args, "recompute", "none"),
+              "zero": getattr(args, "zero", 0)}
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
-                       progress=not args.no_progress, **layout)
+                       progress=not args.no_progress,
+                       activation_cache=getattr(args, "activation_cache", "none"), **layout)
 
 
 def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:

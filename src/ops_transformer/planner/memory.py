@@ -51,3 +51,35 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, *,
     else:
         per = 10 + 24 / t + (0 if recompute == "selective" else attention_core / t)
     return scale * sbh * per
+
+
+def fused_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, *,
+                                     sequence_parallel: bool = False, recompute: str = "none",
+                                     bytes_per_element: int = 2) -> float:
+    """What this library's reference layer keeps for backward, per layer and rank: Korthikanti et
+    al.'s terms for fused attention (``scaled_dot_product_attention`` keeps Q, K, V, its output
+    and a log-sum-exp — no ``as²`` scores, softmax or attention-dropout tensors) and no dropout
+    masks (dropout 0), LayerNorm + GELU with a ``4h`` FFN. Checked byte for byte against
+    :func:`ops_transformer.memory.activation_memory`; derivation in ``docs/memory.md``.
+
+    * replicated over TP (divided by ``t`` with sequence parallelism): the two LayerNorm inputs
+      (``2sbh``) and their mean and 1/std (fp32, ``4sb``);
+    * kept whole even with sequence parallelism: the inputs of Q/K/V and of the first FFN matmul
+      (``2sbh``; they are all-gathered in forward and kept, so backward needs no second gather);
+    * split over TP: Q, K, V and the attention output (``4sbh``), the GELU input and output
+      (``8sbh``), the log-sum-exp (fp32, ``abs``).
+
+    ``recompute="full"`` keeps each layer's input (``sbh``, ``/t`` with sequence parallelism);
+    ``"selective"`` drops only the log-sum-exp (the attention output is also the output
+    projection's saved input).
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    e, sbh, split = bytes_per_element, s * b * h, t if sequence_parallel else 1
+    if recompute == "full":
+        return e * sbh / split
+    norms = (2 * e * sbh + 2 * 2 * 4 * s * b) / split
+    gathered = 2 * e * sbh
+    sharded = (4 + 8) * e * sbh / t
+    lse = 0 if recompute == "selective" else 4 * a * s * b / t
+    return norms + gathered + sharded + lse

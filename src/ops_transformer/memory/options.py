@@ -1,0 +1,65 @@
+"""The memory options of a training run (``train --sequence-parallel --recompute
+--activation-cache --zero``): checked before any process starts, and the optimizer they imply."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layers import ACTIVATION_CACHES
+from .recompute import RECOMPUTE
+
+ZERO_STAGES = (0, 1, 2)
+
+
+def check_memory_flags(cfg, dp: int, tp: int) -> None:
+    """Validate ``cfg.sequence_parallel``, ``recompute``, ``activation_cache`` and ``zero`` of a
+    :class:`~ops_transformer.train.TrainConfig` against the layout ``dp × tp``."""
+    if cfg.recompute not in RECOMPUTE:
+        raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got "
+                         f"{cfg.recompute!r}")
+    if cfg.activation_cache not in ACTIVATION_CACHES:
+        raise ValueError(f"--activation-cache must be one of {', '.join(ACTIVATION_CACHES)}, got "
+                         f"{cfg.activation_cache!r}")
+    if cfg.zero not in ZERO_STAGES:
+        raise ValueError(f"--zero must be 0, 1 or 2, got {cfg.zero!r}")
+    if cfg.zero and dp == 1:
+        raise ValueError(f"--zero {cfg.zero} shards the optimizer over data-parallel ranks, but "
+                         f"dp is 1: run more processes than --tp ({tp}), or drop --zero")
+    if cfg.sequence_parallel:
+        if tp == 1:
+            raise ValueError("--sequence-parallel splits the sequence over tensor-parallel ranks, "
+                             "but tp is 1: set --tp 2 or more, or drop --sequence-parallel")
+        if cfg.seq % tp:
+            raise ValueError(f"--sequence-parallel splits the sequence over tp ({tp}) ranks: "
+                             f"the sequence length s ({cfg.seq}) must be divisible by tp ({tp})")
+        if cfg.attention not in ("auto", "heads"):
+            raise ValueError(f"--sequence-parallel needs --attention heads (or auto), got "
+                             f"{cfg.attention!r}")
+    if cfg.recompute == "selective" and cfg.attention == "kv_split" and tp > 1:
+        raise ValueError("--recompute selective replays the attention core, which "
+                         "--attention kv_split spreads over the ranks with communication: use "
+                         "--recompute full or another attention strategy")
+
+
+def make_optimizer(model: nn.Module, ctx, zero: int, **adamw_kwargs) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters, sharded with ZeRO ``zero`` (1 or 2) when non-zero."""
+    if zero:
+        from .zero import zero_optimizer
+
+        return zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, **adamw_kwargs)
+    return torch.optim.AdamW(model.parameters(), **adamw_kwargs)
+
+
+def memory_from_plan(layout: dict, path: str) -> dict:
+    """``sequence_parallel``, ``recompute`` and ``zero`` of a planner layout (``train --plan``)."""
+    zero = layout.get("zero_stage", 0)
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"--plan {path!r} uses ZeRO stage {zero}; train runs stages 1 and 2 "
+                         f"(stage 3, which also shards the parameters, is not implemented)")
+    recompute = layout.get("recompute", "none")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"--plan {path!r} has recompute {recompute!r}; expected one of "
+                         f"{', '.join(RECOMPUTE)}")
+    return {"sequence_parallel": bool(layout.get("sequence_parallel", False)),
+            "recompute": recompute, "zero": zero}

@@ -22,3 +22,5 @@ __all__ = [
     "vocab_parallel_cross_entropy", "ShardSpec", "gather_full", "gather_full_state_dict",
     "GPT", "GPTConfig", "Plan", "parallelize", "no_sync", "parallel_linear",
 ]
+from .memory import Int8ActivationCache, activation_memory, zero_optimizer  # noqa: E402
+__all__ += ["Int8ActivationCache", "activation_memory", "zero_optimizer"]

@@ -78,7 +78,8 @@ def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
         return x
     check_sequence_length(x, group)
     b, s = x.shape[0], x.shape[SEQ_DIM]
-    share = scatter_to_tp_region(_tokens(x), group, 0)
+    # A copy, not a view: a view would keep the whole (b, s, h) input alive for backward.
+    share = scatter_to_tp_region(_tokens(x), group, 0).clone()
     return share.view(b, s // C.group_size(group), *x.shape[2:])
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -52,14 +54,27 @@ def make_optimizer(model: nn.Module, ctx, zero: int, **adamw_kwargs) -> torch.op
 
 
 def memory_from_plan(layout: dict, path: str) -> dict:
-    """``sequence_parallel``, ``recompute`` and ``zero`` of a planner layout (``train --plan``)."""
+    """``sequence_parallel``, ``recompute`` and ``zero`` of a planner layout (``train --plan``).
+    What train cannot run is changed with a warning: ZeRO-3 runs as ZeRO-2 (the parameters stay
+    whole), and sequence parallelism is dropped for attention strategies without a
+    sequence-parallel form."""
     zero = layout.get("zero_stage", 0)
+    if zero == 3:
+        warnings.warn(f"--plan {path!r} uses ZeRO-3, which train does not run (parameters are not "
+                      f"sharded): running ZeRO-2; parameter memory will be higher than planned",
+                      stacklevel=3)
+        zero = 2
     if zero not in ZERO_STAGES:
-        raise ValueError(f"--plan {path!r} uses ZeRO stage {zero}; train runs stages 1 and 2 "
-                         f"(stage 3, which also shards the parameters, is not implemented)")
+        raise ValueError(f"--plan {path!r} has zero_stage {zero!r}; expected 0, 1, 2 or 3")
     recompute = layout.get("recompute", "none")
     if recompute not in RECOMPUTE:
         raise ValueError(f"--plan {path!r} has recompute {recompute!r}; expected one of "
                          f"{', '.join(RECOMPUTE)}")
-    return {"sequence_parallel": bool(layout.get("sequence_parallel", False)),
-            "recompute": recompute, "zero": zero}
+    sequence_parallel = bool(layout.get("sequence_parallel", False))
+    if sequence_parallel and layout.get("attention", "heads") not in ("auto", "heads"):
+        warnings.warn(f"--plan {path!r} combines sequence parallelism with attention="
+                      f"{layout['attention']!r}, which has no sequence-parallel form: running "
+                      f"without sequence parallelism; activation memory will be higher than "
+                      f"planned", stacklevel=3)
+        sequence_parallel = False
+    return {"sequence_parallel": sequence_parallel, "recompute": recompute, "zero": zero}

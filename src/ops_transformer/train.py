@@ -19,13 +19,14 @@ import torch
 
 from .comm import collectives as C
 from .comm.ledger import CommLedger
-from .memory.options import check_memory_flags, make_optimizer
+from .memory.options import check_memory_flags, make_optimizer, partial_numel
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
 from .parallel.context import check_degrees, init_parallel
 from .parallelize import parallelize
 from .parallelize.gpt_plan import gpt_plan
-from .planner.strategies import layer_cost, vocab_cost
+from .planner.strategies import (full_recompute_replay, layer_cost, sequence_parallel_cost,
+                                 vocab_cost)
 from .utils.plot import write_line_plot_png
 from .utils.progress import Progress
 
@@ -85,20 +86,40 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
 
 
 def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch: int,
-                           seq: int, vocab: str = "parallel") -> dict[str, dict[str, int]]:
+                           seq: int, vocab: str = "parallel", *, sequence_parallel: bool = False,
+                           recompute: str = "none",
+                           partial_elements: int = 0) -> dict[str, dict[str, int]]:
     """The tensor-parallel collectives of one training step on one rank, from the cost model
     (:func:`ops_transformer.planner.layer_cost`, checked against the ledger by the tests), for a
     local micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` layers, plus — with a
     vocab-parallel embedding and head — the embedding's all-reduce (``b·s·h``) and the loss's
     all-gather (``tp·3N`` elements, ``N = b·s``) in forward and the LM head's input-gradient
-    all-reduce in backward (:func:`~ops_transformer.planner.vocab_cost`)."""
+    all-reduce in backward (:func:`~ops_transformer.planner.vocab_cost`).
+
+    Sequence parallelism turns each layer's all-reduces into reduce-scatters + all-gathers and adds
+    the entry's backward and the exit's forward all-gather (``b·s·h`` each) and the one all-reduce
+    of the ``partial_elements`` norm gradients; full recompute adds each layer's replay."""
     if tp == 1:
         return {}
     c = model_cfg
-    layer = layer_cost(attention, batch, seq, c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, tp,
-                       bias=c.bias, swiglu=c.mlp == "swiglu").total()
+    cost = layer_cost(attention, batch, seq, c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, tp,
+                      bias=c.bias, swiglu=c.mlp == "swiglu")
+    cost = sequence_parallel_cost(cost) if sequence_parallel else cost
+    layer = cost.total()
+    if recompute == "full":
+        layer = _add_comm(layer, full_recompute_replay(cost, batch, seq, c.d_model))
     out = {kind: {k: v * c.n_layers for k, v in entry.items()} for kind, entry in layer.items()}
-    for kind, entry in vocab_cost(vocab, batch, seq, c.d_model, c.vocab_size, tp).total().items():
+    out = _add_comm(out, vocab_cost(vocab, batch, seq, c.d_model, c.vocab_size, tp).total())
+    if sequence_parallel:
+        bsh = batch * seq * c.d_model
+        out = _add_comm(out, {"all_gather": {"calls": 2, "elements": 2 * bsh},
+                              "all_reduce": {"calls": 1, "elements": partial_elements}})
+    return out
+
+
+def _add_comm(a: dict, b: dict) -> dict:
+    out = {kind: dict(entry) for kind, entry in a.items()}
+    for kind, entry in b.items():
         total = out.setdefault(kind, {"calls": 0, "elements": 0})
         total["calls"] += entry["calls"]
         total["elements"] += entry["elements"]
@@ -181,7 +202,8 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
         "expected_tp_comm_per_step": expected_comm_per_step(
             model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_size,
-            cfg.seq, model.parallel_plan.vocab),
+            cfg.seq, model.parallel_plan.vocab, sequence_parallel=cfg.sequence_parallel,
+            recompute=cfg.recompute, partial_elements=partial_numel(model)),
         "params": _dense_param_count(model.cfg),
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
         "plan": model.parallel_plan.to_dict(),

@@ -12,7 +12,7 @@ from ..models.gpt import PRESETS
 from ..parallel import launch
 from ..train import TrainConfig, train_worker, validate
 from ..memory.layers import ACTIVATION_CACHES
-from ..memory.options import ZERO_STAGES, memory_from_plan
+from ..memory.options import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..utils.progress import format_table
 
@@ -103,6 +103,9 @@ def summary(metrics: dict) -> str:
         {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s']:,.0f}"},
         {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
     ]
+    memory = memory_summary(metrics["config"])
+    if memory:
+        rows.insert(2, {"": "memory", "value": memory})
     return format_table(rows)
 
 

@@ -78,3 +78,22 @@ def memory_from_plan(layout: dict, path: str) -> dict:
                       f"planned", stacklevel=3)
         sequence_parallel = False
     return {"sequence_parallel": sequence_parallel, "recompute": recompute, "zero": zero}
+
+
+def partial_numel(model: nn.Module) -> int:
+    """Elements of the parameters whose gradients sequence parallelism sums over TP."""
+    from ..layers.sequence_parallel import is_partial
+
+    return sum(p.numel() for p in model.parameters() if is_partial(p))
+
+
+def memory_summary(config: dict) -> str:
+    """``"sequence parallel, recompute=full, int8 cache, ZeRO-2"`` for a run's config, or ``""``."""
+    parts = ["sequence parallel"] if config.get("sequence_parallel") else []
+    if config.get("recompute", "none") != "none":
+        parts.append(f"recompute={config['recompute']}")
+    if config.get("activation_cache", "none") != "none":
+        parts.append(f"{config['activation_cache']} activation cache")
+    if config.get("zero"):
+        parts.append(f"ZeRO-{config['zero']}")
+    return ", ".join(parts)

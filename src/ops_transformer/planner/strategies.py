@@ -212,3 +212,38 @@ def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
         return LayerCost(flops=flops, activation_bytes=logits)
     return LayerCost(_comm(("all_reduce", bsh), ("all_gather", tp * 3 * tokens)),
                      _comm(("all_reduce", bsh)), flops, logits, tp)
+
+
+def sequence_parallel_cost(cost: LayerCost) -> LayerCost:
+    """The same layer under sequence parallelism (Korthikanti et al. 2022, §4.2.2; SPEC F4): each
+    all-reduce on the TP group becomes a reduce-scatter plus an all-gather of the same elements;
+    all-reduces on a smaller group (replicated KV heads' gradients, in backward) stay."""
+
+    def convert(comm: Comm, keep: dict | None) -> Comm:
+        out = {k: dict(v) for k, v in comm.items() if k != "all_reduce"}
+        reduce = comm.get("all_reduce")
+        if reduce is None:
+            return out
+        keep = keep or {"calls": 0, "elements": 0}
+        moved = {f: reduce[f] - keep[f] for f in ("calls", "elements")}
+        for kind in ("reduce_scatter", "all_gather"):
+            out = _merge(out, {kind: moved})
+        return _merge(out, {"all_reduce": dict(keep)}) if keep["calls"] else out
+
+    return LayerCost(convert(cost.fwd, None), convert(cost.bwd, cost.subgroup.get("all_reduce")),
+                     cost.flops, cost.activation_bytes, cost.group_size, cost.subgroup,
+                     cost.subgroup_size)
+
+
+def full_recompute_replay(cost: LayerCost, b: int, s: int, h: int) -> Comm:
+    """The collectives full recompute replays in backward: the layer's forward ones up to the last
+    tensor backward needs (torch's checkpoint stops early) — all but the FFN's closing all-reduce
+    (reduce-scatter under sequence parallelism) of ``bsh``, whose output only feeds the residual."""
+    replay = {k: dict(v) for k, v in cost.fwd.items()}
+    last = "reduce_scatter" if "reduce_scatter" in replay else "all_reduce"
+    if last in replay:
+        replay[last] = {"calls": replay[last]["calls"] - 1,
+                        "elements": replay[last]["elements"] - b * s * h}
+        if not replay[last]["calls"]:
+            del replay[last]
+    return replay

@@ -24,6 +24,9 @@ def add_parser(p) -> None:
     p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     p.add_argument("--batch", type=int, default=4, help="global batch in sequences (default 4)")
     p.add_argument("--layers", type=int, help="override the preset's number of layers")
+    p.add_argument("--dropout", type=float, help="dropout probability (default: the preset's, "
+                   "0); above 0 the attention core stores its as² tensors, as Korthikanti et al. "
+                   "assume")
     p.add_argument("--steps", type=int, default=5, help="timed training steps per technique, "
                    "interleaved (default 5, after one warm-up step)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -52,7 +55,7 @@ def table(rows: list[dict]) -> str:
 
 def run(args) -> int:
     spec = MemoryRun(preset=args.preset, tp=args.tp, dp=args.dp, seq=args.seq, batch=args.batch,
-                     steps=args.steps, layers=args.layers)
+                     steps=args.steps, layers=args.layers, dropout=args.dropout)
     if spec.preset not in PRESETS:
         raise ValueError(f"unknown preset {spec.preset!r}; choose one of {sorted(PRESETS)}")
     check_run(spec)
@@ -65,9 +68,12 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"run": asdict(spec), "rows": rows}, indent=2))
         return 0
-    print(f"{spec.preset} at dp={spec.dp} × tp={spec.tp}, {spec.batch // spec.dp} × "
-          f"{spec.sequence} tokens per rank, fp32; bytes per rank; formula: Korthikanti et al. "
-          f"2022 (16-bit figures × 2), which assumes eager attention (as² scores)")
+    cfg = spec.model_config()
+    print(f"{spec.preset} ({cfg.n_layers} layers, h {cfg.d_model}, {cfg.n_heads} heads, dropout "
+          f"{cfg.dropout}) at dp={spec.dp} × tp={spec.tp}, {spec.batch // spec.dp} × "
+          f"{spec.sequence} tokens per rank, fp32; bytes per rank. Formula: Korthikanti et al. "
+          f"2022 per layer (16-bit figures × 2), which assumes eager attention (as² scores) "
+          f"and dropout")
     print(table(rows))
     print(f"\nstep time: median of {spec.steps} interleaved steps each, relative to 'plain' "
           f"({rows[0]['step_s'] * 1e3:.1f} ms)")

@@ -6,13 +6,14 @@ backward is quantised as it is saved and dequantised when backward needs it::
     blocks of `block_size` elements (in memory order, the last one zero-padded)
     scale_k = max |x| over block k / 127                  (fp32, one per block)
     q       = round(x / scale_k)  ∈ [-127, 127]            (int8)
-    x̂      = q · scale_k          (back in x's dtype, shape and strides)
+    x̂      = q · scale_k          (back in x's dtype and shape; strides too unless x was strided
+                                   with gaps, e.g. half of a fused projection: then contiguous)
 
 Per element ``|x̂ − x| ≤ scale_k / 2 = max|block_k| / 254`` (plus the rounding of ``x̂`` to x's dtype).
 Storage: ``1 + 4/block_size`` bytes per element instead of 4 (fp32) or 2 (bf16/fp16).
 
 What stays exact: integer and boolean tensors (indices, masks), tensors below ``min_numel``
-elements, and tensors autograd did not produce — parameters and views of them, and leaves such as
+elements, expanded tensors (a stride of 0), and tensors autograd did not produce — parameters and views of them, and leaves such as
 float dropout masks, softmax log-sum-exps and RoPE tables (no ``grad_fn``): they live anyway or are
 small, and some (a log-sum-exp) turn a small absolute error into a large relative one.
 
@@ -37,8 +38,10 @@ class _Packed:
     __slots__ = ("codes", "scales", "shape", "stride", "dtype", "numel", "version")
 
     def __init__(self, x: torch.Tensor, block_size: int):
-        self.shape, self.stride, self.dtype, self.numel = x.shape, x.stride(), x.dtype, x.numel()
         self.version = x._version
+        if not _is_dense(x):  # e.g. one half of a fused projection: rebuilt contiguous
+            x = x.contiguous()
+        self.shape, self.stride, self.dtype, self.numel = x.shape, x.stride(), x.dtype, x.numel()
         flat = _memory_order(x).reshape(-1).float()
         pad = -flat.numel() % block_size
         if pad:
@@ -68,6 +71,11 @@ def _memory_order(x: torch.Tensor) -> torch.Tensor:
 
 def _is_dense(x: torch.Tensor) -> bool:
     return _memory_order(x).is_contiguous()
+
+
+def _overlaps(x: torch.Tensor) -> bool:
+    """An expanded tensor (a stride of 0): packing would materialise every repeat."""
+    return any(stride == 0 and size > 1 for stride, size in zip(x.stride(), x.shape))
 
 
 def _produced_by_autograd(x: torch.Tensor) -> bool:
@@ -104,7 +112,7 @@ class Int8ActivationCache:
     def quantises(self, x: torch.Tensor) -> bool:
         """Whether a tensor saved for backward would be stored as int8."""
         return (x.is_floating_point() and x.numel() >= max(self.min_numel, 1)
-                and _produced_by_autograd(x) and _is_dense(x))
+                and _produced_by_autograd(x) and not _overlaps(x))
 
     def _pack(self, x: torch.Tensor):
         if not self.quantises(x):

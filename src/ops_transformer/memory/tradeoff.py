@@ -64,6 +64,7 @@ class MemoryRun:
     batch: int = 4
     steps: int = 5
     layers: int | None = None
+    dropout: float | None = None  # None: the preset's (0 in every preset)
     seed: int = 0
 
     def model_config(self):
@@ -71,6 +72,8 @@ class MemoryRun:
         changes = {"max_seq_len": max(base.max_seq_len, self.seq or 0)}
         if self.layers is not None:
             changes["n_layers"] = self.layers
+        if self.dropout is not None:
+            changes["dropout"] = self.dropout
         return base.with_(**changes)
 
     @property

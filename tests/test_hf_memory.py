@@ -135,7 +135,7 @@ def test_llama_layers_communicate_by_gather_and_scatter(run_ranks):
     assert [r for r in records if r[0] == "all_reduce"] == [
         ("all_reduce", "reduce_from_tp_region.fwd"),  # the vocab-parallel embedding
         ("all_reduce", "column_linear.bwd"),  # the LM head's input gradient
-        ("all_reduce", "sequence_parallel_grads")]  # the norms: one coalesced all-reduce
+        ("all_reduce", "grad_sums")]  # the norms: one coalesced all-reduce
 
 
 def _generate(family):

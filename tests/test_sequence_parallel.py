@@ -108,7 +108,7 @@ def _ledgers(config, n_layers, recompute="none"):
     with CommLedger() as bwd:
         loss.backward()
     partial = sum(p.numel() for p in model.parameters()
-                  if getattr(p, "sequence_parallel_partial", False))
+                  if getattr(p, "partial_grad_group", None) is ctx.tp_group)
     return fwd.summary(), bwd.summary(), [(r.kind, r.elements, r.label) for r in bwd.records], \
         partial
 
@@ -130,8 +130,8 @@ def test_each_layer_gathers_and_scatters_the_sequence(run_ranks, config):
     assert _delta(two[0], one[0]) == per_layer
     assert _delta(two[1], one[1]) == per_layer
     for _, _, records, partial in (one, two):
-        norm_reductions = [r for r in records if r[2] == "sequence_parallel_grads"]
-        assert norm_reductions == [("all_reduce", partial, "sequence_parallel_grads")]
+        norm_reductions = [r for r in records if r[2] == "grad_sums"]
+        assert norm_reductions == [("all_reduce", partial, "grad_sums")]
     assert two[3] > one[3] > 0
 
 

@@ -29,10 +29,11 @@ and reduce-scatter a copy-free collective on a contiguous buffer (Megatron-LM ge
 ``(s, b, h)`` layout). Gathering along dim 1 of a batch-first tensor instead returns a strided view,
 and each of Q, K and V would save its own contiguous copy of it for backward.
 
-Replicated parameters used on a slice — norm weights and biases, the row-parallel biases, the
-final norm — get a gradient from this rank's tokens only. They are summed over the TP group in
-**one** coalesced all-reduce per backward
-(:class:`~ops_transformer.parallel.sequence_grads.SequenceParallelGradSync`).
+Replicated parameters used on a share — norm weights and biases, the row-parallel biases, the
+final norm — get a gradient from this rank's tokens only. They are marked
+(:func:`~ops_transformer.comm.bucketing.mark_partial_grad` over the TP group), and
+``parallelize``'s :class:`~ops_transformer.comm.bucketing.GradSums` sums them over the TP group in
+**one** coalesced all-reduce per backward (per 25 MB of such gradients).
 
 Sequence parallelism saves the activations kept for backward. Without autograd (inference,
 ``generate``) nothing is kept, and every piece here runs as plain tensor parallelism, so any
@@ -47,12 +48,12 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import collectives as C
+from ..comm.bucketing import mark_partial_grad, partial_grad_group
 from ..comm.primitives import (all_gather_along, gather_from_tp_region, reduce_scatter_along,
                                scatter_to_tp_region)
 from .linear import RowParallelLinear
 
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
-PARTIAL = "sequence_parallel_partial"  # attribute set on replicated parameters used on a slice
 
 
 def _active(group) -> bool:
@@ -112,12 +113,12 @@ class SequenceParallelRowLinear(RowParallelLinear):
     """A :class:`RowParallelLinear` whose partial outputs are reduce-scattered over the tokens
     instead of all-reduced: ``y_share = reduce-scatter(x_r W_rᵀ) + b`` of shape ``(b, s/t, out)``.
     Backward all-gathers the output gradient. The bias, replicated and added on the slice,
-    gets a partial gradient (marked ``sequence_parallel_partial``)."""
+    gets a partial gradient, marked for the TP sum (:func:`mark_partial_grad`)."""
 
     def _load_dense(self, dense) -> None:
         super()._load_dense(dense)
         if self.bias is not None:
-            setattr(self.bias, PARTIAL, True)
+            mark_partial_grad(self.bias, self.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _active(self.tp_group):
@@ -134,11 +135,14 @@ class SequenceParallelRowLinear(RowParallelLinear):
         return super().extra_repr() + ", sequence_parallel=True"
 
 
-def mark_partial(module: torch.nn.Module) -> None:
-    """Mark ``module``'s own parameters as replicated-but-used-on-a-slice."""
+def mark_partial(module: torch.nn.Module, group) -> None:
+    """Mark ``module``'s own parameters as replicated over ``group`` but used on a share of the
+    tokens: their gradients are summed over ``group`` once per backward."""
     for p in module.parameters(recurse=False):
-        setattr(p, PARTIAL, True)
+        mark_partial_grad(p, group)
 
 
 def is_partial(param: torch.Tensor) -> bool:
-    return bool(getattr(param, PARTIAL, False))
+    """Whether ``param``'s gradient is a partial sum (sequence parallelism, replicated KV heads,
+    strategy B's output projection)."""
+    return partial_grad_group(param) is not None

@@ -80,11 +80,13 @@ def memory_from_plan(layout: dict, path: str) -> dict:
     return {"sequence_parallel": sequence_parallel, "recompute": recompute, "zero": zero}
 
 
-def partial_numel(model: nn.Module) -> int:
-    """Elements of the parameters whose gradients sequence parallelism sums over TP."""
-    from ..layers.sequence_parallel import is_partial
+def partial_numel(model: nn.Module, group) -> int:
+    """Elements of the parameters whose partial gradients are summed over ``group`` (sequence
+    parallelism's norms and row biases on the TP group)."""
+    from ..comm.bucketing import partial_grad_group
 
-    return sum(p.numel() for p in model.parameters() if is_partial(p))
+    return sum(p.numel() for p in dict.fromkeys(model.parameters())
+               if group is not None and partial_grad_group(p) is group)
 
 
 def memory_summary(config: dict) -> str:

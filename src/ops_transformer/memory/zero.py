@@ -16,8 +16,11 @@ padded to a multiple of ``dp``; data-parallel rank ``r`` owns chunk ``r`` of eve
   (:class:`~ops_transformer.memory.zero_grads.ReduceScatterGradSync`): each rank receives only its
   chunk of the averaged gradients, and the full gradients are freed as each bucket is reduced.
 
-Parameters whose gradients are completed by the sequence-parallel sync (norms under sequence
-parallelism) keep their own buckets and are always averaged by that sync, then sliced.
+Parameters whose gradients are partial sums over a TP group (sequence parallelism's norms and row
+biases, replicated KV heads, strategy B's output projection: :func:`mark_partial_grad`) keep their
+own buckets: they are all-reduced over ``dp`` before the end-of-backward
+:class:`~ops_transformer.comm.bucketing.GradSums` completes them (a reduce-scatter would free them
+before that), then sliced like stage 1's.
 
 Exactly the unsharded optimizer's arithmetic, element by element, for element-wise optimizers
 (SGD, Adam, AdamW, …). One difference: a parameter that got no gradient in a step is stepped with a
@@ -66,8 +69,8 @@ class ZeroBucket:
 
     def shard_grad(self) -> torch.Tensor | None:
         """This rank's chunk of the (already averaged) gradients, or ``None`` if none."""
-        if self.reduce_scattered:
-            return self.grad_shard
+        if self.reduce_scattered:  # (reduced in grad_reduce_dtype: back to the parameters')
+            return None if self.grad_shard is None else self.grad_shard.to(self.flat.dtype)
         out, hi = None, self.lo + self.chunk
         for p, off in zip(self.params, self.offsets):
             start, stop = max(off, self.lo), min(off + p.numel(), hi)
@@ -122,11 +125,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._laid_out = True
         self._model_params = [p for b in self.buckets for p in b.params]
         if stage == 2:
-            from .zero_grads import ReduceScatterGradSync
+            from .zero_grads import install_reduce_scatter
 
-            if sync is not None:
-                sync.remove()
-            model._ops_transformer_grad_sync = ReduceScatterGradSync(self.buckets, ctx.dp_group)
+            install_reduce_scatter(model, self.buckets, ctx.dp_group, bucket_bytes)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -19,10 +19,12 @@ from ..comm import collectives as C
 
 
 class ReduceScatterGradSync:
-    """Reduce-scatters the gradients of the stage-2 buckets over ``group`` during backward."""
+    """Reduce-scatters the gradients of the stage-2 buckets over ``group`` during backward, in
+    ``reduce_dtype`` (default: the parameters')."""
 
-    def __init__(self, buckets, group):
+    def __init__(self, buckets, group, *, reduce_dtype: torch.dtype | None = None):
         self.group, self.world = group, C.group_size(group)
+        self.reduce_dtype = reduce_dtype
         self.enabled = True
         self.buckets = [b for b in buckets if b.reduce_scattered]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -45,10 +47,11 @@ class ReduceScatterGradSync:
             self._launch(bucket)
 
     def _launch(self, bucket) -> None:
-        flat = torch.zeros(bucket.padded, dtype=bucket.flat.dtype, device=bucket.flat.device)
+        dtype = self.reduce_dtype or bucket.flat.dtype
+        flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.flat.device)
         for p, off in zip(bucket.params, bucket.offsets):
             if p.grad is not None:
-                flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                flat[off:off + p.numel()].copy_(p.grad.reshape(-1))  # (cast to dtype)
             p.grad = None  # the full gradient is not kept: this rank gets its chunk below
         flat.div_(self.world)
         chunk = torch.empty(bucket.chunk, dtype=flat.dtype, device=flat.device)
@@ -72,3 +75,33 @@ class ReduceScatterGradSync:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def install_reduce_scatter(model: nn.Module, buckets, group, bucket_bytes: int) -> None:
+    """Replace ``model``'s data-parallel averaging by stage 2's reduction: reduce-scatter for the
+    plain buckets, the usual all-reduce for the partial-gradient buckets (whose TP sums run at the
+    end of backward and must find their gradients), and rebuild the model's
+    :class:`~ops_transformer.comm.bucketing.GradSums` after both, so that its sums run last."""
+    from ..comm.bucketing import GradSums
+    from ..parallel.data_parallel import GradSync, grad_sync_of
+
+    old = grad_sync_of(model)
+    reduce_dtype = getattr(old, "reduce_dtype", None)
+    if old is not None:
+        old.remove()
+    model._ops_transformer_grad_sync = ReduceScatterGradSync(buckets, group,
+                                                             reduce_dtype=reduce_dtype)
+    reducers = getattr(model, "_ops_transformer_grad_reducers", [])
+    sums = [r for r in reducers if isinstance(r, GradSums)]
+    for r in sums:
+        r.remove()
+        reducers.remove(r)
+    partial = [p for b in buckets if not b.reduce_scattered for p in b.params]
+    if partial and C.group_size(group) > 1:
+        reducers.append(GradSync(reversed(partial), group, bucket_bytes=bucket_bytes,
+                                 reduce_dtype=reduce_dtype))
+    for r in sums:
+        reducers.append(GradSums(list(zip(r.params, (b.group for b in r.buckets
+                                                     for _ in b.params))),
+                                 dtype=r.dtype, bucket_bytes=bucket_bytes))
+    model._ops_transformer_grad_reducers = reducers

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.bucketing import GradSums, add_grad_reducer
+from ..memory.layers import apply_memory_options, check_memory_options
 from ..models.gpt import GPT
 from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, no_sync
+from ..precision.policy import resolve_grad_reduce_dtype
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
 from .plan import Plan, apply_plan
-from .sequence_parallel import install_sequence_grad_sync, sequence_parallel_plan
-from ..memory.layers import apply_memory_options, check_memory_options
+from .sequence_parallel import sequence_parallel_plan
 
 log = logging.getLogger("ops_transformer")
 SUPPORTED = ("ops_transformer.models.GPT",) + tuple(f"Hugging Face {f}" for f in FAMILIES)
@@ -79,7 +82,8 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
 
 def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
                 vocab: str = "auto", loss_parallel: bool = False,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES, sequence_parallel: bool = False,
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                grad_reduce_dtype: torch.dtype | None = None, sequence_parallel: bool = False,
                 recompute: str = "none", activation_cache: str = "none") -> nn.Module:
     """Apply tensor parallelism over ``ctx.tp_group`` and data-parallel gradient averaging over
     ``ctx.dp_group`` to ``model`` (in place) and return it.
@@ -96,11 +100,17 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     ``generate`` works unchanged. With ``loss_parallel=True`` the logits stay sharded and the loss
     (``labels=``) is the vocab-parallel cross-entropy — the full logits are never gathered.
 
-    Memory (SPEC F7, :mod:`ops_transformer.memory`): ``sequence_parallel=True`` keeps each rank's
-    ``s/tp`` slice of the activations between TP regions (reference GPT with ``attention="heads"``,
-    Hugging Face GPT-2/Llama/Mistral/Qwen2); ``recompute="selective"`` (attention core) or
-    ``"full"`` (every layer) recomputes activations in backward; ``activation_cache="int8"`` keeps
-    each layer's saved activations as int8.
+    ``grad_reduce_dtype`` is the dtype of the gradient reductions — data-parallel averaging and the
+    sums of replicated parameters' partial gradients (replicated KV heads, strategy B's output
+    projection), coalesced at the end of backward
+    (:class:`~ops_transformer.comm.bucketing.GradSums`). Default: float32 when the parameters are
+    16-bit, else the parameters' dtype.
+
+    Memory (SPEC F7, :mod:`ops_transformer.memory`): ``sequence_parallel=True`` keeps ``1/tp`` of
+    the activations between TP regions (reference GPT with ``attention="heads"``, Hugging Face
+    GPT-2/Llama/Mistral/Qwen2; the norms' partial gradients join the ``GradSums``);
+    ``recompute="selective"`` (attention core) or ``"full"`` (every layer) recomputes activations
+    in backward; ``activation_cache="int8"`` keeps each layer's saved activations as int8.
     """
     if getattr(model, "parallel_plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_plan is set)")
@@ -115,11 +125,15 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
         if loss_parallel and _is_hf(model):
             model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
     model.parallel_plan = resolved
-    partial = install_sequence_grad_sync(model, ctx) if sequence_parallel else set()
+    reduce_dtype = resolve_grad_reduce_dtype(model, grad_reduce_dtype)
     if ctx.dp_size > 1:
-        model._ops_transformer_grad_sync = GradSync(
-            [p for p in model.parameters() if id(p) not in partial], ctx.dp_group,
-            bucket_bytes=bucket_bytes)
+        model._ops_transformer_grad_sync = GradSync(model.parameters(), ctx.dp_group,
+                                                    bucket_bytes=bucket_bytes,
+                                                    reduce_dtype=reduce_dtype)
+    # Built after the data-parallel averaging, so its end-of-backward sums run after it.
+    sums = GradSums.of_module(model, dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+    if sums is not None:
+        add_grad_reducer(model, sums)
     apply_memory_options(model, recompute=recompute, activation_cache=activation_cache)
     log.info("parallelize: tp=%d dp=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
              resolved.attention, f" ({resolved.reason})" if resolved.reason else "")

@@ -74,13 +74,13 @@ def _colwise(module, ctx, groups, **options):
 
 
 def _gather(module, ctx, groups):
-    mark_partial(module)
+    mark_partial(module, ctx.tp_group)
     module.register_forward_hook(lambda m, args, out: gather_sequence(out, ctx.tp_group))
     return module
 
 
 def _partial(module, ctx, groups):
-    mark_partial(module)
+    mark_partial(module, ctx.tp_group)
     return module
 
 
@@ -168,18 +168,3 @@ def sequence_partial_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if is_partial(p)]
 
 
-
-def install_sequence_grad_sync(model: nn.Module, ctx) -> set[int]:
-    """Attach the :class:`SequenceParallelGradSync` of a sequence-parallel ``model`` (TP sum once
-    per backward; dp average while the model's data-parallel sync is enabled) and return the ids
-    of the parameters it owns, which the data-parallel buckets must leave out."""
-    from ..parallel.data_parallel import grad_sync_of
-    from ..parallel.sequence_grads import SequenceParallelGradSync
-
-    if ctx.tp_size == 1:
-        return set()
-    params = sequence_partial_params(model)
-    model._ops_transformer_sequence_grad_sync = SequenceParallelGradSync(
-        params, ctx.tp_group, ctx.dp_group,
-        dp_enabled=lambda: getattr(grad_sync_of(model), "enabled", True))
-    return {id(p) for p in params}

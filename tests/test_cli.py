@@ -84,6 +84,7 @@ def test_train_with_every_memory_technique(tmp_path, capsys):
     assert (out / "metrics.json").exists()
 
 
+@pytest.mark.slow
 def test_train_runs_the_plans_memory_options(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"best": {"tp": 2, "dp": 2, "ep": 1, "attention": "heads",

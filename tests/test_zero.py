@@ -51,7 +51,7 @@ def _train(tp, stage, sp=False):
 
 @pytest.mark.parametrize("nprocs,tp,stage,sp", [
     (2, 1, 2, False),
-    (4, 2, 1, True),
+    pytest.param(4, 2, 1, True, marks=pytest.mark.slow),
     pytest.param(2, 1, 1, False, marks=pytest.mark.slow),
     pytest.param(4, 2, 2, False, marks=pytest.mark.slow),
     pytest.param(4, 2, 2, True, marks=pytest.mark.slow),

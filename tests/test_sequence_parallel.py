@@ -8,53 +8,20 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from helpers import assert_rel
-from ops_transformer import GPT, CommLedger, gather_full_state_dict, init_parallel, parallelize
-from ops_transformer.models import preset
+from ops_transformer import GPT, CommLedger, init_parallel, parallelize
 from ops_transformer.parallelize import gpt_plan
 from ops_transformer.parallelize.sequence_parallel import sequence_parallel_plan
-
-B, T, STEPS = 4, 16, 3
-CONFIGS = {  # as in test_gpt_parallel: Llama's 2 KV heads are split at tp 2, replicated at tp 4
-    "gpt2": preset("tiny", vocab_size=250, max_seq_len=T),
-    "llama": preset("llama-tiny", vocab_size=250, max_seq_len=T),
-}
-
-
-def _batches(steps=STEPS, seq=T):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 250, (B, seq + 1), generator=g) for _ in range(steps)]
-
-
-def _optimizer(name, params):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-3)  # eps: see test_gpt_parallel._optimizer
+from test_gpt_parallel import B, CONFIGS, T, _batches, _delta
+from test_gpt_parallel import _train as train_dense_or_parallel
 
 
 def _train(config, opt_name, tp, sp=False, recompute="none"):
-    ctx = init_parallel(tp=tp)
-    torch.manual_seed(0)
-    model = GPT(CONFIGS[config])
-    if int(os.environ["WORLD_SIZE"]) > 1 or recompute != "none":
-        model = parallelize(model, ctx, attention="heads", sequence_parallel=sp,
-                            recompute=recompute)
-    opt = _optimizer(opt_name, model.parameters())
-    rows = slice(ctx.dp_rank * B // ctx.dp_size, (ctx.dp_rank + 1) * B // ctx.dp_size)
-    losses = []
-    for batch in _batches():
-        loss = model(batch[rows, :-1], batch[rows, 1:])[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = loss.detach()
-        if ctx.dp_group is not None:
-            dist.all_reduce(loss, group=ctx.dp_group)
-            loss /= ctx.dp_size
-        losses.append(float(loss))
-    return losses, gather_full_state_dict(model, ctx)
+    options = {"sequence_parallel": sp} if sp else {}
+    if recompute != "none":
+        options["recompute"] = recompute
+    return train_dense_or_parallel(config, opt_name, tp, "heads", "parallel", **options)
 
 
 def _assert_same_training(reference, runs):
@@ -112,11 +79,6 @@ def _ledgers(config, n_layers, recompute="none"):
                   if getattr(p, "partial_grad_group", None) is ctx.tp_group)
     return fwd.summary(), bwd.summary(), [(r.kind, r.elements, r.label) for r in bwd.records], \
         partial
-
-
-def _delta(a, b):
-    out = {k: {f: a[k][f] - b.get(k, {}).get(f, 0) for f in a[k]} for k in a}
-    return {k: v for k, v in out.items() if v["calls"]}
 
 
 @pytest.mark.parametrize("config", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])

@@ -156,3 +156,37 @@ def test_generation_runs_as_plain_tensor_parallelism(run_ranks):
     """Inference keeps no activations: any length works, and the tokens equal the dense model's."""
     dense = run_ranks(_generate, 1)[0]
     assert run_ranks(_generate, 2) == [dense, dense]
+
+
+def _grads_with_dropout(config, recompute, tp=1, sp=False):
+    ctx = init_parallel(tp=tp)
+    torch.manual_seed(0)
+    model = parallelize(GPT(CONFIGS[config].with_(dropout=0.1)), ctx, attention="heads",
+                        sequence_parallel=sp, recompute=recompute)
+    batch = _batches()[0]
+    torch.manual_seed(1)  # the dropout masks' generator state, the same for every mode
+    loss = model(batch[:, :-1], batch[:, 1:])[1]
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("config", ["gpt2", "llama"])
+def test_recompute_reproduces_dropout_masks(run_ranks, config):
+    """With dropout, every recompute mode gives the same loss and gradients as none (≤1e-6)."""
+    loss, grads = run_ranks(_grads_with_dropout, 1, config, "none")[0]
+    for recompute in ("selective", "full"):
+        other, other_grads = run_ranks(_grads_with_dropout, 1, config, recompute)[0]
+        assert abs(other - loss) <= 1e-6 * abs(loss)
+        for name, g in grads.items():
+            assert_rel(other_grads[name], g, rtol=1e-6, what=f"{recompute} {name}")
+
+
+@pytest.mark.slow
+def test_recompute_reproduces_dropout_masks_with_sequence_parallelism(run_ranks):
+    plain = run_ranks(_grads_with_dropout, 2, "llama", "none", 2, True)
+    for recompute in ("selective", "full"):
+        for (loss, grads), (other, other_grads) in zip(
+                plain, run_ranks(_grads_with_dropout, 2, "llama", recompute, 2, True)):
+            assert abs(other - loss) <= 1e-6 * abs(loss)
+            for name, g in grads.items():
+                assert_rel(other_grads[name], g, rtol=1e-6, what=f"{recompute} {name}")

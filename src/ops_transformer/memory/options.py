@@ -28,6 +28,13 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
     if cfg.zero and dp == 1:
         raise ValueError(f"--zero {cfg.zero} shards the optimizer over data-parallel ranks, but "
                          f"dp is 1: run more processes than --tp ({tp}), or drop --zero")
+    if cfg.zero and getattr(cfg, "precision", "fp32") == "fp16":
+        raise ValueError("--zero with --precision fp16 is not supported: the loss scaler unscales "
+                         "the optimizer's gradients before ZeRO has gathered its shard of them; "
+                         "use --precision bf16 or fp32")
+    if cfg.zero == 2 and getattr(cfg, "clip_grad", None) is not None:
+        raise ValueError("--zero 2 with --clip-grad is not supported: ZeRO-2 frees the full "
+                         "gradients during backward, so the norm would miss them; use --zero 1")
     if cfg.sequence_parallel:
         if tp == 1:
             raise ValueError("--sequence-parallel splits the sequence over tensor-parallel ranks, "

@@ -25,7 +25,9 @@ def add_parser(p) -> None:
     p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
                    "run under torchrun (or as one process)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / tp)")
+    p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (tp·ep))")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree for MoE presets "
+                   "(moe-tiny, moe-small): n_experts/ep experts per rank (default 1)")
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--data", help="a text file or a directory (default: the Python standard "
                    "library's sources on this machine)")
@@ -67,16 +69,14 @@ def layout_from_plan(path: str) -> dict:
     if not isinstance(best, dict) or not {"tp", "dp", "attention"} <= set(best):
         raise ValueError(f"--plan {path!r} has no layout (its 'best' is null: nothing fits, or it "
                          f"is not a planner result)")
-    if best.get("ep", 1) != 1:
-        raise ValueError(f"--plan {path!r} uses expert parallelism (ep={best['ep']}), which "
-                         f"train does not run")
-    return {"tp": best["tp"], "dp": best["dp"], "attention": best["attention"],
-            **memory_from_plan(best, path)}
+    return {"tp": best["tp"], "dp": best["dp"], "ep": best.get("ep", 1),
+            "attention": best["attention"], **memory_from_plan(best, path)}
 
 
 def config_from_args(args, out_prefix: str) -> TrainConfig:
     out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    layout = {"tp": args.tp, "dp": args.dp, "attention": args.attention,
+    layout = {"tp": args.tp, "dp": args.dp, "ep": getattr(args, "ep", 1),
+              "attention": args.attention,
               "sequence_parallel": getattr(args, "sequence_parallel", False),
               "recompute": getattr(args, "recompute", "none"),
               "zero": getattr(args, "zero", 0)}
@@ -103,7 +103,9 @@ def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:
 
 def summary(metrics: dict) -> str:
     rows = [
-        {"": "layout", "value": f"dp={metrics['dp']} × tp={metrics['tp']}"},
+        {"": "layout", "value": f"dp={metrics['dp']} × "
+                                + (f"ep={metrics['ep']} × " if metrics.get("ep", 1) > 1 else "")
+                                + f"tp={metrics['tp']}"},
         {"": "attention", "value": metrics["attention"]},
         {"": "precision", "value": _precision_line(metrics)},
         {"": "parameters", "value": f"{metrics['params']:,}"},
@@ -115,6 +117,10 @@ def summary(metrics: dict) -> str:
     memory = memory_summary(metrics["config"])
     if memory:
         rows.insert(2, {"": "memory", "value": memory})
+    if "moe" in metrics:
+        rows.append({"": "MoE aux loss / dropped (last)",
+                     "value": f"{metrics['moe']['aux_loss'][-1]:.4f} / "
+                              f"{metrics['moe']['dropped_fraction'][-1]:.1%} of token-slots"})
     return format_table(rows)
 
 
@@ -130,8 +136,9 @@ def _precision_line(metrics: dict) -> str:
 def run(args) -> int:
     cfg = config_from_args(args, "train")
     nproc = args.nproc
-    if args.plan and nproc is None and "WORLD_SIZE" not in os.environ:
-        nproc = cfg.tp * (cfg.dp or 1)  # a plan fixes the layout: launch it locally
+    size = cfg.tp * cfg.ep * (cfg.dp or 1)
+    if nproc is None and "WORLD_SIZE" not in os.environ and (args.plan or size > 1):
+        nproc = size  # the layout is fixed (a plan, or degrees above 1): launch it locally
     metrics = run_training(cfg, nproc)
     if metrics is None:  # not rank 0 of a torchrun job
         return 0

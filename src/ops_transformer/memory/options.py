@@ -28,6 +28,12 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
     if cfg.zero and dp == 1:
         raise ValueError(f"--zero {cfg.zero} shards the optimizer over data-parallel ranks, but "
                          f"dp is 1: run more processes than --tp ({tp}), or drop --zero")
+    if cfg.zero and getattr(cfg, "ep", 1) > 1:
+        raise ValueError(f"--zero with --ep {cfg.ep} is not supported: expert parameters average "
+                         f"over another group than the dense ones; drop --zero or --ep")
+    if cfg.sequence_parallel and getattr(cfg.model_config(), "n_experts", 1) > 1:
+        raise ValueError(f"--sequence-parallel is not supported for the MoE preset "
+                         f"{cfg.preset!r}: its expert layers have no sequence-parallel form")
     if cfg.zero and getattr(cfg, "precision", "fp32") == "fp16":
         raise ValueError("--zero with --precision fp16 is not supported: the loss scaler unscales "
                          "the optimizer's gradients before ZeRO has gathered its shard of them; "

@@ -31,7 +31,7 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
     if cfg.zero and getattr(cfg, "ep", 1) > 1:
         raise ValueError(f"--zero with --ep {cfg.ep} is not supported: expert parameters average "
                          f"over another group than the dense ones; drop --zero or --ep")
-    if cfg.sequence_parallel and getattr(cfg.model_config(), "n_experts", 1) > 1:
+    if cfg.sequence_parallel and getattr(cfg.model_config(), "n_experts", 0) > 0:
         raise ValueError(f"--sequence-parallel is not supported for the MoE preset "
                          f"{cfg.preset!r}: its expert layers have no sequence-parallel form")
     if cfg.zero and getattr(cfg, "precision", "fp32") == "fp16":

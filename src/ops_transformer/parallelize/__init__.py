@@ -18,7 +18,7 @@ from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
 from .moe_plan import check_expert_parallel
 from .plan import Plan, apply_plan
-from .sequence_parallel import sequence_parallel_plan
+from .sequence_parallel import check_partial_marked, sequence_parallel_plan
 
 log = logging.getLogger("ops_transformer")
 SUPPORTED = ("ops_transformer.models.GPT",) + tuple(f"Hugging Face {f}" for f in FAMILIES)
@@ -134,6 +134,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
         apply_plan(model, resolved, ctx, _Groups(model, ctx))
         if loss_parallel and _is_hf(model):
             model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
+        if sequence_parallel:
+            check_partial_marked(model)
     elif ctx.ep_size > 1:  # experts only
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items() if r["style"] == "moe"}),
                    ctx, _Groups(model, ctx))

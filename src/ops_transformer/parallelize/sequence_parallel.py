@@ -156,15 +156,13 @@ def sequence_parallel_plan(plan, model: nn.Module):
                                + "sequence parallel")
 
 
-def sequence_partial_params(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters whose gradients are partial per TP rank, after checking that every
-    replicated parameter inside the layers and the final norm is one of them."""
+def check_partial_marked(model: nn.Module) -> None:
+    """After a sequence-parallel plan is applied: every replicated parameter inside the layers and
+    the final norm sees only this rank's tokens, so each must be marked for the TP sum (an internal
+    invariant: a plan rule missing would silently leave a partial gradient)."""
     layers, final_norm = sequence_parallel_layout(model)
     for name, p in model.named_parameters():
         inside = name.startswith(layers + ".") or name.startswith(final_norm + ".")
         if inside and shard_spec(p) is None and not is_partial(p):
             raise AssertionError(f"sequence parallelism: replicated parameter {name} is used on "
-                                 f"sequence slices but its gradient would not be summed over TP")
-    return [p for p in model.parameters() if is_partial(p)]
-
-
+                                 f"a share of the tokens but its gradient is not summed over TP")

@@ -111,7 +111,6 @@ def test_train_runs_the_plans_memory_options(tmp_path, capsys):
     (["memory", "--tp", "2", "--seq", "33", "--preset", "tiny"],
      "the sequence length s (33) must be divisible by tp (2)"),
     (["memory", "--preset", "huge"], "unknown preset 'huge'"),
-    (["train", "--nproc", "2", "--zero", "2", "--clip-grad", "1"], "--zero 2 with --clip-grad"),
 ])
 def test_memory_flag_errors(argv, needle, capsys):
     assert main(argv) == 2

@@ -178,3 +178,44 @@ def test_zero_needs_a_parallelized_model_at_dp_above_one(run_ranks):
         run_ranks(build, 2)
     with pytest.raises(ValueError, match="stage must be 1 or 2"):
         zero_optimizer(GPT(CONFIG), init_parallel(tp=1), torch.optim.AdamW, stage=3)
+
+
+def _train_clipped(tp, stage, sp=False):
+    """5 AdamW steps through optimizer_step with a loss scaler and clipping to a norm below the
+    gradients' (every step clips)."""
+    from ops_transformer.precision import DynamicLossScaler, optimizer_step
+
+    ctx = init_parallel(tp=tp)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    if ctx.world_size > 1:
+        model = parallelize(model, ctx, attention="heads", sequence_parallel=sp)
+    opt = zero_optimizer(model, ctx, torch.optim.AdamW, stage=stage, **ADAMW) if stage else \
+        torch.optim.AdamW(model.parameters(), **ADAMW)
+    scaler = DynamicLossScaler(ctx, init_scale=2.0 ** 10)
+    rows = slice(ctx.dp_rank * B // ctx.dp_size, (ctx.dp_rank + 1) * B // ctx.dp_size)
+    norms = []
+    for batch in _batches():
+        loss = model(batch[rows, :-1], batch[rows, 1:])[1]
+        scaler.scale(loss).backward()
+        report = optimizer_step(model, opt, ctx, scaler=scaler, max_norm=0.05)
+        assert report.stepped
+        norms.append(report.grad_norm)
+        opt.zero_grad()
+    return gather_full_state_dict(model, ctx), norms
+
+
+@pytest.mark.parametrize("nprocs,tp,stage,sp", [
+    (2, 1, 2, False),
+    pytest.param(2, 1, 1, False, marks=pytest.mark.slow),
+    pytest.param(4, 2, 2, True, marks=pytest.mark.slow),
+    pytest.param(4, 2, 1, True, marks=pytest.mark.slow),
+])
+def test_clipping_and_loss_scaling_on_the_shards_equal_the_unsharded_run(run_ranks, nprocs, tp,
+                                                                        stage, sp):
+    reference, ref_norms = run_ranks(_train_clipped, 1, 1, 0)[0]
+    assert min(ref_norms) > 0.05  # every step clipped
+    for state, norms in run_ranks(_train_clipped, nprocs, tp, stage, sp):
+        assert_rel(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, what="grad norms")
+        for key, value in reference.items():
+            assert_rel(state[key], value, rtol=1e-5, what=key, floor=0.02)

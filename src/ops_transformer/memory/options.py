@@ -34,13 +34,6 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
     if cfg.sequence_parallel and getattr(cfg.model_config(), "n_experts", 0) > 0:
         raise ValueError(f"--sequence-parallel is not supported for the MoE preset "
                          f"{cfg.preset!r}: its expert layers have no sequence-parallel form")
-    if cfg.zero and getattr(cfg, "precision", "fp32") == "fp16":
-        raise ValueError("--zero with --precision fp16 is not supported: the loss scaler unscales "
-                         "the optimizer's gradients before ZeRO has gathered its shard of them; "
-                         "use --precision bf16 or fp32")
-    if cfg.zero == 2 and getattr(cfg, "clip_grad", None) is not None:
-        raise ValueError("--zero 2 with --clip-grad is not supported: ZeRO-2 frees the full "
-                         "gradients during backward, so the norm would miss them; use --zero 1")
     if cfg.sequence_parallel:
         if tp == 1:
             raise ValueError("--sequence-parallel splits the sequence over tensor-parallel ranks, "

@@ -66,6 +66,22 @@ class ZeroBucket:
         self.shard = nn.Parameter(self.flat[self.lo:self.lo + self.chunk])  # a view, no copy
         self.reduce_scattered = reduce_scattered
         self.grad_shard: torch.Tensor | None = None  # stage 2: this rank's reduced gradients
+        self.counted: torch.Tensor | None = None  # see norm_mask
+
+    def norm_mask(self, ctx) -> torch.Tensor:
+        """Which elements of this rank's chunk it adds to the dense gradient norm: those of the
+        parameters this TP rank counts (:func:`~ops_transformer.precision.clip.counted_on_tp_rank`),
+        without a padded vocabulary's zero rows and the bucket's padding. Every data-parallel rank
+        counts its own chunk: together the chunks cover the bucket once."""
+        from ..precision.clip import counted_on_tp_rank, real_rows_mask
+
+        if self.counted is None:
+            mask = torch.zeros(self.padded, dtype=torch.bool, device=self.flat.device)
+            for p, off in zip(self.params, self.offsets):
+                if counted_on_tp_rank(p, ctx):
+                    mask[off:off + p.numel()] = real_rows_mask(p).reshape(-1)
+            self.counted = mask[self.lo:self.lo + self.chunk]
+        return self.counted
 
     def shard_grad(self) -> torch.Tensor | None:
         """This rank's chunk of the (already averaged) gradients, or ``None`` if none."""
@@ -124,6 +140,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
         self._laid_out = True
         self._model_params = [p for b in self.buckets for p in b.params]
+        self._grads_gathered = False
         if stage == 2:
             from .zero_grads import install_reduce_scatter
 
@@ -135,13 +152,53 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for b in self.buckets:
-            b.shard.grad = b.shard_grad()
+        self.gather_grad_shards()
         self.inner.step()
+        self._grads_gathered = False
         for b in self.buckets:  # every rank takes part, stepped or not
             C.all_gather_into(b.flat, b.shard.detach().clone(), self.ctx.dp_group,
                               label="zero_params")
         return loss
+
+    def gather_grad_shards(self) -> list[torch.Tensor]:
+        """Set each bucket chunk's gradient (``param_groups``' parameters) to this rank's chunk of
+        the averaged gradients and return them; ``step`` uses these. A loss scaler's ``unscale_``
+        and :meth:`clip_grad_norm_` act on them, so call this first
+        (:func:`~ops_transformer.precision.optimizer_step` does). Once per step: later calls return
+        the same tensors."""
+        if not self._grads_gathered:
+            for b in self.buckets:
+                b.shard.grad = b.shard_grad()
+            self._grads_gathered = True
+        return [b.shard.grad for b in self.buckets if b.shard.grad is not None]
+
+    def grad_norm_partial(self, norm_type: float = 2.0) -> torch.Tensor:
+        """This rank's share of the dense model's gradient norm over the gathered chunks (one
+        float32 element, ``Σ|g|ᵖ``, or ``max|g|`` for ``inf``): summed (max) over every rank of the
+        job it is ``‖g‖ᵖ`` — what :func:`~ops_transformer.precision.clip.grad_norm_partial` gives
+        for the unsharded gradients."""
+        from ..precision.clip import reduce_norm_parts
+
+        grads = self.gather_grad_shards()
+        parts = [torch.linalg.vector_norm(b.shard.grad[b.norm_mask(self.ctx)], norm_type,
+                                          dtype=torch.float32)
+                 for b in self.buckets if b.shard.grad is not None]
+        return reduce_norm_parts(parts, norm_type, grads[0].device if grads else self.ctx.device)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the sharded gradients to the dense model's total norm ``max_norm`` and return the
+        norm before clipping — equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded
+        model's gradients. One all-reduce of one element over the job; then :meth:`step`."""
+        from ..precision.clip import check_max_norm, clip_grads_with_norm_, total_norm
+
+        check_max_norm(max_norm, norm_type)
+        share = self.grad_norm_partial(norm_type)
+        C.all_reduce(share, self.ctx.world_group, label="grad_norm",
+                     op=C.ReduceOp.MAX if norm_type == float("inf") else C.ReduceOp.SUM)
+        norm = total_norm(share, norm_type)
+        clip_grads_with_norm_([b.shard for b in self.buckets if b.shard.grad is not None],
+                              max_norm, norm)
+        return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._model_params:
@@ -152,6 +209,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             b.shard.grad = None
             b.grad_shard = None
+        self._grads_gathered = False
 
     def layout(self) -> dict:
         """Which parameter lives where: per bucket its parameters' names, shapes and flat offsets,

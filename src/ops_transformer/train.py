@@ -114,8 +114,13 @@ def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch:
 
 
 def train_worker(cfg: TrainConfig) -> dict | None:
-    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere."""
-    ctx = init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep)
+    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere. The process
+    groups it starts are torn down before it returns."""
+    with init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep) as ctx:
+        return _train(cfg, ctx)
+
+
+def _train(cfg: TrainConfig, ctx) -> dict | None:
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict
 
 from ..memory.tradeoff import MemoryRun, check_run, memory_worker
 from ..models.gpt import PRESETS
 from ..parallel import launch
 from ..utils.progress import format_table
+from ._common import (add_launch_timeout, launch_timeout, print_json, status, under_torchrun,
+                      world_size)
 
 HELP = "measure activation and optimizer memory and step time of each memory technique"
 
@@ -30,6 +30,7 @@ def add_parser(p) -> None:
     p.add_argument("--steps", type=int, default=5, help="timed training steps per technique, "
                    "interleaved (default 5, after one warm-up step)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    add_launch_timeout(p)
 
 
 def _kib(value: float) -> str:
@@ -59,14 +60,20 @@ def run(args) -> int:
     if spec.preset not in PRESETS:
         raise ValueError(f"unknown preset {spec.preset!r}; choose one of {sorted(PRESETS)}")
     check_run(spec)
-    if "WORLD_SIZE" in os.environ:  # under torchrun
+    timeout = launch_timeout(args)
+    nprocs = spec.tp * spec.dp
+    if under_torchrun():
+        if world_size() != nprocs:
+            raise ValueError(f"under torchrun the job has {world_size()} ranks, but --dp "
+                             f"{spec.dp} × --tp {spec.tp} needs {nprocs}")
         rows = memory_worker(spec)
-        if rows is None:
+        if rows is None:  # not rank 0
             return 0
     else:
-        rows = launch(memory_worker, spec.tp * spec.dp, spec)[0]
+        status(f"memory: measuring each technique on {nprocs} local ranks ...")
+        rows = launch(memory_worker, nprocs, spec, timeout=timeout)[0]
     if args.json:
-        print(json.dumps({"run": asdict(spec), "rows": rows}, indent=2))
+        print_json({"run": asdict(spec), "rows": rows})
         return 0
     cfg = spec.model_config()
     print(f"{spec.preset} ({cfg.n_layers} layers, h {cfg.d_model}, {cfg.n_heads} heads, dropout "

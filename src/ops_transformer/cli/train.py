@@ -4,18 +4,23 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
+import torch
+
 from ..models.gpt import PRESETS
 from ..parallel import launch
+from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
+from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
 from ..train import TrainConfig, train_worker, validate
 from ..memory.layers import ACTIVATION_CACHES
 from ..memory.options import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..utils.progress import format_table
+from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
+                      under_torchrun, world_size)
 
 HELP = "train the reference GPT with tensor (and data) parallelism"
 ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
@@ -24,9 +29,9 @@ ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
 def add_parser(p) -> None:
     p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
                    "run under torchrun (or as one process)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (tp·ep))")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree for MoE presets "
+    p.add_argument("--ep", type=int, help="expert-parallel degree for MoE presets "
                    "(moe-tiny, moe-small): n_experts/ep experts per rank (default 1)")
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--data", help="a text file or a directory (default: the Python standard "
@@ -36,17 +41,18 @@ def add_parser(p) -> None:
     p.add_argument("--seq", type=int, default=64, help="sequence length in bytes")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention", default="auto", choices=ATTENTION)
+    p.add_argument("--attention", choices=ATTENTION, help="attention strategy (default auto)")
     p.add_argument("--plan", help="a plan from 'ops-transformer plan --out FILE' (its best "
                    "layout) or a candidate from it: sets --tp, --dp, --attention and the plan's "
                    "sequence parallelism, recompute and ZeRO stage")
-    p.add_argument("--sequence-parallel", action="store_true", help="keep each rank's slice of "
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="keep each rank's slice of "
                    "the sequence between tensor-parallel regions (needs --tp 2+, heads attention)")
-    p.add_argument("--recompute", default="none", choices=RECOMPUTE,
-                   help="recompute activations in backward: the attention core or every layer")
+    p.add_argument("--recompute", choices=RECOMPUTE, help="recompute activations in backward: "
+                   "the attention core or every layer (default none)")
     p.add_argument("--activation-cache", default="none", choices=ACTIVATION_CACHES,
                    help="keep the layers' saved activations as int8 (one scale per 128 values)")
-    p.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES,
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES,
                    help="ZeRO stage over the data-parallel ranks: 1 shards the optimizer state, 2 "
                    "also the gradients (default 0: off)")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
@@ -57,10 +63,12 @@ def add_parser(p) -> None:
                    "(fp16 with a dynamic loss scaler); default fp32")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
+    add_launch_timeout(p)
 
 
 def layout_from_plan(path: str) -> dict:
-    """``{"tp", "dp", "attention"}`` from a planner result (its ``best``) or one candidate."""
+    """``{"tp", "dp", "ep", "attention", "sequence_parallel", "recompute", "zero"}`` from a planner
+    result (its ``best``) or one candidate."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -75,13 +83,23 @@ def layout_from_plan(path: str) -> dict:
 
 def config_from_args(args, out_prefix: str) -> TrainConfig:
     out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    layout = {"tp": args.tp, "dp": args.dp, "ep": getattr(args, "ep", 1),
-              "attention": args.attention,
-              "sequence_parallel": getattr(args, "sequence_parallel", False),
-              "recompute": getattr(args, "recompute", "none"),
-              "zero": getattr(args, "zero", 0)}
+    given = {"tp": args.tp, "dp": args.dp, "ep": getattr(args, "ep", None),
+             "attention": args.attention,
+             "sequence_parallel": getattr(args, "sequence_parallel", None),
+             "recompute": getattr(args, "recompute", None), "zero": getattr(args, "zero", None)}
+    layout = {"tp": 1 if args.tp is None else args.tp, "dp": args.dp,
+              "ep": 1 if given["ep"] is None else given["ep"],
+              "attention": args.attention or "auto",
+              "sequence_parallel": bool(given["sequence_parallel"]),
+              "recompute": given["recompute"] or "none", "zero": given["zero"] or 0}
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
+        conflicts = [f"--{k.replace('_', '-')} {v} (the plan has {layout[k]})"
+                     for k, v in given.items() if v is not None and v != layout[k]]
+        if conflicts:
+            raise ValueError(f"--plan {args.plan!r} sets --tp, --dp, --ep, --attention, "
+                             f"--sequence-parallel, --recompute and --zero, but also "
+                             f"{', '.join(conflicts)}: drop the flag or the plan")
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
                        progress=not args.no_progress, **layout,
@@ -90,15 +108,25 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        activation_cache=getattr(args, "activation_cache", "none"))
 
 
-def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:
-    """Validate, then train on ``nproc`` local ranks or on the ranks of this torchrun job."""
+def run_training(cfg: TrainConfig, nproc: int | None,
+                 timeout: float = DEFAULT_LAUNCH_TIMEOUT) -> dict | None:
+    """Validate (the output directory included), then train on ``nproc`` local ranks, on the
+    ranks of this torchrun job, or in this one process (with the launcher's thread policy)."""
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    validate(cfg, world_size() if nproc is None else nproc)
+    if cfg.out:
+        check_out_dir(cfg.out)
     if nproc is not None:
-        if nproc < 1:
-            raise ValueError(f"--nproc must be at least 1, got {nproc}")
-        validate(cfg, nproc)
-        return launch(train_worker, nproc, cfg)[0]
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    return train_worker(cfg)
+        return launch(train_worker, nproc, cfg, timeout=timeout)[0]
+    if under_torchrun():
+        return train_worker(cfg)
+    threads = torch.get_num_threads()
+    set_rank_threads()
+    try:
+        return train_worker(cfg)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def summary(metrics: dict) -> str:
@@ -135,15 +163,16 @@ def _precision_line(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
+    timeout = launch_timeout(args)
     nproc = args.nproc
     size = cfg.tp * cfg.ep * (cfg.dp or 1)
-    if nproc is None and "WORLD_SIZE" not in os.environ and (args.plan or size > 1):
+    if nproc is None and not under_torchrun() and (args.plan or size > 1):
         nproc = size  # the layout is fixed (a plan, or degrees above 1): launch it locally
-    metrics = run_training(cfg, nproc)
+    metrics = run_training(cfg, nproc, timeout)
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:
-        print(json.dumps(metrics, indent=2))
+        print_json(metrics)
         return 0
     print(summary(metrics))
     print(f"\nsample: {metrics['sample']!r}")

@@ -116,8 +116,13 @@ def _formula(run: MemoryRun, cfg, t: Technique, tp: int, micro: int) -> float:
 
 
 def memory_worker(run: MemoryRun) -> list[dict] | None:
-    """Run on every rank; returns the table's rows on global rank 0."""
-    ctx = init_parallel(tp=run.tp, dp=run.dp)
+    """Run on every rank; returns the table's rows on global rank 0 (``None`` elsewhere). The
+    process groups it starts are torn down before it returns."""
+    with init_parallel(tp=run.tp, dp=run.dp) as ctx:
+        return _measure(run, ctx)
+
+
+def _measure(run: MemoryRun, ctx) -> list[dict] | None:
     cfg = run.model_config()
     micro = run.batch // ctx.dp_size
     gen = torch.Generator().manual_seed(run.seed + ctx.dp_rank)

@@ -96,6 +96,18 @@ def test_train_runs_the_plans_memory_options(tmp_path, capsys):
     assert measured == metrics["expected_tp_comm_per_step"]  # with the recompute replays
 
 
+def test_memory_flags_that_contradict_the_plan_are_an_error(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"best": {"tp": 2, "dp": 2, "ep": 1, "attention": "heads",
+                                         "sequence_parallel": True, "recompute": "full",
+                                         "zero_stage": 1}}))
+    assert main(["train", "--plan", str(plan), "--recompute", "none", "--zero", "2",
+                 "--sequence-parallel", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--recompute none (the plan has full)" in err and "--zero 2 (the plan has 1)" in err
+    assert "--sequence-parallel" not in err.split("but also")[1]  # it agrees with the plan
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["train", "--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq", "33"],
      "the sequence length s (33) must be divisible by tp (2)"),

@@ -10,14 +10,13 @@ import ops_transformer as ot
 from ops_transformer.checkpoint import Entry, SpecLayout
 from ops_transformer.checkpoint.zero import entry_pieces, flat_view, range_boxes
 
-zero_module = pytest.importorskip("ops_transformer.memory.zero")  # until memory (#7) is merged
-zero_optimizer = zero_module.zero_optimizer
-from ops_transformer.memory.zero_state import consolidate_zero_state  # noqa: E402
-from ops_transformer.parallelize.gpt_plan import gpt_plan  # noqa: E402
+from ops_transformer.memory.zero import zero_optimizer
+from ops_transformer.memory.zero_state import consolidate_zero_state
+from ops_transformer.parallelize.gpt_plan import gpt_plan
 
-from helpers import assert_rel  # noqa: E402
-from test_checkpoint import CFG, _eval_loss, _train  # noqa: E402
-from test_checkpoint_layout import SPECS, _specs  # noqa: E402
+from helpers import assert_rel
+from test_checkpoint import CFG, _eval_loss, _train
+from test_checkpoint_layout import SPECS, _specs
 
 BUCKET = 64 * 1024  # several buckets for the tiny model: parameters cut at bucket and chunk edges
 

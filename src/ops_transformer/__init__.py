@@ -34,3 +34,5 @@ __all__ += ["ParallelExperts", "ParallelMoE", "MoE", "moe_stats"]
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 
 __all__ += ["save_checkpoint", "load_checkpoint", "CheckpointError"]
+from .memory import Int8ActivationCache, activation_memory, zero_optimizer  # noqa: E402
+__all__ += ["Int8ActivationCache", "activation_memory", "zero_optimizer"]

@@ -2,6 +2,7 @@
 reshardable to another layout. See ``docs/checkpoints.md``."""
 
 from ..layers.moe import ParallelExperts
+from ..memory.zero import ZeroOptimizer
 from .api import load_checkpoint, save_checkpoint, verify
 from .contents import ModelTensors, register_module_entries
 from .experts import expert_entries
@@ -15,12 +16,7 @@ from .store import latest_step, list_steps
 from .zero import ZERO_ADAPTER, ZeroOptimizerAdapter
 
 register_module_entries(ParallelExperts, expert_entries)
-try:  # ZeRO (ops_transformer.memory) lands from its own branch: a plain import once it has
-    from ..memory.zero import ZeroOptimizer
-except ImportError:
-    pass
-else:
-    register_optimizer_adapter(ZeroOptimizer, ZERO_ADAPTER)
+register_optimizer_adapter(ZeroOptimizer, ZERO_ADAPTER)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify", "CheckpointError", "Layout",
            "Replicated", "SpecLayout", "layout_of", "OptimizerAdapter", "TorchOptimizerAdapter",

@@ -12,7 +12,6 @@ from .training import check_options, resume, save, should_save
 from .optim import OptimizerAdapter, TorchOptimizerAdapter, register_optimizer_adapter
 from .restart import launch_with_restarts
 from .store import latest_step, list_steps
-
 from .zero import ZERO_ADAPTER, ZeroOptimizerAdapter
 
 register_module_entries(ParallelExperts, expert_entries)

@@ -47,7 +47,10 @@ def _is_hf(model: nn.Module) -> bool:
 
 
 def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
-                 loss_parallel: bool = False, vocab: str = "auto") -> Plan:
+                 loss_parallel: bool = False, vocab: str = "auto", tp_plan=None) -> Plan:
+    if tp_plan is not None and not (plan == "auto" and _is_hf(model)):
+        raise ValueError("tp_plan (Hugging Face style names) applies to a Hugging Face model with "
+                         "plan='auto'")
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict) and "best" in plan and "candidates" in plan:  # a planner result
@@ -70,14 +73,14 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
         if attention not in ("auto", "heads"):
             raise ValueError(f"Hugging Face models support attention='heads' (or 'auto'), got "
                              f"{attention!r}")
-        return hf_plan(model, ctx.tp_size, loss_parallel)
+        return hf_plan(model, ctx.tp_size, loss_parallel, vocab=vocab, tp_plan=tp_plan)
     raise ValueError(f"no automatic plan for {type(model).__name__}; supported models: "
                      f"{', '.join(SUPPORTED)} (or pass plan= a Plan / dict)")
 
 
 def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
                 vocab: str = "auto", loss_parallel: bool = False,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> nn.Module:
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_plan: dict | None = None) -> nn.Module:
     """Apply tensor parallelism over ``ctx.tp_group`` and data-parallel gradient averaging over
     ``ctx.dp_group`` to ``model`` (in place) and return it.
 
@@ -88,18 +91,23 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     (``"parallel"``, ``"replicated"`` or ``"auto"``: embedding and LM head split over the
     vocabulary or not) choose the strategy; ``auto`` asks the cost model.
 
-    Hugging Face models (GPT-2, Llama, Mistral, Qwen2, BERT; others through their
+    Hugging Face models (GPT-2, Llama, Mistral, Qwen2, Qwen3, BERT; others through their
     ``base_model_tp_plan``) return what the unsharded model returns: full-vocabulary logits, so
-    ``generate`` works unchanged. With ``loss_parallel=True`` the logits stay sharded and the loss
-    (``labels=``) is the vocab-parallel cross-entropy — the full logits are never gathered.
+    ``generate`` works unchanged. With ``loss_parallel=True`` (and the vocabulary split) the
+    logits stay sharded and the loss (``labels=``) is the vocab-parallel cross-entropy — the full
+    logits are never gathered. ``tp_plan``, as in ``transformers`` (``{pattern: style}`` with
+    Hugging Face's style names), is merged over the model's own plan and translated.
     """
     if getattr(model, "parallel_plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_plan is set)")
-    resolved = resolve_plan(model, ctx, plan, attention, loss_parallel, vocab)
+    resolved = resolve_plan(model, ctx, plan, attention, loss_parallel, vocab, tp_plan)
     if ctx.tp_size > 1:
         apply_plan(model, resolved, ctx, _Groups(model, ctx))
-        if loss_parallel and _is_hf(model):
+        if loss_parallel and _is_hf(model) and resolved.vocab == "parallel":
             model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
+        elif loss_parallel and _is_hf(model):
+            log.warning("parallelize: loss_parallel=True has no effect: the vocabulary is "
+                        "replicated (%s); pass vocab='parallel' to split it", resolved.reason)
     model.parallel_plan = resolved
     if ctx.dp_size > 1:
         model._ops_transformer_grad_sync = GradSync(model.parameters(), ctx.dp_group,

@@ -1,0 +1,354 @@
+"""Hugging Face's own tensor-parallel plans, translated into ours.
+
+A ``transformers`` model whose config carries a ``base_model_tp_plan`` declares, for module (or
+parameter) patterns, one of Hugging Face's styles; ``model.tp_plan`` is the whole model's plan (the
+LM head's and the embedding's rules included). :func:`translated_plan` turns it into a
+:class:`~.plan.Plan`, style by style:
+
+================================  ======================================  ========================
+Hugging Face style                our style (:mod:`.plan`)                a size not divisible by tp
+================================  ======================================  ========================
+``colwise``                       ``colwise`` (K/V: ``kv_heads``)         FFN width padded; heads
+                                                                          refused
+``rowwise``                       ``rowwise``                             FFN width padded
+``colwise_gather_output``         ``colwise`` + ``gather_output``         padded, sliced after the
+                                                                          gather
+``rowwise_split_input``           ``rowwise`` + ``input_is_parallel``     padded
+                                  ``=False``
+``packed_colwise``                ``colwise`` + two ``sub_blocks``        refused (each half must
+                                                                          divide)
+``packed_rowwise``                ``rowwise`` + two ``sub_blocks``        refused
+``embedding_rowwise``             ``vocab``                               vocabulary padded
+``embedding_colwise``             ``embed_colwise``                       refused
+``replicated_with_grad_allreduce`` ``grad_allreduce``                     —
+``all_reduce``                    ``reduce_out``                          —
+``mla_kv_a_proj``                 ``mla_kv_a`` (``rope_dim`` from the     —
+                                  config's ``qk_rope_head_dim``)
+``colwise`` / ``rowwise`` on a    ``shard_param`` (dim 0 / the last; a    refused
+parameter                         bias stays replicated)
+``local_params``, ``replicate``   no rule: our layers always compute on   —
+                                  plain local tensors
+``moe_tp_experts``,               not yet: they need mixture-of-experts   —
+``moe_identity_expert``           support (SPEC F9, issue #12)
+================================  ======================================  ========================
+
+The input embedding and the LM head are split over the vocabulary or kept replicated by predicted
+time (:func:`vocab_rules`), whatever Hugging Face's plan says, unless the user's ``tp_plan`` names
+them. Column layers each reduce their own input gradient (Q, K and V: three backward all-reduces
+where our hand-written plans issue one). Heads must divide by tp; KV heads fewer than tp are
+replicated when tp is a multiple of them, the attention module's ``num_key_value_groups`` set per
+rank. A column layer paired with a row layer under the same parent (the column→row FFN) pads a
+width that does not divide by tp, as do gathered-output columns and split-input rows.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from torch import nn
+
+from ..layers.linear import dense_weight
+from .plan import Plan, matches
+
+HF_STYLES = {  # Hugging Face style -> (our style, options); None: nothing to do
+    "colwise": ("colwise", {}),
+    "local_colwise": ("colwise", {}),
+    "rowwise": ("rowwise", {}),
+    "local_rowwise": ("rowwise", {}),
+    "colwise_gather_output": ("colwise", {"gather_output": True}),
+    "colwise_rep": ("colwise", {"gather_output": True}),
+    "rowwise_split_input": ("rowwise", {"input_is_parallel": False}),
+    "rowwise_rep": ("rowwise", {"input_is_parallel": False}),
+    "packed_colwise": ("colwise", {"packed": 2}),
+    "packed_rowwise": ("rowwise", {"packed": 2}),
+    "embedding_rowwise": ("vocab", {}),
+    "embedding_colwise": ("embed_colwise", {}),
+    "replicated_with_grad_allreduce": ("grad_allreduce", {}),
+    "all_reduce": ("reduce_out", {}),
+    "mla_kv_a_proj": ("mla_kv_a", {}),
+    "local_params": None,
+    "replicate": None,
+    "local": None,
+}
+MOE_STYLES = ("moe_tp_experts", "moe_identity_expert")
+MOE_MISSING = ("needs mixture-of-experts support (SPEC F9, issue #12: MoE layers), not yet built "
+               "in ops-transformer")
+NOT_TRANSLATED = {"sequence_parallel": "sequence parallelism is not part of a translated plan"}
+KNOWN_STYLES = tuple(HF_STYLES) + MOE_STYLES + tuple(NOT_TRANSLATED)
+
+Q_NAMES = ("q_proj", "query", "q_b_proj", "wq")
+KV_NAMES = ("k_proj", "v_proj", "key", "value", "wk", "wv")
+FUSED_QKV = ("qkv_proj", "query_key_value", "c_attn", "Wqkv", "wqkv", "qkv")
+AUTO_BATCH, MAX_AUTO_SEQ = 8, 2048  # the micro-batch the vocabulary choice assumes
+# Where a family's own plan is not exact (patterns under the base model): the zoo found these.
+PLAN_FIXES = {
+    # xIELU's learnable alpha_p/alpha_n sit between up_proj (column) and down_proj (row): each
+    # rank sees its features only, so their gradients are partial
+    **dict.fromkeys(["apertus", "apertus1p5_text"],
+                    {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}),
+    # q_norm/k_norm normalise over all heads (hidden_size features): heads cannot be split, so
+    # attention stays replicated (its MLP is still split)
+    "esmc": dict.fromkeys([f"layers.*.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj",
+                                                               "o_proj")], "replicate"),
+    # dt_proj mixes every KV head's values into each head's gate, and the gate then masks all
+    # heads: split heads cannot reproduce it, so attention stays replicated
+    "doge": dict.fromkeys([f"layers.*.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj",
+                                                               "o_proj", "dt_proj")], "replicate"),
+    # a per-head parameter and the value embeddings (KV-head features) the plan leaves whole:
+    # this rank's heads' share of each
+    "neomme": {"layers.*.self_attn.exclusive_self_attention.alpha": "colwise",
+               "value_embeddings.weight": "rowwise"},
+}
+
+
+def text_config(model):
+    config = model.config
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def hf_tp_plan(model) -> dict[str, str]:
+    """The model's whole Hugging Face plan: ``model.tp_plan`` (transformers ≥ 5), else the
+    config's ``base_model_tp_plan`` under the base model's prefix."""
+    base = getattr(model, "base_model_prefix", "")
+    prefix = f"{base}." if base and isinstance(getattr(model, base, None), nn.Module) else ""
+    plan = getattr(model, "tp_plan", None)
+    if not (isinstance(plan, dict) and plan):
+        plan = {prefix + k: v for k, v in (getattr(model.config, "base_model_tp_plan", None)
+                                           or {}).items()}
+    fixes = PLAN_FIXES.get(getattr(model.config, "model_type", None), {})
+    return {**plan, **{prefix + k: v for k, v in fixes.items()}} if plan else {}
+
+
+def check_styles(plan: dict[str, str], model_type: str) -> None:
+    """Unknown styles, then styles that need a feature we lack: a ``ValueError`` naming both the
+    style and the pattern."""
+    for pattern, style in plan.items():
+        if style not in KNOWN_STYLES:
+            raise ValueError(f"{model_type}: tp_plan entry {pattern!r} has style {style!r}, which "
+                             f"is not a Hugging Face tensor-parallel style (known: "
+                             f"{', '.join(sorted(KNOWN_STYLES))})")
+    for pattern, style in plan.items():
+        if style in MOE_STYLES:
+            raise ValueError(f"{model_type}: tp_plan entry {pattern!r} has style {style!r}, which "
+                             f"{MOE_MISSING}")
+        if style in NOT_TRANSLATED:
+            raise ValueError(f"{model_type}: tp_plan entry {pattern!r} has style {style!r}: "
+                             f"{NOT_TRANSLATED[style]}")
+
+
+def _tied(model) -> bool:
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    return out is not None and inp is not None and out.weight is inp.weight
+
+
+def _name_of(model, module) -> str | None:
+    return next((n for n, m in model.named_modules() if m is module and n), None)
+
+
+def _head_ok(head) -> bool:
+    return type(head) is nn.Linear and head.bias is None
+
+
+def vocab_rules(model, tp: int, vocab: str = "auto", loss_parallel: bool = False, *,
+                profile=None) -> tuple[dict, str, str]:
+    """``(rules, mode, reason)`` for the input embedding and the LM head: vocab-parallel
+    (embedding ``vocab``, head ``vocab_logits``, tied when the model ties them) or replicated (no
+    rules). ``auto`` asks the cost model (:func:`~ops_transformer.planner.choose_vocab`) for a
+    micro-batch of 8 sequences of the model's context (at most 2048 tokens); a head that returns
+    full logits pays an all-gather of ``N·V`` elements, a ``loss_parallel`` head only the loss
+    statistics, a model without a head only the embedding's all-reduce (so it stays
+    replicated)."""
+    from ..planner.choose import choose_vocab
+
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(embedding) is not nn.Embedding or (head is not None and not _head_ok(head)):
+        # A subclass (Gemma's scaled embedding) or a head with a bias is not swapped.
+        return {}, "replicated", "vocab replicated: an embedding or LM head of a kind not swapped"
+    if vocab not in ("auto", "parallel", "replicated"):
+        raise ValueError(f"vocab must be 'auto', 'parallel' or 'replicated', got {vocab!r}")
+    reason = f"vocab {vocab}: as requested"
+    if vocab == "auto" and tp == 1:
+        vocab, reason = "parallel", "vocab parallel: tp=1"
+    elif vocab == "auto":
+        text = text_config(model)
+        seq = min(getattr(text, "max_position_embeddings", None) or MAX_AUTO_SEQ, MAX_AUTO_SEQ)
+        spec = SimpleNamespace(d_model=embedding.embedding_dim,
+                               vocab_size=embedding.num_embeddings)
+        kind = "none" if head is None else ("loss" if loss_parallel else "logits")
+        vocab, reason = choose_vocab(spec, tp, batch=AUTO_BATCH, seq=seq, profile=profile,
+                                     head=kind)
+    if vocab == "replicated":
+        return {}, vocab, reason
+    embed = _name_of(model, embedding)
+    rules = {embed: {"style": "vocab"}}
+    if head is not None:
+        rule = {"style": "vocab_logits"}
+        if _tied(model):
+            rule["tied_to"] = embed
+        if loss_parallel:
+            rule["gather"] = False
+        rules[_name_of(model, head)] = rule
+    return rules, vocab, reason
+
+
+class _Targets:
+    """The first module (or parameter) each pattern names."""
+
+    def __init__(self, model):
+        self.modules = [(n, m) for n, m in model.named_modules() if n]
+        self.params = list(model.named_parameters())
+
+    def find(self, pattern: str):
+        for kind, pairs in (("module", self.modules), ("param", self.params)):
+            for name, obj in pairs:
+                if matches(name, pattern):
+                    return kind, name, obj
+        return None
+
+
+def _rule(model, pattern: str, style: str, target, head_name, embed_rule) -> dict:
+    """Our rule(s) for one Hugging Face entry."""
+    kind, name, obj = target
+    ours, options = HF_STYLES[style]
+    rule = {"style": ours, **options}
+    packed = rule.pop("packed", None)
+    if kind == "param":
+        if ours not in ("colwise", "rowwise") or packed:
+            raise ValueError(f"{pattern!r}: style {style!r} on a parameter of shape "
+                             f"{tuple(obj.shape)} is not translated (it belongs to an experts "
+                             f"module, which {MOE_MISSING})")
+        if ours == "rowwise" and name.endswith("bias"):
+            return {}  # a row-parallel bias stays replicated
+        return {pattern: {"style": "shard_param", "dim": 0 if ours == "colwise" else -1}}
+    if packed:
+        size = dense_weight(obj)[0].shape[0 if ours == "colwise" else 1]
+        if size % packed:
+            raise ValueError(f"{pattern!r}: style {style!r} packs {packed} blocks, but the size "
+                             f"{size} does not divide by {packed}")
+        rule["sub_blocks"] = [size // packed] * packed
+    if ours == "mla_kv_a":
+        rope = getattr(text_config(model), "qk_rope_head_dim", None)
+        if not rope:
+            raise ValueError(f"{pattern!r}: style {style!r} needs the config's qk_rope_head_dim")
+        rule["rope_dim"] = rope
+    if name == head_name and ours == "colwise":  # a user-named head: vocab-parallel, maybe tied
+        rule = {"style": "vocab_logits"}
+        if _tied(model):
+            if embed_rule is None:
+                raise ValueError(f"{pattern!r}: the LM head is tied to the input embedding, so it "
+                                 f"can only be split with it (name the embedding "
+                                 f"'embedding_rowwise' too)")
+            rule["tied_to"] = embed_rule
+    return {pattern: rule}
+
+
+def _head_counts(config, name: str) -> set[int]:
+    """The values of ``name`` over the layers (one value unless the config is heterogeneous:
+    ``per_layer_config``, whose global attribute ``transformers`` refuses to read)."""
+    if getattr(config, "is_heterogeneous", False):
+        return {getattr(c, name) for c in config.per_layer_config if getattr(c, name, None)}
+    value = getattr(config, name, None)
+    return {value} if value else set()
+
+
+def _check_heads(model, rules: dict, tp: int, targets: _Targets) -> None:
+    """Whole query heads per rank; KV heads split or replicated (then ``num_key_value_groups``
+    set per rank on the attention module)."""
+    split = {p: r for p, r in rules.items()
+             if r["style"] == "colwise" and not r.get("gather_output")}
+    last = {p: p.rsplit(".", 1)[-1] for p in split}
+    if not any(n in Q_NAMES + KV_NAMES + FUSED_QKV for n in last.values()):
+        return
+    text = text_config(model)
+    all_heads = _head_counts(text, "num_attention_heads")
+    for heads in sorted(all_heads):
+        if heads % tp:
+            raise ValueError(f"num_attention_heads ({heads}) is not divisible by tp ({tp}); each "
+                             f"rank needs whole query heads")
+    kv_rules = [p for p, n in last.items() if n in KV_NAMES]
+    all_kv = _head_counts(text, "num_key_value_heads") or all_heads
+    if not kv_rules or all(kv % tp == 0 for kv in all_kv):
+        return
+    kv, heads = min(all_kv), min(all_heads, default=0)
+    if tp % kv or len(all_kv | all_heads) > 2:
+        raise ValueError(f"num_key_value_heads ({kv}) and tp ({tp}): KV heads can be split when "
+                         f"tp divides them or replicated when they divide tp (with one head "
+                         f"count for every layer); neither holds")
+    if any(n in FUSED_QKV for n in last.values()):
+        raise ValueError(f"num_key_value_heads ({kv}) < tp ({tp}) with a fused QKV projection: "
+                         f"its KV heads cannot be replicated; use a tp that divides {kv}")
+    for pattern in kv_rules:
+        rules[pattern]["kv_heads"] = kv
+        parent = pattern.rsplit(".", 1)[0]
+        module = targets.find(parent)
+        if module is None or not hasattr(module[2], "num_key_value_groups"):
+            raise ValueError(f"num_key_value_heads ({kv}) < tp ({tp}): replicating KV heads sets "
+                             f"num_key_value_groups on {parent!r}, which has none; use a tp that "
+                             f"divides {kv}")
+        if parent in rules and rules[parent]["style"] != "attrs":
+            raise ValueError(f"{parent!r} has rule {rules[parent]} and needs per-rank attributes")
+        rules[parent] = {"style": "attrs", "set": {"num_key_value_groups": heads // tp}}
+
+
+def _pad_ffn(rules: dict) -> None:
+    """Let widths that do not divide by tp be padded where that is exact: a column layer whose
+    parent also holds a row layer (the column→row FFN), a gathered column, a split-input row."""
+    parents = {}
+    for pattern, rule in rules.items():
+        parent, _, last = pattern.rpartition(".")
+        attention = last in Q_NAMES + KV_NAMES + FUSED_QKV  # heads: never padded
+        parents.setdefault(parent, set()).add("attention" if attention else rule["style"])
+    for pattern, rule in rules.items():
+        if rule["style"] not in ("colwise", "rowwise") or "sub_blocks" in rule or \
+                "kv_heads" in rule:
+            continue
+        siblings = parents[pattern.rpartition(".")[0]]
+        paired = {"colwise", "rowwise"} <= siblings and "attention" not in siblings
+        if paired or rule.get("gather_output") or rule.get("input_is_parallel") is False:
+            rule["pad"] = True
+
+
+def translated_plan(model, tp: int, loss_parallel: bool = False, *, tp_plan: dict | None = None,
+                    vocab: str = "auto", profile=None) -> Plan:
+    """Hugging Face's plan for ``model`` (``model.tp_plan``) in our styles (the table above).
+
+    ``tp_plan`` (Hugging Face style names, as ``from_pretrained(tp_plan=...)`` takes them) is
+    merged over the model's own plan, entry by entry; an empty dict means no tensor parallelism.
+    Its keys must name modules or parameters of the model. Patterns of the model's own plan that
+    name nothing in this configuration (an optional module) are skipped.
+    """
+    model_type = getattr(text_config(model), "model_type", type(model).__name__)
+    hf, user = hf_tp_plan(model), dict(tp_plan or {})
+    targets = _Targets(model)
+    for pattern in user:
+        if targets.find(pattern) is None:
+            raise ValueError(f"tp_plan key {pattern!r} matches no module or parameter of "
+                             f"{type(model).__name__}")
+    if tp_plan is not None:
+        hf = {**hf, **user} if user else {}
+    check_styles(hf, model_type)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embed_name, head_name = _name_of(model, embedding), _name_of(model, head)
+    vocab_names = {n for n in (embed_name, head_name) if n}
+    user_vocab = any(matches(n, p) for p in user for n in vocab_names)
+    rules, mode, why = ({}, "replicated", "vocab as the tp_plan says") if user_vocab or not hf \
+        else vocab_rules(model, tp, vocab, loss_parallel, profile=profile)
+    embed_rule = None
+    first = sorted(hf, key=lambda p: not (embed_name and matches(embed_name, p)))
+    for pattern, style in ((p, hf[p]) for p in first):  # an embedding before its tied head
+        if not user_vocab and any(matches(n, pattern) for n in vocab_names):
+            continue  # the vocabulary split is ours to choose
+        target = targets.find(pattern)
+        if HF_STYLES[style] is None or target is None:
+            continue
+        new = _rule(model, pattern, style, target, head_name, embed_rule)
+        if target[1] == embed_name and HF_STYLES[style][0] == "vocab":
+            embed_rule = pattern
+        rules.update(new)
+    if user_vocab and any(r["style"] == "vocab_logits" for r in rules.values()):
+        mode = "parallel"
+    _check_heads(model, rules, tp, targets)
+    _pad_ffn(rules)
+    return Plan(rules=rules, attention="heads", vocab=mode,
+                reason=f"translated from {model_type}'s tp_plan; {why}")

@@ -14,6 +14,7 @@ from torch import nn
 
 from helpers import assert_rel
 from ops_transformer import CommLedger, ParallelContext, gather_full_state_dict, init_parallel
+from ops_transformer.comm.bucketing import attach_grad_sums
 from ops_transformer.layers.embedding import ColumnParallelEmbedding
 from ops_transformer.layers.linear_variants import (PackedRowParallelLinear,
                                                     PaddedColumnParallelLinear,
@@ -167,6 +168,7 @@ def _case(name):
     y_ref.backward(grad_out)
 
     apply_plan(model, Plan(rules=rules), ctx, _Groups(model, ctx))
+    attach_grad_sums(model)  # the partial gradients grad_allreduce marks (parallelize does this)
     x_tp = x.clone().requires_grad_(x.is_floating_point())
     with CommLedger() as fwd:
         y = model(x_tp)

@@ -13,7 +13,8 @@ from ops_transformer.models import preset
 from ops_transformer.planner.catalogue import GPUS, LINKS, GPU, Link, gpu, link
 from ops_transformer.planner.specs import MODEL_PRESETS, ClusterSpec, ModelSpec
 
-GPU_NAMES = {"v100", "a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x"}
+GPU_NAMES = {"v100", "a100-40gb", "a100-80gb", "h100-sxm", "h100-sxm-96gb", "h100-pcie", "h200", "b200",
+             "mi300x"}
 LINK_NAMES = {"nvlink2", "nvlink3", "nvlink4", "nvlink5", "pcie4", "pcie5", "infinity-fabric",
               "ib-hdr", "ib-ndr", "loopback"}
 

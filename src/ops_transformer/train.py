@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from .comm import collectives as C
 from .comm.ledger import CommLedger
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
 from .parallel.context import check_degrees, init_parallel
 from .parallelize import parallelize
 from .parallelize.gpt_plan import gpt_plan
-from .planner.strategies import layer_cost, vocab_cost
+from .planner.strategies import model_comm_per_step
+from .precision import DynamicLossScaler, optimizer_step, precision_policy
 from .utils.plot import write_line_plot_png
 from .utils.progress import Progress
 
@@ -48,6 +48,8 @@ class TrainConfig:
     sample_prompt: str = "def "
     progress: bool = True
     layers: int | None = None  # overrides the preset's n_layers
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16: with a dynamic loss scaler)
+    clip_grad: float | None = None  # clip the dense model's gradient norm to this
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -64,6 +66,9 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
             raise ValueError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be positive, got {cfg.lr}")
+    precision_policy(cfg.precision)  # names the valid choices
+    if cfg.clip_grad is not None and not cfg.clip_grad > 0:
+        raise ValueError(f"--clip-grad must be positive, got {cfg.clip_grad}")
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, _, tp = check_degrees(world_size, cfg.tp, cfg.dp, 1)
@@ -80,31 +85,10 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
 
 def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch: int,
                            seq: int, vocab: str = "parallel") -> dict[str, dict[str, int]]:
-    """The tensor-parallel collectives of one training step on one rank, from the cost model
-    (:func:`ops_transformer.planner.layer_cost`, checked against the ledger by the tests), for a
-    local micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` layers, plus — with a
-    vocab-parallel embedding and head — the embedding's all-reduce (``b·s·h``) and the loss's
-    all-gather (``tp·3N`` elements, ``N = b·s``) in forward and the LM head's input-gradient
-    all-reduce in backward (:func:`~ops_transformer.planner.vocab_cost`)."""
-    if tp == 1:
-        return {}
-    c = model_cfg
-    layer = layer_cost(attention, batch, seq, c.d_model, c.n_heads, c.n_kv_heads, c.d_ff, tp,
-                       bias=c.bias, swiglu=c.mlp == "swiglu").total()
-    out = {kind: {k: v * c.n_layers for k, v in entry.items()} for kind, entry in layer.items()}
-    for kind, entry in vocab_cost(vocab, batch, seq, c.d_model, c.vocab_size, tp).total().items():
-        total = out.setdefault(kind, {"calls": 0, "elements": 0})
-        total["calls"] += entry["calls"]
-        total["elements"] += entry["elements"]
-    return out
-
-
-def _global_loss(loss: torch.Tensor, ctx) -> float:
-    loss = loss.detach().clone()
-    if ctx.dp_size > 1:  # the global-batch loss, for reporting (not part of the step's ledger)
-        C.all_reduce(loss, ctx.dp_group, label="report_loss")
-        loss /= ctx.dp_size
-    return float(loss)
+    """The tensor-parallel collectives the cost model predicts for one training step on one rank
+    (:func:`ops_transformer.planner.strategies.model_comm_per_step`, checked against the ledger by
+    the tests)."""
+    return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab)
 
 
 def train_worker(cfg: TrainConfig) -> dict | None:
@@ -115,8 +99,11 @@ def train_worker(cfg: TrainConfig) -> dict | None:
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
     plan = gpt_plan(model_cfg, ctx.tp_size, cfg.attention, batch=cfg.batch // ctx.dp_size,
                     seq=cfg.seq)  # `auto` ranks the strategies for this run's shapes
-    model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan)
+    policy = precision_policy(cfg.precision)
+    model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan,
+                        grad_reduce_dtype=policy.grad_reduce_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
     lead = ctx.rank == 0
     losses, step_times, last = [], [], None
     bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)
@@ -125,25 +112,42 @@ def train_worker(cfg: TrainConfig) -> dict | None:
                               ctx.dp_rank, ctx.dp_size)
         x, y = x.to(ctx.device), y.to(ctx.device)
         start = time.perf_counter()
-        with CommLedger() as ledger:
-            loss = model(x, y)[1]
-            loss.backward()
-        opt.step()
+        with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
+            with policy.autocast(ctx.device):
+                loss = model(x, y)[1]
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            report = optimizer_step(model, opt, ctx, scaler=scaler, max_norm=cfg.clip_grad,
+                                    metrics={"loss": loss})  # one all-reduce for what is small
         opt.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - start)
-        losses.append(_global_loss(loss, ctx))
+        losses.append(report.metrics["loss"])
         last = ledger
-        if not math.isfinite(losses[-1]):
+        if not math.isfinite(losses[-1]) and (scaler is None
+                                              or scaler.scale_value <= scaler.min_scale):
             raise ValueError(f"the loss became {losses[-1]} at step {step}; lower --lr "
                              f"(now {cfg.lr})")
         tokens_per_s = cfg.batch * cfg.seq / step_times[-1]
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
-                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"})
+                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"},
+                   **_precision_stats(report, scaler))
     bar.close()
     sample = _sample(model, cfg, ctx.device)
     if not lead:
         return None
-    return _metrics(cfg, ctx, model, losses, step_times, last, sample)
+    return _metrics(cfg, ctx, model, losses, step_times, last, sample,
+                    {"precision": cfg.precision, "clip_grad": cfg.clip_grad,
+                     "grad_norm_last": report.grad_norm, "comm_by_dtype": last.by_dtype(),
+                     **({} if scaler is None else {"loss_scale": scaler.scale_value,
+                                                   "skipped_steps": scaler.skipped_steps})})
+
+
+def _precision_stats(report, scaler) -> dict:
+    """Progress-line fields: the gradient norm when clipping; the loss scale and the number of
+    skipped steps with fp16's loss scaler."""
+    stats = {} if report.grad_norm is None else {"gnorm": report.grad_norm}
+    if scaler is not None:
+        stats.update(scale=scaler.scale_value, skipped=scaler.skipped_steps)
+    return stats
 
 
 def _sample(model, cfg: TrainConfig, device) -> str:
@@ -155,7 +159,7 @@ def _sample(model, cfg: TrainConfig, device) -> str:
     return decode(out[0].tolist())
 
 
-def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
+def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) -> dict:
     warm = step_times[min(2, len(step_times) - 1):]  # the first steps pay one-off costs
     median_step = sorted(warm)[len(warm) // 2]
     comm = ledger.summary()
@@ -175,7 +179,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
             cfg.seq, model.parallel_plan.vocab),
         "params": _dense_param_count(model.cfg),
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
-        "plan": model.parallel_plan.to_dict(),
+        "plan": model.parallel_plan.to_dict(), **(extra or {}),
     }
     if cfg.out:
         write_outputs(Path(cfg.out), metrics)

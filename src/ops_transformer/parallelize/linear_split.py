@@ -27,14 +27,15 @@ from torch import nn
 from ..comm.primitives import all_gather_along, scatter_to_tp_region
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, dense_weight
 from ..planner.choose import resolve_profile
+from ..planner.cost import Comm
 from ..planner.hardware import HardwareProfile
 
 LAYOUTS = ("replicated", "sharded")
 
 
 def split_comm(split: str, tokens: int, in_features: int, out_features: int,
-               input_layout: str, output_layout: str) -> dict[str, dict[str, dict[str, int]]]:
-    """``{"fwd": {kind: {calls, elements}}, "bwd": {...}}`` for one option (ledger convention)."""
+               input_layout: str, output_layout: str) -> dict[str, Comm]:
+    """``{"fwd": Comm, "bwd": Comm}`` for one option (ledger convention)."""
     n_in, n_out = tokens * in_features, tokens * out_features
     fwd, bwd = [], []
     if split == "column":
@@ -51,16 +52,7 @@ def split_comm(split: str, tokens: int, in_features: int, out_features: int,
             bwd.append(("all_gather", n_in))
         if output_layout == "sharded":
             bwd.append(("all_gather", n_out))
-
-    def tally(calls):
-        out = {}
-        for kind, n in calls:
-            entry = out.setdefault(kind, {"calls": 0, "elements": 0})
-            entry["calls"] += 1
-            entry["elements"] += n
-        return out
-
-    return {"fwd": tally(fwd), "bwd": tally(bwd)}
+    return {"fwd": Comm.of(*fwd), "bwd": Comm.of(*bwd)}
 
 
 def choose_split(tokens: int, in_features: int, out_features: int, tp: int, input_layout: str,

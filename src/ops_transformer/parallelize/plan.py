@@ -43,7 +43,8 @@ style              effect (communication: forward / backward)
                    size of a fused QKV output in Hugging Face's GPT-2. No communication
 ``grad_allreduce`` parameters stay replicated, their gradients are summed over the TP group (a
                    norm over per-head features, e.g. Qwen3's ``q_norm``, sees only this rank's
-                   heads). Fwd: none; bwd: one all-reduce per parameter (its size)
+                   heads). Fwd: none; bwd: their sum, coalesced with the other partial gradients
+                   into one all-reduce per bucket at the end of backward (``GradSums``)
 ``reduce_out``     the module computes a partial sum on each rank; its output is all-reduced.
                    Fwd: all-reduce of the output; bwd: none
 ``mla_kv_a``       a replicated MLA ``kv_a_proj_with_mqa`` (``rope_dim``: its last ``rope_dim``
@@ -68,13 +69,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..comm.primitives import (copy_to_tp_region, gather_from_tp_region, grad_sum_hook,
-                               reduce_from_tp_region)
+from ..comm.bucketing import mark_partial_grad
+from ..comm.primitives import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..layers.attention import FeatureSplitAttention
 from ..layers.embedding import ColumnParallelEmbedding
 from ..layers.head import GatheredLMHead, VocabParallelLMHead
-from ..layers.linear import dense_weight
+from ..layers.linear import dense_weight, to_compute_dtype
 from ..layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParallelLinear,
                                       PaddedRowParallelLinear)
 from ..parallel.sharding import ShardSpec, set_shard_spec
@@ -158,7 +159,7 @@ def _colwise(module, ctx, groups, sub_blocks=None, kv_heads=None, reduce_input_g
     if replicas > 1:
         group = groups.replica_group(replicas)
         for p in layer.parameters():  # each replica saw only its query heads: sum the gradients
-            p.register_hook(grad_sum_hook(group, "kv_replica_grads"))
+            mark_partial_grad(p, group)
     return layer
 
 
@@ -182,12 +183,12 @@ def _gather_in(module, ctx, groups):
 def _region(module, ctx, groups, set=None):
     _attrs(module, ctx, groups, set)
 
-    def enter(m, args, kwargs):
+    def enter(m, args, kwargs):  # in autocast's dtype: the backward all-reduce runs in it too
         if args:
-            return (copy_to_tp_region(args[0], ctx.tp_group), *args[1:]), kwargs
+            return (copy_to_tp_region(to_compute_dtype(args[0]), ctx.tp_group), *args[1:]), kwargs
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": copy_to_tp_region(kwargs["hidden_states"],
-                                                                       ctx.tp_group)}
+            hidden = copy_to_tp_region(to_compute_dtype(kwargs["hidden_states"]), ctx.tp_group)
+            return args, {**kwargs, "hidden_states": hidden}
         raise ValueError(f"region style: {type(m).__name__} was called without a positional "
                          f"input or a hidden_states keyword")
 
@@ -204,9 +205,8 @@ def _attrs(module, ctx, groups, set=None):
 
 
 def _grad_allreduce(module, ctx, groups):
-    for p in module.parameters():
-        if p.requires_grad:
-            p.register_hook(grad_sum_hook(ctx.tp_group, "replicated_param_grads"))
+    for p in module.parameters():  # summed over the TP group at the end of backward, coalesced
+        mark_partial_grad(p, ctx.tp_group)
     return module
 
 

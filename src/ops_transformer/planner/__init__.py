@@ -3,13 +3,16 @@ and profiles, memory, the layout search, calibration and topology."""
 
 from .catalogue import GPUS, LINKS, gpu, link
 from .choose import attention_options, attention_problem, choose_attention, choose_vocab
+from .cost import Comm, collective_time, comm_time, hierarchical_time, ring_steps
+from .efficiency import default_efficiency
 from .hardware import A100_NVLINK, CPU_GLOO, HardwareProfile
-from .memory import activation_bytes_per_layer, model_state_bytes
+from .memory import activation_bytes_per_layer, logits_bytes, model_state_bytes
 from .profile import CalibratedProfile, load_profile
-from .search import search
+from .search import Options, evaluate_layout, execution, search
+from .timing import Execution, zero_comm
 from .specs import MODEL_PRESETS, ClusterSpec, ModelSpec
 from .strategies import (ATTENTION_STRATEGIES, VOCAB_MODES, LayerCost, attention_cost, ffn_cost,
-                         layer_cost, vocab_cost)
+                         layer_cost, model_comm_per_step, vocab_cost)
 from .topology import Topology, detect_topology
 
 __all__ = [
@@ -18,4 +21,7 @@ __all__ = [
     "VOCAB_MODES", "activation_bytes_per_layer", "attention_cost", "attention_options",
     "attention_problem", "choose_attention", "choose_vocab", "detect_topology", "ffn_cost", "gpu",
     "layer_cost", "link", "load_profile", "model_state_bytes", "search", "vocab_cost",
+    "Comm", "Execution", "Options", "collective_time", "comm_time", "default_efficiency",
+    "evaluate_layout", "execution", "hierarchical_time", "logits_bytes", "model_comm_per_step",
+    "ring_steps", "zero_comm",
 ]

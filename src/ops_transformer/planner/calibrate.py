@@ -3,7 +3,10 @@
 Three measurements, each a median of several timed runs, one intra-op thread per rank (as in
 training, see :func:`~ops_transformer.parallel.launch.launch`):
 
-- **matmul**: fp32 ``n × n`` products, ``2n³ / t`` FLOP/s for ``n`` in 256 … 2048.
+- **matmul**: fp32 ``n × n`` products, ``2n³ / t`` FLOP/s for ``n`` in 256 … 2048. On a GPU also
+  the **matmul efficiency** the planner uses (:mod:`.efficiency`): bf16 products of the shapes of
+  a Transformer layer's projections (``tokens × h`` by ``h × 4h`` and back, ``h`` 4096 and 8192,
+  8192 tokens), their best FLOP/s over the card's dense bf16 peak (:func:`gpu_efficiency`).
 - **collectives**: all-reduce, all-gather, reduce-scatter and all-to-all on ``p`` local ranks, for
   messages of 4 B … 16 MiB (×4 steps). A message of ``n`` elements is the full logical tensor (the
   ledger's convention). Hockney's model ``t = α + w/β`` is fitted per kind, with ``w`` the bytes one
@@ -16,6 +19,8 @@ training, see :func:`~ops_transformer.parallel.launch.launch`):
 The profile (JSON, keys are strings)::
 
     {"name", "created", "machine": {...}, "matmul_flops": {n: FLOP/s}, "matmul_flops_best",
+     "gpu": {"device", "catalogue", "bf16_flops": {shape: FLOP/s}, "peak_bf16_flops",
+             "matmul_efficiency"} (GPU machines only),
      "collectives": {p: {kind: {"alpha_s", "bandwidth", "fit", "fit_rel_error",
                                 "points": [[message bytes, seconds], ...]}}},
      "p2p_threshold_bytes": int | null,
@@ -40,6 +45,7 @@ from ..comm.ledger import wire_elements
 from ..parallel.context import init_parallel
 from ..parallel.launch import launch
 from ..utils.progress import Progress
+from .catalogue import GPUS, gpu_for_device
 from .topology import detect_topology
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -176,6 +182,39 @@ def _matmul_worker(sizes, repeats: int, progress: bool) -> dict[int, float]:
     return flops
 
 
+GPU_SHAPES = ((8192, 4096, 16384), (8192, 16384, 4096), (8192, 8192, 32768),
+              (8192, 32768, 8192))  # (tokens, in, out): a layer's FFN projections at h 4096, 8192
+
+
+def gpu_efficiency(device_name: str, memory_bytes: int, flops: dict) -> dict:
+    """The profile's ``"gpu"`` entry from measured bf16 FLOP/s per shape: the best of them over
+    the catalogue card's dense bf16 peak (``None`` for a card the catalogue lacks)."""
+    card = gpu_for_device(device_name, memory_bytes)
+    best = max(flops.values())
+    peak = GPUS[card].bf16_flops if card else None
+    return {"device": device_name, "catalogue": card, "bf16_flops": flops,
+            "peak_bf16_flops": peak, "matmul_efficiency": best / peak if peak else None}
+
+
+def bf16_matmul_flops(device: torch.device, shapes, repeats: int) -> dict[str, float]:
+    """FLOP/s of ``tokens × n_in`` by ``n_in × n_out`` bf16 products, one per shape."""
+    flops = {}
+    for tokens, n_in, n_out in shapes:
+        a = torch.randn(tokens, n_in, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n_in, n_out, device=device, dtype=torch.bfloat16)
+        seconds = _median_time(lambda: a @ w, None, device, repeats)
+        flops[f"{tokens}x{n_in}x{n_out}"] = 2 * tokens * n_in * n_out / seconds
+    return flops
+
+
+def _gpu_matmul_worker(repeats: int) -> dict:
+    """:data:`GPU_SHAPES` on this rank's GPU (one rank, ``cuda:0``), as the profile's entry."""
+    device = torch.device("cuda", 0)
+    props = torch.cuda.get_device_properties(device)
+    return gpu_efficiency(props.name, props.total_memory,
+                          bf16_matmul_flops(device, GPU_SHAPES, repeats))
+
+
 def _collectives_worker(message_bytes, quick: bool, progress: bool) -> dict[str, list]:
     ctx = init_parallel(tp=1)
     group, p = ctx.dp_group, ctx.dp_size
@@ -272,7 +311,11 @@ def calibrate(world_sizes=(2, 4), *, quick: bool = False, progress: bool = True,
            for i, (b, _, _) in enumerate(per_rank[0])]
     threshold, small = crossover(p2p)
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    return {"name": f"calibrated {machine['hostname']} ({machine['backend']})", "created": created,
-            "machine": machine, "matmul_flops": {str(n): f for n, f in flops.items()},
-            "matmul_flops_best": max(flops.values()), "collectives": collectives,
-            "p2p_threshold_bytes": threshold, "p2p": {"small_messages": small, "points": p2p}}
+    profile = {"name": f"calibrated {machine['hostname']} ({machine['backend']})",
+               "created": created, "machine": machine,
+               "matmul_flops": {str(n): f for n, f in flops.items()},
+               "matmul_flops_best": max(flops.values()), "collectives": collectives,
+               "p2p_threshold_bytes": threshold, "p2p": {"small_messages": small, "points": p2p}}
+    if torch.cuda.is_available():
+        profile["gpu"] = launch(_gpu_matmul_worker, 1, 3 if quick else 10, timeout=timeout)[0]
+    return profile

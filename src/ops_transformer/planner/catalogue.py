@@ -80,6 +80,16 @@ GPUS: dict[str, GPU] = {
     "h100-pcie": GPU("h100-pcie", bf16_flops=756.5 * _T, fp16_flops=756.5 * _T, fp32_flops=51 * _T,
                      memory_bytes=80 * _GiB, memory_bandwidth=2000 * _GB, intra_link="pcie5",
                      gpus_per_node=8, vendor="nvidia"),
+    # H100 SXM with 96 GB of HBM2e at 2.4 TB/s and a 500 W power limit (the variant Meta's Grand
+    # Teton hosts carry): torchtitan's H100 benchmarks (benchmarks/llama3_h100_202412_torchtitan.md,
+    # pytorch/torchtitan, 2024) give 96 GB HBM2e, 2.4 TB/s, 500 W, 8 GPUs per host over NVLink,
+    # 400 Gb/s RDMA per GPU, and 95 GiB usable per GPU. Its peak is "between SXM and NVL" at that
+    # power (same source): the SXM figure is kept here, as torchtitan computes MFU, and the lower
+    # sustained clock shows up in the efficiency fitted for this card (.efficiency).
+    "h100-sxm-96gb": GPU("h100-sxm-96gb", bf16_flops=989.5 * _T, fp16_flops=989.5 * _T,
+                         fp32_flops=67 * _T, memory_bytes=95 * _GiB,
+                         memory_bandwidth=2400 * _GB, intra_link="nvlink4", gpus_per_node=8,
+                         vendor="nvidia"),
     # NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM: compute as H100 SXM (bf16 1,979
     # sparse → 989.5 dense, fp32 67), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; HGX H200, 8 GPUs.
     # 141 GB is not a binary size: nvidia-smi reports 143771 MiB, about 140.4 GiB.
@@ -141,8 +151,17 @@ LINKS: dict[str, Link] = {
 }
 
 
+# Other spellings of catalogue names (the key is normalised: lower case, "-" for "_").
+ALIASES = {"h100": "h100-sxm", "h100-80gb": "h100-sxm", "h100-sxm-80gb": "h100-sxm",
+           "h100-96gb": "h100-sxm-96gb", "h100-96gb-500w": "h100-sxm-96gb",
+           "h100-sxm-96gb-500w": "h100-sxm-96gb", "a100-sxm-80gb": "a100-80gb",
+           "a100-sxm-40gb": "a100-40gb", "h200-sxm": "h200", "v100-32gb": "v100",
+           "ndr": "ib-ndr", "hdr": "ib-hdr"}
+
+
 def _lookup(table: dict, kind: str, name: str):
     key = str(name).strip().lower().replace("_", "-")
+    key = key if key in table else ALIASES.get(key, key)
     if key not in table:
         raise ValueError(f"unknown {kind} {name!r}; valid names: {', '.join(sorted(table))}")
     return table[key]
@@ -156,3 +175,26 @@ def gpu(name: str) -> GPU:
 def link(name: str) -> Link:
     """The catalogue entry for ``name``, case-insensitive, ``_`` or ``-``: ``link("IB_NDR")``."""
     return _lookup(LINKS, "link", name)
+
+
+def gpu_for_device(device_name: str, memory_bytes: int) -> str | None:
+    """The catalogue card a CUDA/ROCm device is (``torch.cuda.get_device_name`` and its total
+    memory), or ``None`` when the catalogue has no such card. The memory tells apart the cards
+    that share a name: A100 40/80 GB, H100 80/96 GB."""
+    name = device_name.upper()
+    gib = memory_bytes / _GiB
+    if "MI300X" in name:
+        return "mi300x"
+    if "B200" in name:
+        return "b200"
+    if "H200" in name:
+        return "h200"
+    if "H100" in name:
+        if "PCIE" in name:
+            return "h100-pcie"
+        return "h100-sxm-96gb" if gib > 88 else "h100-sxm"
+    if "A100" in name:
+        return "a100-80gb" if gib > 60 else "a100-40gb"
+    if "V100" in name:
+        return "v100"
+    return None

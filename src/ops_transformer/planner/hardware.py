@@ -1,9 +1,8 @@
 """A hardware profile for the α–β cost model, and the profile of this kind of machine.
 
-Collective time (Hockney's α–β model, with the per-rank volumes of ring algorithms, Patarasuk & Yuan
-2009): ``t = α + wire_elements(kind, n, p) · bytes / β`` where ``wire_elements`` is ``2(p−1)/p·n``
-for an all-reduce and ``(p−1)/p·n`` for an all-gather, a reduce-scatter or an all-to-all. Compute
-time: ``FLOPs / achieved FLOP/s``.
+Collective time is the cost model's one formula (:func:`~.cost.collective_time`: Hockney's α–β
+model with the per-rank volumes of ring algorithms); a profile only says which α and β a collective
+of a given kind and group size gets. Compute time: ``FLOPs / achieved FLOP/s``.
 
 ``CPU_GLOO`` are rough figures of the development machine (2 shared cores, gloo over loopback, one
 thread per rank) from one early measurement (medians of 1-element and 4M-element all-reduces at 2
@@ -15,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..comm.ledger import wire_elements
+from .cost import comm_time
 
 
 @dataclass(frozen=True)
@@ -32,20 +31,13 @@ class HardwareProfile:
 
     def collective_time(self, kind: str, elements: int, group_size: int,
                         bytes_per_element: int = 4) -> float:
-        """``α + wire_elements(kind, n, p) · bytes / β`` for one call."""
+        """One call: :func:`~.cost.collective_time` with this profile's α and β."""
         return self.comm_time({kind: {"calls": 1, "elements": elements}}, group_size,
                               bytes_per_element) if elements > 0 else 0.0
 
     def comm_time(self, comm: dict, group_size: int, bytes_per_element: int = 4) -> float:
-        """Time of ``{kind: {"calls", "elements"}}``: ``α`` per call plus the volume term."""
-        if group_size <= 1:
-            return 0.0
-        total = 0.0
-        for kind, c in comm.items():
-            alpha, beta = self.alpha_beta(kind, group_size)
-            total += c["calls"] * alpha + wire_elements(kind, c["elements"], group_size) * \
-                bytes_per_element / beta
-        return total
+        """Time of a :class:`~.cost.Comm` (``{kind: {"calls", "elements"}}``) on one group."""
+        return comm_time(comm, group_size, self.alpha_beta, bytes_per_element)
 
     def compute_time(self, flops: float) -> float:
         return flops / self.matmul_flops

@@ -7,7 +7,8 @@ variance) = ``16Ψ`` bytes. ZeRO stage 1 shards the optimizer over ``N_d`` data-
 (``16Ψ/N_d``).
 
 Activations per Transformer layer, 16-bit (Korthikanti et al. 2022, Table 2; ``s`` sequence,
-``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` tensor-parallel degree):
+``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` tensor-parallel degree), with the attention
+core stored as an eager kernel does it (``5as²b``: softmax output, dropout mask and output):
 
 =====================================  =========================
 no parallelism                         ``sbh(34 + 5as/h)``
@@ -17,12 +18,23 @@ tensor + sequence parallel             ``sbh/t · (34 + 5as/h)``
                                        ``sbh(10 + 24/t)`` (without)
 full recompute                         ``2sbh`` (each layer's input only)
 =====================================  =========================
+
+:func:`activation_bytes_per_layer` counts the same tensors for any layer: the ``34`` is ``10``
+replicated (the two norms' inputs ``4``, the inputs of the QKV and FFN projections ``4``, two
+dropout masks ``2``) plus ``24`` split over ``t`` (Q, K, V ``6``, the output projection's input
+``2``, the FFN's two ``4h``-wide tensors ``16``). It follows GQA (K and V ``2·kv/h`` each), the
+FFN width ``f`` (``4f/h``; ``8f/h`` gated: gate, up, their activation and product), no dropout
+(no masks), and the **attention kernel**: ``eager`` stores the ``a·s²`` scores (``5as/h``; ``2as/h``
+without dropout); ``fused`` (flash / memory-efficient SDPA) stores only the log-sum-exp statistics,
+``a·s·b`` fp32 values, and recomputes the scores in backward (Dao et al. 2022, §3.1).
 """
 
 from __future__ import annotations
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "ops")
+ATTENTION_KERNELS = ("fused", "eager")
 ADAM_BYTES = {"params": 2, "grads": 2, "optimizer": 12}  # mixed-precision Adam, per parameter
+LSE_BYTES = 4  # the fused kernel's log-sum-exp statistics are fp32
 
 
 def model_state_bytes(params: float, zero_stage: int, dp: int) -> dict[str, float]:
@@ -35,19 +47,80 @@ def model_state_bytes(params: float, zero_stage: int, dp: int) -> dict[str, floa
     return {k: ADAM_BYTES[k] * params / (dp if k in sharded else 1) for k in ADAM_BYTES}
 
 
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, *,
-                               sequence_parallel: bool = False, recompute: str = "none",
-                               bytes_per_element: int = 2) -> float:
-    """Korthikanti et al. (2022) per-layer activation memory, scaled from 16-bit to
-    ``bytes_per_element``."""
+def layer_matmuls(h: int, kv_dim: int, ffn: int, gated: bool) -> list[tuple[str, int]]:
+    """The projections of one layer in forward order, ``(name, output width)``; each takes ``h``
+    inputs except the FFN's output projection (``ffn``). Separate Q, K, V as in Llama-style code."""
+    mlp = [("w1", ffn), ("w3", ffn), ("w2", h)] if gated else [("fc1", ffn), ("fc2", h)]
+    return [("q", h), ("k", kv_dim), ("v", kv_dim), ("o", h)] + mlp
+
+
+def ops_saved(h: int, kv_dim: int, ffn: int, gated: bool) -> list[str]:
+    """The projections whose outputs the ``ops`` policy keeps: every other one, starting with the
+    first (torchtitan's op-level selective checkpointing, which also keeps the attention output)."""
+    return [name for i, (name, _) in enumerate(layer_matmuls(h, kv_dim, ffn, gated)) if i % 2 == 0]
+
+
+def effective_recompute(recompute: str, attention_kernel: str) -> str:
+    """What ``selective`` recomputes depends on the kernel: with an eager kernel the attention
+    core (Korthikanti et al. 2022), whose scores are the bulk of a layer's memory; a fused kernel
+    stores no scores and already recomputes them, so ``selective`` is then the op-level policy
+    ``ops`` of stacks built on fused attention (torchtitan's default selective checkpointing)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    return "ops" if recompute == "selective" and attention_kernel == "fused" else recompute
+
+
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, *,
+                               sequence_parallel: bool = False, recompute: str = "none",
+                               bytes_per_element: int = 2, attention_kernel: str = "eager",
+                               kv_heads: int | None = None, ffn: int | None = None,
+                               gated: bool = False, dropout: bool = True) -> float:
+    """Bytes one rank keeps for backward per layer (module docstring). The defaults are
+    Korthikanti et al.'s GPT (MHA, ``ffn = 4h``, dropout, eager attention); 16-bit values are
+    scaled to ``bytes_per_element``.
+
+    ``recompute``: ``none``; ``selective`` (eager kernel: the attention core is recomputed, nothing
+    of it kept; fused kernel: as ``ops``, :func:`effective_recompute`); ``full`` (only the layer's
+    input); ``ops`` (torchtitan's op-level policy: the layer's input, the outputs of every other
+    projection of :func:`layer_matmuls` and the attention output)."""
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got "
+                         f"{attention_kernel!r}")
+    recompute = effective_recompute(recompute, attention_kernel)
+    kv, f = (kv_heads or a) / a, (ffn or 4 * h) / h  # K/V and FFN widths in units of h
     sbh, scale = s * b * h, bytes_per_element / 2
+    rep_div = t if sequence_parallel else 1
     if recompute == "full":
-        return scale * 2 * sbh / (t if sequence_parallel else 1)
-    attention_core = 5 * a * s / h
-    if sequence_parallel:
-        per = 34 / t if recompute == "selective" else (34 + attention_core) / t
-    else:
-        per = 10 + 24 / t + (0 if recompute == "selective" else attention_core / t)
-    return scale * sbh * per
+        return scale * 2 * sbh / rep_div
+    core = lse = 0.0
+    if recompute != "selective":
+        if attention_kernel == "eager":
+            core = (5 if dropout else 2) * a * s / h / t  # 16-bit units of sbh
+        else:
+            lse = LSE_BYTES * a * s * b / t  # bytes
+    if recompute == "ops":
+        widths = dict(layer_matmuls(1, kv, f, gated))
+        kept = ops_saved(1, kv, f, gated)
+        split = 2 * sum(widths[n] for n in kept if n not in ("o", "w2", "fc2"))
+        partial = 2 * sum(1 for n in kept if n in ("o", "w2", "fc2"))  # full-size partial sums
+        return scale * sbh * (2 / rep_div + (split + 2 + core) / t + partial) + lse
+    replicated = 8 + (2 if dropout else 0)
+    split = 2 + 4 * kv + 2 + (8 if gated else 4) * f
+    return scale * sbh * (replicated / rep_div + (split / t) + core) + lse
+
+
+LOSS_KERNELS = ("fused", "fp32")
+
+
+def logits_bytes(tokens: int, vocab: int, vocab_split: int, bytes_per_element: int,
+                 loss_kernel: str = "fused") -> float:
+    """The LM head's output and the loss's working set for ``tokens`` tokens on one rank, ``V /
+    vocab_split`` columns: ``fused`` (a cross-entropy kernel that reads the 16-bit logits, e.g.
+    flash-attn's or a fused vocab-parallel one) keeps the logits and their gradient; ``fp32``
+    (up-cast, then ``cross_entropy``, as Hugging Face, torchtitan and Megatron without loss fusion
+    do) also has, at the backward peak, the fp32 log-softmax it saved, its incoming and its
+    outgoing gradient."""
+    if loss_kernel not in LOSS_KERNELS:
+        raise ValueError(f"loss_kernel must be one of {LOSS_KERNELS}, got {loss_kernel!r}")
+    per_logit = 2 * bytes_per_element if loss_kernel == "fused" else bytes_per_element + 12
+    return tokens * vocab / vocab_split * per_logit

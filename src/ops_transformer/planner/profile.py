@@ -40,6 +40,9 @@ class CalibratedProfile(HardwareProfile):
     per_kind: dict = field(default_factory=dict, compare=False, repr=False)
     matmul_by_size: dict = field(default_factory=dict, compare=False, repr=False)
     p2p_threshold_bytes: int | None = None
+    # {catalogue card: bf16 matmul efficiency} measured by `calibrate` on a GPU (the planner's
+    # efficiency for that card, planner/efficiency.py); empty on a CPU machine.
+    gpu_efficiency: dict = field(default_factory=dict, compare=False, repr=False)
 
     def alpha_beta(self, kind: str, group_size: int) -> tuple[float, float]:
         if not self.per_kind:
@@ -69,4 +72,15 @@ def load_profile(path=None) -> CalibratedProfile:
                              per_kind=per_kind,
                              matmul_by_size={int(n): float(f)
                                              for n, f in data.get("matmul_flops", {}).items()},
-                             p2p_threshold_bytes=data.get("p2p_threshold_bytes"))
+                             p2p_threshold_bytes=data.get("p2p_threshold_bytes"),
+                             gpu_efficiency=_gpu_efficiency(data.get("gpu")))
+
+
+def _gpu_efficiency(entry) -> dict:
+    """``{card: efficiency}`` from a profile's ``"gpu"`` entry (:func:`.calibrate.gpu_efficiency`)
+    when the device is a catalogue card."""
+    if not isinstance(entry, dict) or not entry.get("catalogue"):
+        return {}
+    value = entry.get("matmul_efficiency")
+    return {entry["catalogue"]: float(value)} if isinstance(value, (int, float)) and value > 0 \
+        else {}

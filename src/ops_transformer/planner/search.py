@@ -1,36 +1,28 @@
 """The planner's search: every ``dp × tp × ep`` layout with its options, ranked by predicted step
-time among those that fit in memory (SPEC F10).
+time among those that fit in memory (SPEC F10) — and one layout evaluated exactly as given.
 
-Step time of one candidate (all per GPU, no pipeline parallelism)::
-
-    compute   = FLOPs per step / N / (peak × efficiency)          (× 4/3 with full recompute,
-                                                                   + the attention core's forward
-                                                                   with selective recompute)
-    tp_comm   = layers × micro-steps × Σ_collectives (α + wire_bytes / β_tp)
-    dp_comm   = gradient reduction (ZeRO-3: + 2 parameter all-gathers) over dp, exposed only past
-                the backward pass it overlaps (2/3 of compute), as DDP does
-    ep_comm   = 4 all-to-alls of the routed tokens per MoE layer and micro-step
-    step      = compute + tp_comm + ep_comm + exposed dp_comm
-
-``β_tp`` is the intra-node link while the TP group fits in a node, else the inter-node link
-(hierarchical collectives are bounded by their slowest stage). Collective volumes come from
-:mod:`.strategies` (checked against the ledger), memory from :mod:`.memory`.
+Time comes from :mod:`.timing` (compute at the GPU's achieved efficiency, the strategies'
+collectives priced on the network model of :mod:`.network`, ZeRO traffic as FSDP runs it), memory
+from :mod:`.memory` (model states, activations by attention kernel and recompute policy, logits,
+ZeRO-3's gathered layer). Nothing here runs a process group.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
-from types import SimpleNamespace
+from dataclasses import asdict, dataclass
 
-from ..comm.ledger import wire_elements
 from .choose import attention_problem
-from .memory import RECOMPUTE, activation_bytes_per_layer, model_state_bytes
-from .strategies import ATTENTION_STRATEGIES, layer_cost
+from . import efficiency as fitted
+from .memory import (ATTENTION_KERNELS, LOSS_KERNELS, activation_bytes_per_layer,
+                     logits_bytes, model_state_bytes)
+from .strategies import ATTENTION_STRATEGIES
+from .timing import Execution
+from .timing import step_time as _step_time
 
-EFFICIENCY = 0.5  # achievable fraction of peak FLOP/s on large GEMMs (assumed; MFU 40–55% typical)
 MICRO_BATCHES = (1, 2, 4, 8)
+SEARCHED_RECOMPUTE = ("none", "selective", "full")  # "ops" is "selective" with a fused kernel
 
 
 @dataclass(frozen=True)
@@ -45,15 +37,48 @@ class Options:
     micro_batch: int
 
 
+def execution(cluster, *, attention_kernel: str = "fused", loss_kernel: str = "fused",
+              efficiency: float | None = None, stack: str | None = None) -> tuple[Execution, str]:
+    """The run settings for ``cluster`` and where its efficiency comes from: ``efficiency`` when
+    given, else the default of the GPU (and ``stack``, :mod:`.efficiency`); local CPU ranks run at
+    the profile's measured matmul rate (efficiency 1, no separate memory-bound term)."""
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got "
+                         f"{attention_kernel!r}")
+    if loss_kernel not in LOSS_KERNELS:
+        raise ValueError(f"loss_kernel must be one of {LOSS_KERNELS}, got {loss_kernel!r}")
+    kernels = dict(attention_kernel=attention_kernel, loss_kernel=loss_kernel)
+    if cluster.gpu.vendor == "cpu":
+        return Execution(efficiency=efficiency or 1.0, **kernels), "this machine's profile"
+    constants = dict(memory_passes=fitted.MEMORY_PASSES, attention_ratio=fitted.ATTENTION_RATIO,
+                     **kernels)
+    if efficiency is not None:
+        return Execution(efficiency=efficiency, **constants), "given"
+    found = fitted.default_efficiency(cluster.gpu.name, stack)
+    return Execution(efficiency=found.value, **constants), found.source
+
+
 def _powers_of_two(limit: int) -> list[int]:
     return [2 ** i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else [1]
 
 
-def _as_gpt(model) -> SimpleNamespace:
-    """The fields :func:`attention_problem` reads, from a ModelSpec."""
-    return SimpleNamespace(n_heads=model.heads, n_kv_heads=model.kv_heads,
-                           head_dim=model.hidden // model.heads, d_model=model.hidden,
-                           pos="rope" if model.ffn_type == "swiglu" else "learned")
+def layout_problem(model, cluster, o: Options) -> str | None:
+    """Why the model's sizes do not divide over layout ``o`` (``None`` when they do)."""
+    if o.dp * o.tp * o.ep != cluster.count:
+        return (f"dp × tp × ep = {o.dp} × {o.tp} × {o.ep} = {o.dp * o.tp * o.ep} is not the "
+                f"number of GPUs ({cluster.count})")
+    if model.experts % o.ep:
+        return f"ep ({o.ep}) must divide the number of experts ({model.experts})"
+    if model.ffn % o.tp:
+        return f"tp ({o.tp}) must divide the FFN width ({model.ffn})"
+    if model.global_batch % (o.dp * o.micro_batch):
+        return (f"the global batch ({model.global_batch}) must be a multiple of dp × "
+                f"micro-batch ({o.dp} × {o.micro_batch})")
+    if o.sequence_parallel and o.tp == 1:
+        return "sequence parallelism needs tp > 1"
+    if o.zero_stage and o.dp == 1:
+        return f"ZeRO stage {o.zero_stage} shards over dp, which is 1"
+    return attention_problem(model.gpt_config(), o.tp, o.attention, model.seq)
 
 
 def candidates(model, cluster) -> list[Options]:
@@ -61,123 +86,114 @@ def candidates(model, cluster) -> list[Options]:
     out = []
     n = cluster.count
     for tp, ep in itertools.product(_powers_of_two(n), _powers_of_two(model.experts)):
-        if n % (tp * ep) or model.experts % ep:
+        if n % (tp * ep):
             continue
         dp = n // (tp * ep)
-        if model.global_batch % dp or model.ffn % tp:
-            continue
-        cfg = _as_gpt(model)
-        for attention in ATTENTION_STRATEGIES if tp > 1 else ("heads",):
-            if attention_problem(cfg, tp, attention, model.seq):
-                continue
-            for mb, sp, rc, zero in itertools.product(MICRO_BATCHES, (False, True), RECOMPUTE,
-                                                      (0, 1, 2, 3)):
-                if (model.global_batch // dp) % mb or (sp and tp == 1) or (zero and dp == 1):
-                    continue
-                out.append(Options(dp, tp, ep, attention, sp, rc, zero, mb))
+        for attention, mb, sp, rc, zero in itertools.product(
+                ATTENTION_STRATEGIES if tp > 1 else ("heads",), MICRO_BATCHES, (False, True),
+                SEARCHED_RECOMPUTE, (0, 1, 2, 3)):
+            o = Options(dp, tp, ep, attention, sp, rc, zero, mb)
+            if layout_problem(model, cluster, o) is None:
+                out.append(o)
     return out
 
 
-def _params_per_gpu(model, o: Options) -> float:
+def params_per_gpu(model, o: Options) -> float:
     expert = model.params() - model.active_params() if model.experts > 1 else 0
     dense = model.params() - expert  # attention, embeddings, norms, shared parts
     return dense / o.tp + expert / (o.tp * o.ep)
 
 
-def memory(model, o: Options, bytes_per_element: int) -> dict[str, float]:
-    states = model_state_bytes(_params_per_gpu(model, o), o.zero_stage, o.dp)
-    act = model.layers * activation_bytes_per_layer(
-        model.seq, o.micro_batch, model.hidden, model.heads, o.tp,
-        sequence_parallel=o.sequence_parallel, recompute=o.recompute,
-        bytes_per_element=bytes_per_element)
+def _largest_unit(model, o: Options) -> float:
+    """Parameters per GPU of the largest unit ZeRO-3 gathers at once: a layer or the LM head."""
+    per_layer = (params_per_gpu(model, o) - model.vocab * model.hidden / o.tp
+                 * (1 if model.tie_embeddings else 2)) / model.layers
+    return max(per_layer, model.vocab * model.hidden / o.tp)
+
+
+def memory(model, o: Options, bytes_per_element: int, attention_kernel: str = "fused",
+           loss_kernel: str = "fused") -> dict:
+    """Peak bytes of live tensors per GPU by part (``params``, ``grads``, ``optimizer``,
+    ``activations``).
+
+    Activations: the layers' (:func:`activation_bytes_per_layer`), one layer's recomputed
+    tensors while its backward runs, and the logits' working set (:func:`logits_bytes`). ZeRO-3
+    also holds the gathered 16-bit parameters of the running and the prefetched unit and one
+    unit's gradients. A caching allocator reserves more than this peak (fragmentation; the
+    published runs that report reserved memory show about 5 % more, docs/planner.md)."""
+    states = model_state_bytes(params_per_gpu(model, o), o.zero_stage, o.dp)
+    shape = dict(sequence_parallel=o.sequence_parallel, bytes_per_element=bytes_per_element,
+                 attention_kernel=attention_kernel, kv_heads=model.kv_heads, ffn=model.ffn,
+                 gated=model.ffn_type == "swiglu", dropout=model.dropout > 0)
+    args = (model.seq, o.micro_batch, model.hidden, model.heads, o.tp)
+    kept = activation_bytes_per_layer(*args, recompute=o.recompute, **shape)
+    rebuilt = activation_bytes_per_layer(*args, **shape) - kept if o.recompute != "none" else 0.0
+    act = (model.layers * kept + rebuilt
+           + logits_bytes(o.micro_batch * model.seq, model.vocab, o.tp, bytes_per_element,
+                          loss_kernel))
+    if o.zero_stage == 3:
+        unit = _largest_unit(model, o)
+        states["params"] += 2 * unit * bytes_per_element
+        states["grads"] += unit * bytes_per_element
     return {**states, "activations": act}
 
 
-def _bandwidth(cluster, group_span: int):
-    inside = group_span <= cluster.gpus_per_node or cluster.inter_link is None
-    return cluster.intra_link if inside else cluster.inter_link
-
-
-def _steps(kind: str, p: int) -> int:
-    """Latency-bound steps of a ring collective: ``2(p−1)`` for an all-reduce, ``p−1`` else."""
-    return 2 * (p - 1) if kind == "all_reduce" else p - 1
-
-
-def _collectives_time(comm: dict, p: int, link, size: int) -> float:
-    """α–β: every call pays ``latency_s`` per ring step plus its wire bytes over the link's
-    bandwidth. With sequence parallelism an all-reduce becomes a reduce-scatter + all-gather:
-    the same volume and steps in two calls."""
-    if p == 1:
-        return 0.0
-    latency = sum(c["calls"] * _steps(k, p) for k, c in comm.items()) * link.latency_s
-    wire = sum(wire_elements(k, c["elements"], p) for k, c in comm.items()) * size
-    return latency + wire / link.bandwidth
-
-
-def step_time(model, cluster, o: Options, peak_flops: float) -> dict[str, float]:
-    size = model.bytes_per_element()
-    micro_steps = model.global_batch // (o.dp * o.micro_batch)
-    tokens = model.global_batch * model.seq
-    flops = model.flops_per_token() * tokens
-    if o.recompute == "full":
-        flops *= 4 / 3
-    elif o.recompute == "selective":
-        flops += 4 * model.layers * tokens * model.seq * model.hidden  # attention core forward
-    compute = flops / cluster.count / (peak_flops * EFFICIENCY)
-    layer = layer_cost(o.attention, o.micro_batch, model.seq, model.hidden, model.heads,
-                       model.kv_heads, model.ffn // o.ep if model.experts > 1 else model.ffn,
-                       o.tp, swiglu=model.ffn_type == "swiglu").priced()
-    link = _bandwidth(cluster, o.tp)
-    tp_comm = model.layers * micro_steps * sum(_collectives_time(comm, p, link, size)
-                                               for p, comm in layer)
-    tp_bytes = model.layers * micro_steps * size * sum(
-        wire_elements(k, c["elements"], p) for p, comm in layer for k, c in comm.items())
-    grads = _params_per_gpu(model, o)
-    dp_elems = {"all_reduce": {"calls": 1, "elements": int(grads)}}
-    if o.zero_stage == 3:
-        dp_elems["all_gather"] = {"calls": 2, "elements": int(2 * grads)}
-    dp_link = _bandwidth(cluster, o.dp * o.tp * o.ep)
-    dp_comm = _collectives_time(dp_elems, o.dp, dp_link, size)
-    dp_bytes = sum(wire_elements(k, c["elements"], o.dp) for k, c in dp_elems.items()) * size
-    ep_comm = ep_bytes = 0.0
-    if o.ep > 1:
-        routed = o.micro_batch * model.seq * model.hidden * model.top_k
-        a2a = {"all_to_all": {"calls": 4, "elements": routed * 4}}
-        ep_comm = model.layers * micro_steps * _collectives_time(
-            a2a, o.ep, _bandwidth(cluster, o.ep * o.tp), size)
-        ep_bytes = model.layers * micro_steps * wire_elements("all_to_all", routed * 4, o.ep) * size
-    exposed_dp = max(0.0, dp_comm - 2 / 3 * compute)
-    total = compute + tp_comm + ep_comm + exposed_dp
-    return {"step_time_s": total, "compute_s": compute, "tp_comm_s": tp_comm,
-            "dp_comm_s": dp_comm, "ep_comm_s": ep_comm,
-            "comm_bytes_per_step": tp_bytes + dp_bytes + ep_bytes,
-            "mfu": model.flops_per_token() * tokens / (total * cluster.count * peak_flops)}
-
-
-def _peak(model, cluster) -> float:
+def peak_flops(model, cluster) -> float:
     gpu = cluster.gpu
     return {"bf16": gpu.bf16_flops, "fp16": gpu.fp16_flops, "fp32": gpu.fp32_flops}[model.dtype]
 
 
-def evaluate(model, cluster, o: Options) -> dict:
+def step_time(model, cluster, o: Options, peak: float, run: Execution | None = None):
+    """Predicted step time and its parts (:func:`.timing.step_time`)."""
+    run = run or execution(cluster)[0]
+    return _step_time(model, cluster, o, run, peak, params_per_gpu(model, o))
+
+
+def evaluate(model, cluster, o: Options, run: Execution | None = None) -> dict:
     """One candidate in the planner's JSON schema."""
-    mem = memory(model, o, model.bytes_per_element())
+    run = run or execution(cluster)[0]
+    mem = memory(model, o, model.bytes_per_element(), run.attention_kernel, run.loss_kernel)
     total = sum(mem.values())
-    t = step_time(model, cluster, o, _peak(model, cluster))
+    peak = peak_flops(model, cluster)
+    t = step_time(model, cluster, o, peak, run)
+    tokens = model.global_batch * model.seq
+    model_flops = model.flops_per_token() * tokens
+    denominator = t["step_time_s"] * cluster.count * peak
     return {"dp": o.dp, "tp": o.tp, "ep": o.ep, "attention": o.attention,
             "ffn": "experts" if model.experts > 1 else "column_row",
             "sequence_parallel": o.sequence_parallel, "recompute": o.recompute,
             "zero_stage": o.zero_stage, "micro_batch": o.micro_batch,
             "fits": total <= cluster.gpu.memory_bytes, "memory_per_gpu_bytes": total,
             "memory_breakdown": mem, "step_time_s": t["step_time_s"],
-            "comm_bytes_per_step": t["comm_bytes_per_step"], "mfu": t["mfu"],
-            "time_breakdown": {k: v for k, v in t.items() if k.endswith("_s")}}
+            "comm_bytes_per_step": t["comm_bytes_per_step"],
+            "mfu": model_flops / denominator,
+            "hfu": (model_flops + cluster.count * t["recompute_flops"]) / denominator,
+            "tokens_per_s_per_gpu": tokens / (t["step_time_s"] * cluster.count),
+            "micro_steps": t["micro_steps"], "dp_comm": t["dp_comm"], "execution": asdict(run),
+            "time_breakdown": {k: v for k, v in t.items() if k.endswith("_s")
+                               and k != "step_time_s"}}
 
 
-def search(model, cluster, *, top: int = 10) -> dict:
+def evaluate_layout(model, cluster, o: Options, run: Execution | None = None) -> dict:
+    """Exactly layout ``o``: its candidate row, plus ``"problems"`` (why it cannot run: sizes
+    that do not divide, or the memory it needs against the GPU's) — empty when it can."""
+    problem = layout_problem(model, cluster, o)
+    if problem:
+        raise ValueError(problem)
+    row = evaluate(model, cluster, o, run)
+    problems = []
+    if not row["fits"]:
+        parts = ", ".join(f"{k} {_gb(v)}" for k, v in row["memory_breakdown"].items())
+        problems.append(f"needs {_gb(row['memory_per_gpu_bytes'])} per GPU ({parts}) but one "
+                        f"{cluster.gpu.name} has {_gb(cluster.gpu.memory_bytes)}")
+    return {**row, "problems": problems}
+
+
+def search(model, cluster, *, top: int = 10, run: Execution | None = None) -> dict:
     """``{"model", "cluster", "candidates", "best", "advice"}``: candidates that fit, fastest
     first (TP kept inside a node unless nothing else fits); when none fits, the smallest ones."""
-    rows = [evaluate(model, cluster, o) for o in candidates(model, cluster)]
+    run = run or execution(cluster)[0]
+    rows = [evaluate(model, cluster, o, run) for o in candidates(model, cluster)]
     if not rows:
         raise ValueError(f"no layout of {model.name} divides over {cluster.count} GPUs: check "
                          f"heads ({model.heads}), ffn ({model.ffn}) and the global batch "
@@ -201,11 +217,15 @@ def advice(model, cluster, best, rows) -> str:
     """A sentence on the chosen plan, or — when nothing fits — what would, with numbers."""
     mem = cluster.gpu.memory_bytes
     if best is not None:
+        tight = (" Within 5% of the capacity: the caching allocator's fragmentation (about 5% "
+                 "in the published runs, docs/planner.md) may not fit; the next candidate leaves "
+                 "more room." if best["memory_per_gpu_bytes"] > 0.95 * mem else "")
         return (f"dp={best['dp']} × tp={best['tp']} × ep={best['ep']}, attention="
                 f"{best['attention']}, ZeRO-{best['zero_stage']}, recompute={best['recompute']}, "
                 f"sequence_parallel={best['sequence_parallel']}, micro-batch "
                 f"{best['micro_batch']}: {best['step_time_s']:.3g} s/step predicted, MFU "
-                f"{best['mfu']:.0%}, {_gb(best['memory_per_gpu_bytes'])} of {_gb(mem)} per GPU.")
+                f"{best['mfu']:.0%}, {_gb(best['memory_per_gpu_bytes'])} of {_gb(mem)} per GPU."
+                + tight)
     states = 16 * model.params()
     smallest = min(rows, key=lambda r: r["memory_per_gpu_bytes"])
     act = smallest["memory_breakdown"]["activations"]

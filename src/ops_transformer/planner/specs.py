@@ -3,7 +3,8 @@
 Both are frozen dataclasses with global sizes only, validated at construction, that print and
 round-trip through JSON (``to_dict`` / ``from_dict``). A model spec comes from a preset below, from
 our :class:`~ops_transformer.models.GPTConfig`, or from a Hugging Face config
-(:meth:`ModelSpec.load` takes any of them); a cluster spec from the hardware catalogue.
+(:meth:`ModelSpec.load` takes any of them); a cluster spec (:mod:`.cluster`) from the hardware
+catalogue.
 """
 
 from __future__ import annotations
@@ -14,17 +15,23 @@ from pathlib import Path
 
 from ..models.gpt import PRESETS as GPT_PRESETS
 from ..models.gpt import GPTConfig
-from .catalogue import GPU, Link, gpu as catalogue_gpu, link as catalogue_link
+from .cluster import ClusterSpec
 
 FFN_TYPES = ("gelu", "swiglu")
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+_ARCH_CHOICES = {"norm": ("layernorm", "rmsnorm"), "pos": ("learned", "rope")}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder (or encoder) stack, whole-model sizes. ``ffn`` is the FFN width of one expert;
-    ``kv_heads < heads`` is GQA; ``experts > 1`` is a top-``top_k`` MoE FFN in every layer;
-    ``tie_embeddings``: the LM head reuses the input embedding."""
+    """A decoder (or encoder) stack, whole-model sizes, and the run's sequence, batch and dtype.
+
+    The architecture fields are those of :class:`~ops_transformer.models.GPTConfig` under the
+    planner's names: :meth:`gpt_config` and :meth:`from_gpt_config` convert both ways without
+    loss, and the cost formulas that the model and the planner share read a ``GPTConfig``.
+    ``ffn`` is the FFN width of one expert; ``kv_heads < heads`` is GQA; ``experts > 1`` is a
+    top-``top_k`` MoE FFN in every layer; ``tie_embeddings``: the LM head reuses the input
+    embedding; ``dropout > 0`` keeps dropout masks for backward (activation memory)."""
 
     name: str
     layers: int
@@ -41,6 +48,10 @@ class ModelSpec:
     top_k: int = 1
     dtype: str = "bf16"
     tie_embeddings: bool = False
+    norm: str = "layernorm"
+    pos: str = "learned"
+    bias: bool = False
+    dropout: float = 0.0
 
     def __post_init__(self):
         for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "global_batch",
@@ -52,6 +63,11 @@ class ModelSpec:
             raise ValueError(f"ffn_type must be one of {FFN_TYPES}, got {self.ffn_type!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
+        for f, valid in _ARCH_CHOICES.items():
+            if getattr(self, f) not in valid:
+                raise ValueError(f"{f} must be one of {valid}, got {getattr(self, f)!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.heads % self.kv_heads:
@@ -119,6 +135,14 @@ class ModelSpec:
     def with_(self, **changes) -> ModelSpec:
         return replace(self, **changes)
 
+    def gpt_config(self) -> GPTConfig:
+        """The architecture as our reference decoder's config (``max_seq_len`` = ``seq``)."""
+        return GPTConfig(vocab_size=self.vocab, n_layers=self.layers, d_model=self.hidden,
+                         n_heads=self.heads, n_kv_heads=self.kv_heads, d_ff=self.ffn,
+                         max_seq_len=self.seq, norm=self.norm, pos=self.pos, mlp=self.ffn_type,
+                         bias=self.bias, tie_embeddings=self.tie_embeddings,
+                         dropout=self.dropout)
+
     @classmethod
     def from_gpt_config(cls, cfg: GPTConfig, *, seq: int | None = None, global_batch: int = 8,
                         micro_batch: int = 1, dtype: str = "fp32",
@@ -128,7 +152,8 @@ class ModelSpec:
                    hidden=cfg.d_model, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, ffn=cfg.d_ff,
                    ffn_type=cfg.mlp, vocab=cfg.vocab_size, seq=seq or cfg.max_seq_len,
                    global_batch=global_batch, micro_batch=micro_batch, dtype=dtype,
-                   tie_embeddings=cfg.tie_embeddings)
+                   tie_embeddings=cfg.tie_embeddings, norm=cfg.norm, pos=cfg.pos, bias=cfg.bias,
+                   dropout=cfg.dropout)
 
     @classmethod
     def from_hf_config(cls, config, *, seq: int | None = None, global_batch: int = 8,
@@ -152,15 +177,33 @@ class ModelSpec:
             global_batch=global_batch, micro_batch=micro_batch,
             experts=getattr(config, "num_local_experts", None) or 1,
             top_k=getattr(config, "num_experts_per_tok", None) or 1, dtype=dtype,
-            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            **_hf_architecture(config))
 
     @classmethod
     def load(cls, arg, **changes) -> ModelSpec:
         """A spec from a preset name (``MODEL_PRESETS``, then ``models.PRESETS``), a directory
         holding a Hugging Face ``config.json``, or a JSON file: a ``ModelSpec.to_dict()``, a
-        Hugging Face config (it has ``model_type``) or :class:`GPTConfig` fields. ``changes``
-        (``seq=…``, ``global_batch=…``) are applied last."""
+        Hugging Face config (it has ``model_type``) or :class:`GPTConfig` fields (planned in bf16,
+        as a Hugging Face config is; the reference presets keep fp32, what ``train`` runs).
+        ``changes`` (``seq=…``, ``global_batch=…``) are applied last."""
         return _load(arg).with_(**changes) if changes else _load(arg)
+
+
+def _hf_architecture(config) -> dict:
+    """Positions, norm, biases and dropout as the config states them: rotary when it has a
+    ``rope_theta`` (Llama, Mistral, Qwen2, Mixtral), RMSNorm when it has ``rms_norm_eps``,
+    biases when ``attention_bias``/``mlp_bias`` say so or the family always has them (GPT-2,
+    BERT: no such flag), dropout from the hidden/residual dropout probability."""
+    rope = getattr(config, "rope_theta", None) is not None
+    rms = getattr(config, "rms_norm_eps", None) is not None
+    flags = [getattr(config, f, None) for f in ("attention_bias", "mlp_bias")]
+    bias = any(bool(f) for f in flags) if any(f is not None for f in flags) else not rope
+    dropout = next((float(v) for v in (getattr(config, f, None) for f in
+                                       ("resid_pdrop", "hidden_dropout_prob", "hidden_dropout"))
+                    if isinstance(v, (int, float))), 0.0)
+    return {"pos": "rope" if rope else "learned", "norm": "rmsnorm" if rms else "layernorm",
+            "bias": bias, "dropout": dropout}
 
 
 def _hf_attr(config, *names, default=None):
@@ -208,7 +251,7 @@ def _load(arg) -> ModelSpec:
         if unknown:
             raise ValueError(f"{key!r} is neither a ModelSpec, a Hugging Face config nor GPTConfig "
                              f"fields: unknown keys {sorted(unknown)}")
-        return ModelSpec.from_gpt_config(GPTConfig(**d), name=path.stem)
+        return ModelSpec.from_gpt_config(GPTConfig(**d), name=path.stem, dtype="bf16")
     raise ValueError(f"{key!r} is not a model preset ({', '.join(sorted(MODEL_PRESETS))}; "
                      f"{', '.join(sorted(GPT_PRESETS))}), a directory with config.json or a JSON "
                      f"file")
@@ -216,7 +259,8 @@ def _load(arg) -> ModelSpec:
 
 def _llama(name, layers, hidden, heads, kv_heads, ffn, vocab, seq, global_batch) -> ModelSpec:
     return ModelSpec(name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn,
-                     ffn_type="swiglu", vocab=vocab, seq=seq, global_batch=global_batch)
+                     ffn_type="swiglu", vocab=vocab, seq=seq, global_batch=global_batch,
+                     norm="rmsnorm", pos="rope")
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
@@ -225,12 +269,12 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # (GPT-3 keeps GPT-2's architecture, Radford et al. 2019). 175B published.
     "gpt3-175b": ModelSpec("gpt3-175b", layers=96, hidden=12288, heads=96, kv_heads=96,
                            ffn=4 * 12288, ffn_type="gelu", vocab=50257, seq=2048,
-                           global_batch=1536, tie_embeddings=True),
+                           global_batch=1536, tie_embeddings=True, bias=True),
     # Radford et al. 2019 (GPT-2), smallest model: 12 layers, 768, 12 heads, context 1024, batch
     # 512, tied embeddings. Published as 117M; 124M counting as Hugging Face's "gpt2" does.
     "gpt2-124m": ModelSpec("gpt2-124m", layers=12, hidden=768, heads=12, kv_heads=12, ffn=3072,
                            ffn_type="gelu", vocab=50257, seq=1024, global_batch=512,
-                           tie_embeddings=True),
+                           tie_embeddings=True, bias=True),
     # Touvron et al. 2023 (Llama 2), Table 1 and the released configs: context 4096, batch 4M
     # tokens (1024 sequences), vocab 32000, untied head; 70B uses GQA with 8 KV heads.
     # Published 6.7B, 13B, 69B (the "70B" counts 68.98B).
@@ -249,71 +293,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # not published: 4096 and 1024 sequences assumed. 46.7B total, 12.9B active published.
     "mixtral-8x7b": ModelSpec("mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8,
                               ffn=14336, ffn_type="swiglu", vocab=32000, seq=4096,
-                              global_batch=1024, experts=8, top_k=2),
+                              global_batch=1024, experts=8, top_k=2, norm="rmsnorm", pos="rope"),
 }
 
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """``count`` GPUs in nodes of ``gpus_per_node``, joined by ``intra_link`` inside a node and by
-    ``inter_link`` between nodes (``None``: a single node)."""
-
-    gpu: GPU
-    count: int
-    gpus_per_node: int
-    intra_link: Link
-    inter_link: Link | None
-
-    def __post_init__(self):
-        if not isinstance(self.gpu, GPU):
-            raise ValueError(f"gpu must be a catalogue GPU, got {self.gpu!r} "
-                             f"(ClusterSpec.make takes names)")
-        for f in ("intra_link", "inter_link"):
-            value = getattr(self, f)
-            if value is not None and not isinstance(value, Link):
-                raise ValueError(f"{f} must be a catalogue Link, got {value!r}")
-        for f in ("count", "gpus_per_node"):
-            value = getattr(self, f)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{f} must be a positive integer, got {value!r}")
-        if self.count > self.gpus_per_node:
-            if self.count % self.gpus_per_node:
-                raise ValueError(f"count ({self.count}) must be a multiple of gpus_per_node "
-                                 f"({self.gpus_per_node}) when it spans several nodes")
-            if self.inter_link is None:
-                raise ValueError(f"count ({self.count}) spans {self.nodes} nodes of "
-                                 f"{self.gpus_per_node}: give an inter_link")
-
-    @property
-    def nodes(self) -> int:
-        return max(1, self.count // self.gpus_per_node)
-
-    @property
-    def gpus_in_node(self) -> int:
-        """GPUs actually used per node (fewer than ``gpus_per_node`` in a partial single node)."""
-        return min(self.count, self.gpus_per_node)
-
-    def __str__(self) -> str:
-        inter = f", {self.inter_link.name} between" if self.nodes > 1 else ""
-        return (f"{self.count}× {self.gpu.name} ({self.nodes} node(s) × {self.gpus_in_node}, "
-                f"{self.intra_link.name} inside{inter})")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ClusterSpec:
-        inter = d.get("inter_link")
-        return cls(gpu=GPU(**d["gpu"]), count=d["count"], gpus_per_node=d["gpus_per_node"],
-                   intra_link=Link(**d["intra_link"]),
-                   inter_link=Link(**inter) if inter is not None else None)
-
-    @classmethod
-    def make(cls, gpu: str, count: int, gpus_per_node: int | None = None, intra: str | None = None,
-             inter: str | None = "ib-ndr") -> ClusterSpec:
-        """From catalogue names; ``gpus_per_node`` and ``intra`` default to the GPU's node."""
-        g = catalogue_gpu(gpu)
-        per_node = g.gpus_per_node if gpus_per_node is None else gpus_per_node
-        return cls(gpu=g, count=count, gpus_per_node=per_node,
-                   intra_link=catalogue_link(intra or g.intra_link),
-                   inter_link=catalogue_link(inter) if inter else None)
+__all__ = ["ClusterSpec", "DTYPE_BYTES", "FFN_TYPES", "MODEL_PRESETS", "ModelSpec"]

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-ATTENTION_STRATEGIES = ("heads", "heads_allgather", "kv_split", "naive")
+from .cost import Comm
 
-Comm = dict[str, dict[str, int]]  # kind -> {"calls", "elements"}
+ATTENTION_STRATEGIES = ("heads", "heads_allgather", "kv_split", "naive")
 
 
 @dataclass(frozen=True)
@@ -28,57 +28,45 @@ class LayerCost:
     """Per layer and per rank: collectives in forward and backward, FLOPs of a training step
     (forward + backward) and the activation bytes kept for backward."""
 
-    fwd: Comm = field(default_factory=dict)
-    bwd: Comm = field(default_factory=dict)
+    fwd: Comm = field(default_factory=Comm)
+    bwd: Comm = field(default_factory=Comm)
     flops: float = 0.0
     activation_bytes: float = 0.0
     group_size: int = 1  # the TP group the collectives run on
-    subgroup: Comm = field(default_factory=dict)  # the part of fwd + bwd on a smaller group
+    subgroup: Comm = field(default_factory=Comm)  # the part of fwd + bwd on a smaller group
     subgroup_size: int = 1  # (replicated KV heads: tp / n_kv_heads ranks)
 
     def priced(self) -> list[tuple[int, Comm]]:
         """``(group size, collectives)`` pairs, for pricing each on its own group."""
-        main = {k: {f: c[f] - self.subgroup.get(k, {}).get(f, 0) for f in c}
-                for k, c in self.total().items()}
-        main = {k: c for k, c in main.items() if c["calls"]}
+        main = self.total().minus(self.subgroup)
         return [(p, comm) for p, comm in ((self.group_size, main),
                                           (self.subgroup_size, self.subgroup)) if comm]
 
     def total(self) -> Comm:
-        out: Comm = {}
-        for comm in (self.fwd, self.bwd):
-            for kind, c in comm.items():
-                entry = out.setdefault(kind, {"calls": 0, "elements": 0})
-                entry["calls"] += c["calls"]
-                entry["elements"] += c["elements"]
-        return out
+        return Comm.total((self.fwd, self.bwd))
 
     def __add__(self, other: LayerCost) -> LayerCost:
-        return LayerCost(_merge(self.fwd, other.fwd), _merge(self.bwd, other.bwd),
+        return LayerCost(self.fwd + other.fwd, self.bwd + other.bwd,
                          self.flops + other.flops, self.activation_bytes + other.activation_bytes,
-                         max(self.group_size, other.group_size),
-                         _merge(self.subgroup, other.subgroup),
+                         max(self.group_size, other.group_size), self.subgroup + other.subgroup,
                          max(self.subgroup_size, other.subgroup_size))
 
 
-def _merge(a: Comm, b: Comm) -> Comm:
-    out = {k: dict(v) for k, v in a.items()}
-    for kind, c in b.items():
-        entry = out.setdefault(kind, {"calls": 0, "elements": 0})
-        entry["calls"] += c["calls"]
-        entry["elements"] += c["elements"]
-    return out
+def _summed_per_step(kind: str, elements: int) -> Comm:
+    """Gradient sums of replicated parameters: their elements count per layer, but all layers'
+    go in one coalesced all-reduce per step (:mod:`ops_transformer.comm.bucketing`), so no call is
+    counted per layer (see :func:`grad_sum_calls_per_step`)."""
+    return Comm().add(kind, elements, calls=0)
 
 
-def _comm(*calls: tuple[str, int]) -> Comm:
-    out: Comm = {}
-    for kind, elements in calls:
-        if elements <= 0:
-            continue
-        entry = out.setdefault(kind, {"calls": 0, "elements": 0})
-        entry["calls"] += 1
-        entry["elements"] += elements
-    return out
+def grad_sum_calls_per_step(strategy: str, kv_heads: int, tp: int) -> int:
+    """Calls of the coalesced end-of-backward gradient sums per step (one per bucket of
+    ``GradSums``; the reference models' fit one): the replicated K/V weights with ``tp >
+    kv_heads`` (strategy A, on the replicas' group), strategy B's output projection (TP group)."""
+    if tp == 1:
+        return 0
+    return int(strategy == "kv_split" or (strategy in ("heads", "heads_allgather")
+                                          and tp > kv_heads))
 
 
 def _bytes(dtype) -> int:
@@ -113,7 +101,8 @@ def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: 
     * ``heads`` (Megatron): Q/K/V column-parallel behind one ``copy_to_tp_region``, output
       projection row-parallel. fwd: all-reduce ``bsh``; bwd: all-reduce ``bsh``. When
       ``tp > kv_heads`` the replicated K/V weights (and V bias) are summed over their replicas'
-      group in backward (``head_dim·h`` elements each).
+      group in backward (``head_dim·h`` elements each; coalesced for all layers into one call
+      per step, :func:`grad_sum_calls_per_step`).
     * ``heads_allgather``: the output projection replicated after an all-gather of the head outputs.
       fwd: all-gather ``bsh``; bwd: all-reduce ``bsh`` (+ the same KV-replica sums). The output
       projection's FLOPs are not divided by ``tp``.
@@ -121,7 +110,7 @@ def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: 
       partial scores ``b·heads·s²``, all-gather of V ``b·s·kv_dim`` and of the output ``bsh``;
       bwd all-gather of the score gradient ``b·heads·s²``, reduce-scatter of the V gradient, all-reduce
       of the input gradient ``bsh`` and of the replicated output projection's gradient
-      (``h²``, and ``h`` with a bias). Every rank also holds the full partial scores before the
+      (``h²``, and ``h`` with a bias; coalesced, no call per layer). Every rank also holds the full partial scores before the
       reduce-scatter (``b·heads·s²`` more activation elements).
     * ``naive``: each of Q, K, V and the output projection an isolated column-parallel linear with
       its output gathered; attention computed replicated. fwd: all-gathers ``bsh``, ``b·s·kv_dim``
@@ -134,32 +123,31 @@ def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: 
     if tp == 1:
         return LayerCost(flops=_attention_flops(b, s, h, kv_dim, 1),
                          activation_bytes=_attention_activations(b, s, h, heads, 1, dtype, 1))
-    replica = ()
+    replica = Comm()
     if strategy in ("heads", "heads_allgather") and tp > kv_heads:  # wk.weight, wv.weight, wv.bias
-        replica = (("all_reduce", head_dim * h), ("all_reduce", head_dim * h),
-                   ("all_reduce", head_dim if bias else 0))
-    groups = {"group_size": tp, "subgroup": _comm(*replica),
+        replica = _summed_per_step("all_reduce", 2 * head_dim * h + (head_dim if bias else 0))
+    groups = {"group_size": tp, "subgroup": replica,
               "subgroup_size": tp // kv_heads if replica else 1}
     if strategy == "heads":
-        return LayerCost(_comm(("all_reduce", bsh)), _comm(("all_reduce", bsh), *replica),
+        return LayerCost(Comm.of(("all_reduce", bsh)), Comm.of(("all_reduce", bsh)) + replica,
                          _attention_flops(b, s, h, kv_dim, tp),
                          _attention_activations(b, s, h, heads, tp, dtype, tp), **groups)
     if strategy == "heads_allgather":
-        return LayerCost(_comm(("all_gather", bsh)), _comm(("all_reduce", bsh), *replica),
+        return LayerCost(Comm.of(("all_gather", bsh)), Comm.of(("all_reduce", bsh)) + replica,
                          _attention_flops(b, s, h, kv_dim, tp, replicated_out=True),
                          _attention_activations(b, s, h, heads, tp, dtype, tp), **groups)
     if strategy == "kv_split":
         scores, v = b * heads * s * s, b * s * kv_dim
         return LayerCost(
-            _comm(("reduce_scatter", scores), ("all_gather", v), ("all_gather", bsh)),
-            _comm(("all_gather", scores), ("reduce_scatter", v), ("all_reduce", bsh),
-                  ("all_reduce", h * h), ("all_reduce", h if bias else 0)),
+            Comm.of(("reduce_scatter", scores), ("all_gather", v), ("all_gather", bsh)),
+            Comm.of(("all_gather", scores), ("reduce_scatter", v), ("all_reduce", bsh))
+            + _summed_per_step("all_reduce", h * h + (h if bias else 0)),
             _attention_flops(b, s, h, kv_dim, tp),
             _attention_activations(b, s, h, heads, tp, dtype, tp, extra_scores=2 * scores), tp)
     kv = b * s * kv_dim  # naive
     return LayerCost(
-        _comm(("all_gather", bsh), ("all_gather", kv), ("all_gather", kv), ("all_gather", bsh)),
-        _comm(*[("all_reduce", bsh)] * 4),
+        Comm.of(("all_gather", bsh), ("all_gather", kv), ("all_gather", kv), ("all_gather", bsh)),
+        Comm.of(*[("all_reduce", bsh)] * 4),
         _attention_flops(b, s, h, kv_dim, tp, replicated_core=True),
         _attention_activations(b, s, h, heads, tp, dtype, 1), tp)
 
@@ -177,7 +165,7 @@ def ffn_cost(b: int, s: int, h: int, ffn: int, tp: int, dtype=torch.float32, *,
     act = (_bytes(dtype) / 2) * (2 * bsh + 4 * b * s * ffn * (mats - 1) / tp)
     if tp == 1:
         return LayerCost(flops=flops, activation_bytes=act)
-    return LayerCost(_comm(("all_reduce", bsh)), _comm(("all_reduce", bsh)), flops, act, tp)
+    return LayerCost(Comm.of(("all_reduce", bsh)), Comm.of(("all_reduce", bsh)), flops, act, tp)
 
 
 def layer_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: int, ffn: int,
@@ -218,7 +206,26 @@ def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
     if mode == "replicated" or tp == 1:
         return LayerCost(flops=flops, activation_bytes=logits)
     if head == "none":
-        return LayerCost(_comm(("all_reduce", bsh)), {}, flops, logits, tp)
+        return LayerCost(Comm.of(("all_reduce", bsh)), Comm(), flops, logits, tp)
     gathered = tp * 3 * tokens if head == "loss" else tokens * -(-vocab // tp) * tp
-    return LayerCost(_comm(("all_reduce", bsh), ("all_gather", gathered)),
-                     _comm(("all_reduce", bsh)), flops, logits, tp)
+    return LayerCost(Comm.of(("all_reduce", bsh), ("all_gather", gathered)),
+                     Comm.of(("all_reduce", bsh)), flops, logits, tp)
+
+
+def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
+                        vocab: str = "parallel") -> Comm:
+    """The tensor-parallel collectives of one training step of the reference decoder on one rank
+    (``cfg``: a :class:`~ops_transformer.models.GPTConfig`, the model description the planner and
+    the model share), for a micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` ×
+    :func:`layer_cost`, plus :func:`vocab_cost` of the embedding, LM head and loss, plus the one
+    coalesced call of strategy B's output-projection gradient sums (on the TP group; replicated
+    KV heads sum on their replicas' smaller group)."""
+    if tp == 1:
+        return Comm()
+    layer = layer_cost(attention, batch, seq, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff,
+                       tp, bias=cfg.bias, swiglu=cfg.mlp == "swiglu").total()
+    out = layer.scaled(cfg.n_layers) + vocab_cost(vocab, batch, seq, cfg.d_model,
+                                                  cfg.vocab_size, tp).total()
+    if attention == "kv_split":
+        out.add("all_reduce", 0, grad_sum_calls_per_step(attention, cfg.n_kv_heads, tp))
+    return out

@@ -19,11 +19,11 @@ import json
 from dataclasses import dataclass
 
 from ..parallel.launch import launch
-from ..train import TrainConfig, expected_comm_per_step, train_worker
+from ..train import TrainConfig, train_worker
 from ..utils.progress import Progress, format_table
-from ..comm.ledger import wire_elements
+from .cost import comm_time
 from .hardware import CPU_GLOO, HardwareProfile
-from .strategies import layer_cost
+from .strategies import layer_cost, model_comm_per_step
 
 RUNS = (  # preset, ranks, tp, attention, batch, seq
     ("tiny", 2, 2, "heads", 8, 64),
@@ -73,18 +73,19 @@ class TimeModel:
     def parts(self, cfg: TrainConfig, tp: int, nprocs: int) -> dict:
         plan = _plan(cfg, tp)
         m = cfg.model_config()
-        comm = expected_comm_per_step(m, tp, plan.attention, cfg.batch, cfg.seq, plan.vocab)
+        comm = model_comm_per_step(m, tp, plan.attention, cfg.batch, cfg.seq, plan.vocab)
         shared = max(1.0, nprocs / _cores())
         compute = (step_flops_per_rank(cfg, tp, cfg.batch, plan) / self.profile.matmul_flops
                    + m.n_layers * self.per_layer_s + self.fixed_s)
-        calls = sum(c["calls"] for c in comm.values())
-        volume = sum(wire_elements(k, c["elements"], tp) for k, c in comm.items()) * 4
-        return {"compute_s": shared * compute, "calls": calls,
-                "volume_s": volume / self.profile.bandwidth if tp > 1 else 0.0, "comm": comm}
+        return {"compute_s": shared * compute, "calls": comm.calls,
+                "volume_s": comm_time(comm, tp, lambda kind, p: (0.0, self.profile.bandwidth)),
+                "comm": comm}
 
     def predict(self, cfg: TrainConfig, tp: int, nprocs: int) -> float:
+        """Compute plus the one collective-time formula with the fitted per-call α."""
         p = self.parts(cfg, tp, nprocs)
-        return p["compute_s"] + p["calls"] * self.alpha_step_s + p["volume_s"]
+        alpha_beta = lambda kind, group: (self.alpha_step_s, self.profile.bandwidth)  # noqa: E731
+        return p["compute_s"] + comm_time(p["comm"], tp, alpha_beta)
 
 
 def calibrate(profile: HardwareProfile) -> TimeModel:

@@ -1,0 +1,70 @@
+"""Achieved matmul efficiency per GPU and software stack, and the other fitted constants of the
+time and memory model — each with where it comes from.
+
+The efficiency is the fraction of the dense peak (:mod:`.catalogue`) that a training step's
+matmuls achieve. It is an input of the planner, not a constant: ``plan --efficiency 0.45``
+overrides it, a calibration on a GPU (``ops-transformer calibrate`` on a CUDA machine, see
+:mod:`.calibrate`) supplies a measured one for that card, and otherwise the defaults below apply:
+per GPU, and per ``(GPU, stack)`` when ``--stack`` names the software that will run the job.
+
+The defaults are **fitted** by :func:`ops_transformer.planner.published.fit` on the ``fit`` rows of
+``planner/data/published_runs.json`` — published runs of Megatron-LM (Narayanan et al. 2021,
+Table 1), MosaicML llm-foundry (its benchmarking README) and torchtitan (its performance docs) —
+and checked on the ``holdout`` rows (``ops-transformer plan --published``, docs/planner.md).
+``tests/test_planner_published.py`` re-runs the fit and fails if these numbers drift from it.
+A card with no published run gets the figure of the card with the same compute die, or the median
+of the fitted cards, as its ``source`` says.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+STACKS = ("megatron", "llm-foundry", "torchtitan")
+FIT = "fitted on the 'fit' rows of planner/data/published_runs.json"
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    value: float
+    source: str
+
+
+# Fitted by `ops-transformer plan --published --fit` (see the module docstring).
+FITTED_BY_GPU: dict[str, float] = {"a100-40gb": 0.708, "a100-80gb": 0.708, "h100-sxm": 0.506,
+                                   "h100-sxm-96gb": 0.451}
+FITTED_BY_STACK: dict[tuple[str, str], float] = {
+    ("a100-40gb", "llm-foundry"): 0.718, ("a100-80gb", "llm-foundry"): 0.718,
+    ("a100-40gb", "megatron"): 0.757, ("a100-80gb", "megatron"): 0.757,
+    ("a100-40gb", "torchtitan"): 0.657, ("a100-80gb", "torchtitan"): 0.657,
+    ("h100-sxm", "llm-foundry"): 0.506, ("h100-sxm-96gb", "torchtitan"): 0.451}
+MEMORY_PASSES = 6.79  # passes over the activation bytes by memory-bound kernels
+ATTENTION_RATIO = 0.411  # the attention core's achieved efficiency ÷ the projections'
+
+# Cards that share a compute die with a fitted one (same SMs and clocks; only memory differs).
+SAME_DIE = {"a100-40gb": "a100-80gb", "a100-80gb": "a100-40gb", "h200": "h100-sxm"}
+
+
+def default_efficiency(gpu: str, stack: str | None = None) -> Efficiency:
+    """The planner's efficiency for ``gpu`` (a catalogue name) run by ``stack`` (one of
+    :data:`STACKS`, or ``None`` for any)."""
+    if stack is not None and stack not in STACKS:
+        raise ValueError(f"stack must be one of {STACKS}, got {stack!r}")
+    if stack is not None and (gpu, stack) in FITTED_BY_STACK:
+        return Efficiency(FITTED_BY_STACK[gpu, stack], f"{FIT} for {gpu} with {stack}")
+    if gpu in FITTED_BY_GPU:
+        return Efficiency(FITTED_BY_GPU[gpu], f"{FIT} for {gpu}")
+    twin = SAME_DIE.get(gpu)
+    if twin in FITTED_BY_GPU:
+        return Efficiency(FITTED_BY_GPU[twin], f"{FIT} for {twin} (same compute die as {gpu})")
+    median = statistics.median(FITTED_BY_GPU.values())
+    return Efficiency(median, f"no published run on {gpu}: the median of the fitted cards "
+                              f"({', '.join(sorted(FITTED_BY_GPU))})")
+
+
+def check_efficiency(value: float) -> float:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"--efficiency must be in (0, 1] (a fraction of the dense peak), "
+                         f"got {value}")
+    return value

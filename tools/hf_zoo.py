@@ -74,10 +74,9 @@ def write(text: str, rows: list[dict]) -> None:
     works = sum(r["status"] == "works" for r in rows)
     waiting = sum(r["status"].startswith("waiting") for r in rows)
     readme = README.read_text()
-    new = re.sub(r"\d+ of \d+ text families with a `base_model_tp_plan` work"
-                 r"( \(\d+ wait for MoE\))?",
+    new = re.sub(r"\d+ of \d+ text families with a `base_model_tp_plan` work \([^)]*\)",
                  f"{works} of {len(rows)} text families with a `base_model_tp_plan` work "
-                 f"({waiting} wait for MoE)", readme)
+                 f"({waiting} wait for MoE, {len(rows) - works - waiting} fail)", readme)
     README.write_text(new)
 
 

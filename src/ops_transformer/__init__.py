@@ -26,3 +26,8 @@ from .comm.bucketing import GradSums, all_reduce_coalesced, mark_partial_grad
 from .precision import DynamicLossScaler, clip_grad_norm_, optimizer_step, precision_policy
 __all__ += ["DynamicLossScaler", "clip_grad_norm_", "optimizer_step", "precision_policy",
             "GradSums", "all_reduce_coalesced", "mark_partial_grad"]
+from .layers.embedding import ColumnParallelEmbedding
+from .layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParallelLinear,
+                                     PaddedRowParallelLinear)
+__all__ += ["ColumnParallelEmbedding", "PackedRowParallelLinear", "PaddedColumnParallelLinear",
+            "PaddedRowParallelLinear"]

@@ -110,17 +110,7 @@ class PaddedRowParallelLinear(RowParallelLinear):
                                      padded_size=padded if padded != in_features else None)
         self._load_dense(_dense_linear(in_features, out_features, bias, device, dtype))
 
-    @classmethod
-    def from_dense(cls, linear: nn.Module, ctx, *,
-                   input_is_parallel: bool = True) -> PaddedRowParallelLinear:
-        out_features, in_features = dense_weight(linear)[0].shape
-        layer = cls(in_features, out_features, ctx, bias=linear.bias is not None,
-                    input_is_parallel=input_is_parallel, device="meta",
-                    dtype=linear.weight.dtype)
-        layer._load_dense(linear)
-        return layer
-
-    def _load_dense(self, dense: nn.Module) -> None:
+    def _load_dense(self, dense: nn.Module) -> None:  # (RowParallelLinear.from_dense calls it)
         super()._load_dense(dense)
         _mask_padding(self.weight, self.weight_spec)
 

@@ -3,7 +3,7 @@
 The family comes from ``config.model_type``. Every plan is the same Megatron layout as our GPT's:
 whole heads per rank behind one backward all-reduce for Q/K/V, a row-parallel output projection,
 a column→row MLP; the embedding and LM head vocab-parallel (vocabulary padded internally) or
-replicated, by predicted time (:func:`~.hf_translate.vocab_rules`). Models in ``transformers`` ≥
+replicated, by predicted time (:func:`~.hf_vocab.vocab_rules`). Models in ``transformers`` ≥
 4.48 read their head counts from the projected tensors (``view(…, -1, head_dim)``), so only a few
 per-rank attributes need setting (GPT-2's fused QKV split size, the GQA group size when KV heads
 are replicated).
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .hf_translate import translated_plan, vocab_rules
+from .hf_translate import translated_plan
+from .hf_vocab import vocab_rules
 from .plan import Plan
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "bert", "qwen3")

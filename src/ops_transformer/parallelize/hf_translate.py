@@ -43,11 +43,10 @@ width that does not divide by tp, as do gathered-output columns and split-input 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from torch import nn
 
 from ..layers.linear import dense_weight
+from .hf_vocab import module_name, text_config, tied_embeddings, vocab_rules
 from .plan import Plan, matches
 
 HF_STYLES = {  # Hugging Face style -> (our style, options); None: nothing to do
@@ -79,7 +78,6 @@ KNOWN_STYLES = tuple(HF_STYLES) + MOE_STYLES + tuple(NOT_TRANSLATED)
 Q_NAMES = ("q_proj", "query", "q_b_proj", "wq")
 KV_NAMES = ("k_proj", "v_proj", "key", "value", "wk", "wv")
 FUSED_QKV = ("qkv_proj", "query_key_value", "c_attn", "Wqkv", "wqkv", "qkv")
-AUTO_BATCH, MAX_AUTO_SEQ = 8, 2048  # the micro-batch the vocabulary choice assumes
 # Where a family's own plan is not exact (patterns under the base model): the zoo found these.
 PLAN_FIXES = {
     # xIELU's learnable alpha_p/alpha_n sit between up_proj (column) and down_proj (row): each
@@ -99,12 +97,6 @@ PLAN_FIXES = {
     "neomme": {"layers.*.self_attn.exclusive_self_attention.alpha": "colwise",
                "value_embeddings.weight": "rowwise"},
 }
-
-
-def text_config(model):
-    config = model.config
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
 
 
 def hf_tp_plan(model) -> dict[str, str]:
@@ -135,61 +127,6 @@ def check_styles(plan: dict[str, str], model_type: str) -> None:
         if style in NOT_TRANSLATED:
             raise ValueError(f"{model_type}: tp_plan entry {pattern!r} has style {style!r}: "
                              f"{NOT_TRANSLATED[style]}")
-
-
-def _tied(model) -> bool:
-    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-    return out is not None and inp is not None and out.weight is inp.weight
-
-
-def _name_of(model, module) -> str | None:
-    return next((n for n, m in model.named_modules() if m is module and n), None)
-
-
-def _head_ok(head) -> bool:
-    return type(head) is nn.Linear and head.bias is None
-
-
-def vocab_rules(model, tp: int, vocab: str = "auto", loss_parallel: bool = False, *,
-                profile=None) -> tuple[dict, str, str]:
-    """``(rules, mode, reason)`` for the input embedding and the LM head: vocab-parallel
-    (embedding ``vocab``, head ``vocab_logits``, tied when the model ties them) or replicated (no
-    rules). ``auto`` asks the cost model (:func:`~ops_transformer.planner.choose_vocab`) for a
-    micro-batch of 8 sequences of the model's context (at most 2048 tokens); a head that returns
-    full logits pays an all-gather of ``N·V`` elements, a ``loss_parallel`` head only the loss
-    statistics, a model without a head only the embedding's all-reduce (so it stays
-    replicated)."""
-    from ..planner.choose import choose_vocab
-
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if type(embedding) is not nn.Embedding or (head is not None and not _head_ok(head)):
-        # A subclass (Gemma's scaled embedding) or a head with a bias is not swapped.
-        return {}, "replicated", "vocab replicated: an embedding or LM head of a kind not swapped"
-    if vocab not in ("auto", "parallel", "replicated"):
-        raise ValueError(f"vocab must be 'auto', 'parallel' or 'replicated', got {vocab!r}")
-    reason = f"vocab {vocab}: as requested"
-    if vocab == "auto" and tp == 1:
-        vocab, reason = "parallel", "vocab parallel: tp=1"
-    elif vocab == "auto":
-        text = text_config(model)
-        seq = min(getattr(text, "max_position_embeddings", None) or MAX_AUTO_SEQ, MAX_AUTO_SEQ)
-        spec = SimpleNamespace(d_model=embedding.embedding_dim,
-                               vocab_size=embedding.num_embeddings)
-        kind = "none" if head is None else ("loss" if loss_parallel else "logits")
-        vocab, reason = choose_vocab(spec, tp, batch=AUTO_BATCH, seq=seq, profile=profile,
-                                     head=kind)
-    if vocab == "replicated":
-        return {}, vocab, reason
-    embed = _name_of(model, embedding)
-    rules = {embed: {"style": "vocab"}}
-    if head is not None:
-        rule = {"style": "vocab_logits"}
-        if _tied(model):
-            rule["tied_to"] = embed
-        if loss_parallel:
-            rule["gather"] = False
-        rules[_name_of(model, head)] = rule
-    return rules, vocab, reason
 
 
 class _Targets:
@@ -234,7 +171,7 @@ def _rule(model, pattern: str, style: str, target, head_name, embed_rule) -> dic
         rule["rope_dim"] = rope
     if name == head_name and ours == "colwise":  # a user-named head: vocab-parallel, maybe tied
         rule = {"style": "vocab_logits"}
-        if _tied(model):
+        if tied_embeddings(model):
             if embed_rule is None:
                 raise ValueError(f"{pattern!r}: the LM head is tied to the input embedding, so it "
                                  f"can only be split with it (name the embedding "
@@ -329,7 +266,7 @@ def translated_plan(model, tp: int, loss_parallel: bool = False, *, tp_plan: dic
         hf = {**hf, **user} if user else {}
     check_styles(hf, model_type)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    embed_name, head_name = _name_of(model, embedding), _name_of(model, head)
+    embed_name, head_name = module_name(model, embedding), module_name(model, head)
     vocab_names = {n for n in (embed_name, head_name) if n}
     user_vocab = any(matches(n, p) for p in user for n in vocab_names)
     rules, mode, why = ({}, "replicated", "vocab as the tp_plan says") if user_vocab or not hf \

@@ -18,10 +18,10 @@ tr.logging.set_verbosity_error()
 hf_zoo = pytest.importorskip("ops_transformer.parallelize.hf_zoo")
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "huggingface.md"
-# One family per translated style: olmo2 gathered columns and split-input rows, phi3 a fused QKV,
-# minicpm3 MLA's mla_kv_a_proj, granite_swa per-head attention sinks (a parameter rule),
-# apertus replicated_with_grad_allreduce plus our fix of its plan (xIELU's parameters).
-QUICK = ["olmo2", "phi3", "minicpm3", "granite_swa", "apertus"]
+# Translated styles the default suite meets in real models: olmo2 gathered columns and split-input
+# rows, minicpm3 MLA's mla_kv_a_proj, apertus replicated_with_grad_allreduce plus our fix of its
+# plan (xIELU's parameters). The slow sweep covers every family.
+QUICK = ["olmo2", "minicpm3", "apertus"]
 
 
 def _check(model_type):

@@ -194,8 +194,12 @@ def _calls(summary):
     return {kind: c["calls"] for kind, c in summary.items()}
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("name", list(CASES))
+QUICK = ("padded_ffn", "grad_allreduce_and_sinks", "mla_kv_a")  # at tp 1 and 4 by default too
+
+
+@pytest.mark.parametrize("name,tp", [
+    pytest.param(name, tp, marks=() if tp == 2 or name in QUICK else pytest.mark.slow)
+    for name in CASES for tp in (1, 2, 4)])
 def test_style_equals_dense(run_ranks, name, tp):
     fwd, bwd = run_ranks(_case, tp, name)[0]
     _, _, want_fwd, want_bwd = CASES[name]

@@ -32,7 +32,8 @@ def _run(run_ranks, model_type) -> str:
     errors, exc = None, None
     try:
         hf_zoo.prepare(model_type)  # imports the family's code before the fork
-        errors = run_ranks(_check, 2, model_type)[0]
+        # hybrid Mamba families run their slow CPU path: minutes on a loaded 2-core machine
+        errors = run_ranks(_check, 2, model_type, timeout=900)[0]
     except Exception as e:  # noqa: BLE001 - the status says what happened
         exc = e
     return hf_zoo.status(exc, errors)
@@ -44,7 +45,8 @@ def test_quick_zoo(run_ranks, model_type):
 
 
 def _committed_table() -> dict[str, str]:
-    rows = re.findall(r"^\| `([\w.-]+)` \| ([^|]+) \|", DOC.read_text(), re.M)
+    zoo = DOC.read_text().split("<!-- zoo table: start -->")[1].split("<!-- zoo table: end -->")[0]
+    rows = re.findall(r"^\| `([\w.-]+)` \| ([^|]+) \|", zoo, re.M)
     return {model_type: status.strip() for model_type, status in rows}
 
 

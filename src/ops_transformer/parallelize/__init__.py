@@ -94,7 +94,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     correct for any ``dp × tp``, each data-parallel rank feeding its own rows of the global batch.
     The applied plan is ``model.parallel_plan``. For the reference GPT, ``attention`` and ``vocab``
     (``"parallel"``, ``"replicated"`` or ``"auto"``: embedding and LM head split over the
-    vocabulary or not) choose the strategy; ``auto`` asks the cost model.
+    vocabulary or not) choose the strategy; ``auto`` asks the cost model. ``vocab`` applies to
+    Hugging Face models too.
 
     Hugging Face models (GPT-2, Llama, Mistral, Qwen2, Qwen3, BERT; others through their
     ``base_model_tp_plan``) return what the unsharded model returns: full-vocabulary logits, so

@@ -48,7 +48,8 @@ def run(model_type: str, tp: int, timeout: float) -> dict:
 def table(rows: list[dict], skipped: dict[str, str], version: str) -> str:
     works = sum(r["status"] == "works" for r in rows)
     waiting = sum(r["status"].startswith("waiting") for r in rows)
-    lines = [f"{works} work, {waiting} wait for mixture-of-experts support, "
+    lines = [f"{works} work, {waiting} wait for Hugging Face's MoE styles to be wired to our MoE "
+             f"layers, "
              f"{len(rows) - works - waiting} fail, {len(skipped)} not applicable "
              f"(`transformers` {version}, tp 2, fp32).", "",
              "| model type | status | rules | output | gradients | weights after a step |",

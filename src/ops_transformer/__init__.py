@@ -31,3 +31,7 @@ from .layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParall
                                      PaddedRowParallelLinear)
 __all__ += ["ColumnParallelEmbedding", "PackedRowParallelLinear", "PaddedColumnParallelLinear",
             "PaddedRowParallelLinear"]
+from .layers.moe import ParallelExperts, ParallelMoE  # noqa: E402
+from .models.moe import MoE, moe_stats  # noqa: E402
+
+__all__ += ["ParallelExperts", "ParallelMoE", "MoE", "moe_stats"]

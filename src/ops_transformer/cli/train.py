@@ -4,16 +4,21 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 import warnings
 from pathlib import Path
 
+import torch
+
 from ..models.gpt import PRESETS
 from ..parallel import launch
+from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
+from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
 from ..train import TrainConfig, train_worker, validate
 from ..utils.progress import format_table
+from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
+                      under_torchrun, world_size)
 
 HELP = "train the reference GPT with tensor (and data) parallelism"
 ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
@@ -22,8 +27,10 @@ ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
 def add_parser(p) -> None:
     p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
                    "run under torchrun (or as one process)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / tp)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
+    p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (tp·ep))")
+    p.add_argument("--ep", type=int, help="expert-parallel degree for MoE presets "
+                   "(moe-tiny, moe-small): n_experts/ep experts per rank (default 1)")
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--data", help="a text file or a directory (default: the Python standard "
                    "library's sources on this machine)")
@@ -32,7 +39,7 @@ def add_parser(p) -> None:
     p.add_argument("--seq", type=int, default=64, help="sequence length in bytes")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention", default="auto", choices=ATTENTION)
+    p.add_argument("--attention", choices=ATTENTION, help="attention strategy (default auto)")
     p.add_argument("--plan", help="a plan from 'ops-transformer plan --out FILE' (its best "
                    "layout) or a candidate from it: sets --tp, --dp and --attention")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
@@ -43,6 +50,7 @@ def add_parser(p) -> None:
                    "(fp16 with a dynamic loss scaler); default fp32")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
+    add_launch_timeout(p)
 
 
 def layout_from_plan(path: str) -> dict:
@@ -55,9 +63,6 @@ def layout_from_plan(path: str) -> dict:
     if not isinstance(best, dict) or not {"tp", "dp", "attention"} <= set(best):
         raise ValueError(f"--plan {path!r} has no layout (its 'best' is null: nothing fits, or it "
                          f"is not a planner result)")
-    if best.get("ep", 1) != 1:
-        raise ValueError(f"--plan {path!r} uses expert parallelism (ep={best['ep']}), which "
-                         f"train does not run")
     skipped = [f"{k}={best[k]}" for k, default in (("zero_stage", 0), ("recompute", "none"),
                                                     ("sequence_parallel", False))
                if best.get(k, default) != default]
@@ -65,14 +70,24 @@ def layout_from_plan(path: str) -> dict:
         warnings.warn(f"--plan: train runs the plan's layout but not yet {', '.join(skipped)} "
                       f"(SPEC F7 is not implemented); memory use will be higher than planned",
                       stacklevel=2)
-    return {"tp": best["tp"], "dp": best["dp"], "attention": best["attention"]}
+    return {"tp": best["tp"], "dp": best["dp"], "ep": best.get("ep", 1),
+            "attention": best["attention"]}
 
 
 def config_from_args(args, out_prefix: str) -> TrainConfig:
     out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    layout = {"tp": args.tp, "dp": args.dp, "attention": args.attention}
+    given = {"tp": args.tp, "dp": args.dp, "ep": getattr(args, "ep", None),
+             "attention": args.attention}
+    layout = {"tp": 1 if args.tp is None else args.tp, "dp": args.dp,
+              "ep": 1 if given["ep"] is None else given["ep"],
+              "attention": args.attention or "auto"}
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
+        conflicts = [f"--{k} {v} (the plan has {layout[k]})" for k, v in given.items()
+                     if v is not None and v != layout[k]]
+        if conflicts:
+            raise ValueError(f"--plan {args.plan!r} sets --tp, --dp, --ep and --attention, but "
+                             f"also {', '.join(conflicts)}: drop the flag or the plan")
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
                        progress=not args.no_progress, **layout,
@@ -80,20 +95,32 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        clip_grad=args.clip_grad)
 
 
-def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:
-    """Validate, then train on ``nproc`` local ranks or on the ranks of this torchrun job."""
+def run_training(cfg: TrainConfig, nproc: int | None,
+                 timeout: float = DEFAULT_LAUNCH_TIMEOUT) -> dict | None:
+    """Validate (the output directory included), then train on ``nproc`` local ranks, on the
+    ranks of this torchrun job, or in this one process (with the launcher's thread policy)."""
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    validate(cfg, world_size() if nproc is None else nproc)
+    if cfg.out:
+        check_out_dir(cfg.out)
     if nproc is not None:
-        if nproc < 1:
-            raise ValueError(f"--nproc must be at least 1, got {nproc}")
-        validate(cfg, nproc)
-        return launch(train_worker, nproc, cfg)[0]
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    return train_worker(cfg)
+        return launch(train_worker, nproc, cfg, timeout=timeout)[0]
+    if under_torchrun():
+        return train_worker(cfg)
+    threads = torch.get_num_threads()
+    set_rank_threads()
+    try:
+        return train_worker(cfg)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def summary(metrics: dict) -> str:
     rows = [
-        {"": "layout", "value": f"dp={metrics['dp']} × tp={metrics['tp']}"},
+        {"": "layout", "value": f"dp={metrics['dp']} × "
+                                + (f"ep={metrics['ep']} × " if metrics.get("ep", 1) > 1 else "")
+                                + f"tp={metrics['tp']}"},
         {"": "attention", "value": metrics["attention"]},
         {"": "precision", "value": _precision_line(metrics)},
         {"": "parameters", "value": f"{metrics['params']:,}"},
@@ -102,6 +129,10 @@ def summary(metrics: dict) -> str:
         {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s']:,.0f}"},
         {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
     ]
+    if "moe" in metrics:
+        rows.append({"": "MoE aux loss / dropped (last)",
+                     "value": f"{metrics['moe']['aux_loss'][-1]:.4f} / "
+                              f"{metrics['moe']['dropped_fraction'][-1]:.1%} of token-slots"})
     return format_table(rows)
 
 
@@ -116,14 +147,16 @@ def _precision_line(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
+    timeout = launch_timeout(args)
     nproc = args.nproc
-    if args.plan and nproc is None and "WORLD_SIZE" not in os.environ:
-        nproc = cfg.tp * (cfg.dp or 1)  # a plan fixes the layout: launch it locally
-    metrics = run_training(cfg, nproc)
+    size = cfg.tp * cfg.ep * (cfg.dp or 1)
+    if nproc is None and not under_torchrun() and (args.plan or size > 1):
+        nproc = size  # the layout is fixed (a plan, or degrees above 1): launch it locally
+    metrics = run_training(cfg, nproc, timeout)
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:
-        print(json.dumps(metrics, indent=2))
+        print_json(metrics)
         return 0
     print(summary(metrics))
     print(f"\nsample: {metrics['sample']!r}")

@@ -29,7 +29,8 @@ from .plan import Plan
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "bert", "qwen3")
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 
-__all__ = ["FAMILIES", "gpt2_plan", "llama_plan", "bert_plan", "translated_plan", "hf_plan"]
+__all__ = ["FAMILIES", "gpt2_plan", "llama_plan", "bert_plan", "translated_plan", "hf_plan",
+           "has_family_plan"]
 
 
 def _prefix(model: nn.Module) -> str:
@@ -119,6 +120,14 @@ def bert_plan(model, tp: int, loss_parallel: bool = False, *, vocab: str = "auto
     return _with_vocab(model, tp, rules, "Hugging Face BERT plan", loss_parallel, vocab, profile)
 
 
+def has_family_plan(model_type: str) -> bool:
+    """Whether ``hf_plan`` uses a plan of ours for this family (else it translates Hugging
+    Face's)."""
+    from .moe_plan import MOE_FAMILIES
+
+    return model_type in FAMILIES or model_type in MOE_FAMILIES
+
+
 def hf_plan(model, tp: int, loss_parallel: bool = False, *, vocab: str = "auto",
             tp_plan: dict | None = None, profile=None) -> Plan:
     """The plan for a ``transformers`` model: the family's own above, else (or when ``tp_plan``
@@ -133,6 +142,10 @@ def hf_plan(model, tp: int, loss_parallel: bool = False, *, vocab: str = "auto",
         return llama_plan(model, tp, loss_parallel, **options)
     if model_type == "bert":
         return bert_plan(model, tp, loss_parallel, **options)
+    from .moe_plan import MOE_FAMILIES, hf_moe_plan  # experts: their own module
+
+    if model_type in MOE_FAMILIES:
+        return hf_moe_plan(model, tp, loss_parallel, **options)
     if getattr(model.config, "base_model_tp_plan", None) or getattr(model, "tp_plan", None):
         return translated_plan(model, tp, loss_parallel, **options)
     raise ValueError(f"no tensor-parallel plan for Hugging Face model_type {model_type!r}: "

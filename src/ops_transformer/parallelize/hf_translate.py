@@ -28,8 +28,8 @@ Hugging Face style                our style (:mod:`.plan`)                a size
 parameter                         bias stays replicated)
 ``local_params``, ``replicate``   no rule: our layers always compute on   —
                                   plain local tensors
-``moe_tp_experts``,               not yet: they need mixture-of-experts   —
-``moe_identity_expert``           support (SPEC F9, issue #12)
+``moe_tp_experts``,               not yet wired to our MoE layers (SPEC   —
+``moe_identity_expert``           F9, issue #12)
 ================================  ======================================  ========================
 
 The input embedding and the LM head are split over the vocabulary or kept replicated by predicted
@@ -70,8 +70,9 @@ HF_STYLES = {  # Hugging Face style -> (our style, options); None: nothing to do
     "local": None,
 }
 MOE_STYLES = ("moe_tp_experts", "moe_identity_expert")
-MOE_MISSING = ("needs mixture-of-experts support (SPEC F9, issue #12: MoE layers), not yet built "
-               "in ops-transformer")
+MOE_MISSING = ("needs mixture-of-experts support in translated plans, not yet built: our MoE "
+               "layers (SPEC F9, issue #12) run Mixtral, Qwen2-MoE, Qwen3-MoE and PhiMoE through "
+               "their own plans, but Hugging Face's MoE styles are not wired to them yet")
 NOT_TRANSLATED = {"sequence_parallel": "sequence parallelism is not part of a translated plan"}
 KNOWN_STYLES = tuple(HF_STYLES) + MOE_STYLES + tuple(NOT_TRANSLATED)
 

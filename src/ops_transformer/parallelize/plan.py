@@ -52,6 +52,9 @@ style              effect (communication: forward / backward)
                    heads directly). Fwd: none; bwd: all-reduce of the gradient of those features
 ``shard_param``    the pattern names a parameter (not a module), sliced along ``dim`` (e.g.
                    per-head attention sinks, ``dim=0``). No communication
+``moe``            the reference MoE → :class:`ParallelMoE`; a ``transformers`` experts module
+                   → :class:`ParallelExperts`: ``n_experts/ep`` experts per EP rank, each
+                   column→row over TP, tokens moved by all-to-alls over the EP group
 ================== ========================================================================
 
 Hugging Face's styles map onto these in :mod:`.hf_translate` (``colwise_gather_output`` is
@@ -78,11 +81,13 @@ from ..layers.head import GatheredLMHead, VocabParallelLMHead
 from ..layers.linear import dense_weight, to_compute_dtype
 from ..layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParallelLinear,
                                       PaddedRowParallelLinear)
+from ..layers.moe import to_expert_parallel
 from ..parallel.sharding import ShardSpec, set_shard_spec
 
 STYLES = ("colwise", "rowwise", "gather_in", "region", "vocab", "vocab_head", "vocab_logits",
           "kv_split", "attrs", "embed_colwise", "grad_allreduce", "reduce_out", "mla_kv_a",
           "shard_param")
+STYLES += ("moe",)  # mixture of experts (layers/moe.py)
 PARAM_STYLES = ("shard_param",)  # their pattern names a parameter, not a module
 
 
@@ -270,6 +275,7 @@ _APPLY = {
     "reduce_out": _reduce_out,
     "mla_kv_a": _mla_kv_a,
     "shard_param": _shard_param,
+    "moe": lambda m, ctx, groups: to_expert_parallel(m, ctx),
 }
 
 

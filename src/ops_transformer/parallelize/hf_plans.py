@@ -92,9 +92,10 @@ def llama_plan(model, tp: int, loss_parallel: bool = False, *, vocab: str = "aut
         p + "layers.*.mlp.up_proj": dict(ffn),
         p + "layers.*.mlp.down_proj": {"style": "rowwise", "pad": True},
     }
-    if c.model_type == "qwen3":  # per-head norms: each rank sees its heads' part of the gradient
-        rules[p + "layers.*.self_attn.q_norm"] = "grad_allreduce"
-        rules[p + "layers.*.self_attn.k_norm"] = "grad_allreduce"
+    attention = model.get_submodule(p + "layers.0.self_attn")
+    for norm in ("q_norm", "k_norm"):  # Qwen3 (and Qwen3-MoE): per-head norms, so each rank
+        if hasattr(attention, norm):    # sees its heads' part of their gradients
+            rules[p + f"layers.*.self_attn.{norm}"] = "grad_allreduce"
     if local_q // local_kv != heads // kv:  # replicated KV heads: fewer query heads per KV head
         rules[p + "layers.*.self_attn"] = {"style": "region",
                                            "set": {"num_key_value_groups": local_q // local_kv}}

@@ -118,14 +118,44 @@ def test_bad_tp_plan_is_a_clear_error(tp_plan, needle):
         hf_plan(qwen3(), 2, tp_plan=tp_plan)
 
 
-def test_moe_styles_say_what_is_missing():
+def test_moe_styles_translate_to_our_experts():
     torch.manual_seed(0)
     model = tr.MixtralForCausalLM(tr.MixtralConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=2))
-    with pytest.raises(ValueError, match=r"'moe_tp_experts', which needs mixture-of-experts "
-                                         r"support .* not yet built"):
-        translated_plan(model, 2)
+    rules = translated_plan(model, 2).rules
+    assert rules["model.layers.*.mlp.experts"] == {"style": "moe", "hf_experts": True}
+    assert not [p for p in rules if p.startswith("model.layers.*.mlp.experts.")]  # with it
+
+
+def _mixtral_translated(tp, ep):
+    """Mixtral under Hugging Face's own plan (moe_tp_experts) rather than ours: logits and the
+    gathered gradients."""
+    parallel = int(os.environ["WORLD_SIZE"]) > 1
+    ctx = init_parallel(tp=tp, ep=ep) if parallel else init_parallel()
+    torch.manual_seed(0)
+    model = tr.MixtralForCausalLM(tr.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4))
+    if parallel:  # a tp_plan (even one repeating the model's entry) selects the translation
+        parallelize(model, ctx, tp_plan={"model.layers.*.mlp.experts": "moe_tp_experts"})
+        assert type(model.model.layers[0].mlp.experts).__name__ == "HFExperts"
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    logits = model(input_ids=ids).logits
+    logits.square().mean().backward()
+    params = dict(model.named_parameters())
+    for p in params.values():
+        p.data = p.grad
+    return logits.detach(), gather_full_state_dict(model, ctx)
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_translated_moe_plan_equals_unsharded(run_ranks, tp, ep):
+    ref_logits, ref_grads = run_ranks(_mixtral_translated, 1, 1, 1)[0]
+    for logits, grads in run_ranks(_mixtral_translated, tp * ep, tp, ep):
+        assert_rel(logits, ref_logits, what="logits")
+        for key, g in ref_grads.items():
+            assert_rel(grads[key], g, what=f"gradient of {key}")
 
 
 def test_heads_that_do_not_divide_are_refused():

@@ -47,10 +47,7 @@ def run(model_type: str, tp: int, timeout: float) -> dict:
 
 def table(rows: list[dict], skipped: dict[str, str], version: str) -> str:
     works = sum(r["status"] == "works" for r in rows)
-    waiting = sum(r["status"].startswith("waiting") for r in rows)
-    lines = [f"{works} work, {waiting} wait for Hugging Face's MoE styles to be wired to our MoE "
-             f"layers, "
-             f"{len(rows) - works - waiting} fail, {len(skipped)} not applicable "
+    lines = [f"{works} work, {len(rows) - works} fail, {len(skipped)} not applicable "
              f"(`transformers` {version}, tp 2, fp32).", "",
              "| model type | status | rules | output | gradients | weights after a step |",
              "|---|---|---|---|---|---|"]
@@ -73,11 +70,10 @@ def write(text: str, rows: list[dict]) -> None:
     head, rest = doc.split(START, 1)
     DOC.write_text(f"{head}{START}\n{text}\n{END}{rest.split(END, 1)[1]}")
     works = sum(r["status"] == "works" for r in rows)
-    waiting = sum(r["status"].startswith("waiting") for r in rows)
     readme = README.read_text()
     new = re.sub(r"\d+ of \d+ text families with a `base_model_tp_plan` work \([^)]*\)",
                  f"{works} of {len(rows)} text families with a `base_model_tp_plan` work "
-                 f"({waiting} wait for MoE, {len(rows) - works - waiting} fail)", readme)
+                 f"({len(rows) - works} fail)", readme)
     README.write_text(new)
 
 

@@ -21,15 +21,22 @@ Hugging Face style                our style (:mod:`.plan`)                a size
 ``embedding_rowwise``             ``vocab``                               vocabulary padded
 ``embedding_colwise``             ``embed_colwise``                       refused
 ``replicated_with_grad_allreduce`` ``grad_allreduce``                     —
-``all_reduce``                    ``reduce_out``                          —
+``all_reduce``                    ``reduce_out`` (``region_inputs`` over  —
+                                  raw sharded parameters: Hugging Face's
+                                  style is forward-only, its input
+                                  gradients would stay partial)
 ``mla_kv_a_proj``                 ``mla_kv_a`` (``rope_dim`` from the     —
                                   config's ``qk_rope_head_dim``)
-``colwise`` / ``rowwise`` on a    ``shard_param`` (dim 0 / the last; a    refused
-parameter                         bias stays replicated)
+``colwise`` / ``rowwise`` on a    ``shard_param`` (the output dim, the    refused
+parameter                         next-to-last / the last; a bias stays
+                                  replicated)
 ``local_params``, ``replicate``   no rule: our layers always compute on   —
                                   plain local tensors
-``moe_tp_experts``,               not yet wired to our MoE layers (SPEC   —
-``moe_identity_expert``           F9, issue #12)
+``moe_tp_experts`` (an experts     ``moe`` + ``hf_experts``: the module    the expert FFN width
+module; its ``gate_up_proj`` /    becomes :class:`~.hf_experts.HFExperts`  refused
+``down_proj`` entries)            around our ``ParallelExperts``
+``moe_identity_expert``           no rule: ``HFExperts`` adds identity    —
+                                  experts after the reduction
 ================================  ======================================  ========================
 
 The input embedding and the LM head are split over the vocabulary or kept replicated by predicted
@@ -65,16 +72,14 @@ HF_STYLES = {  # Hugging Face style -> (our style, options); None: nothing to do
     "replicated_with_grad_allreduce": ("grad_allreduce", {}),
     "all_reduce": ("reduce_out", {}),
     "mla_kv_a_proj": ("mla_kv_a", {}),
+    "moe_tp_experts": ("moe", {"hf_experts": True}),
+    "moe_identity_expert": None,
     "local_params": None,
     "replicate": None,
     "local": None,
 }
-MOE_STYLES = ("moe_tp_experts", "moe_identity_expert")
-MOE_MISSING = ("needs mixture-of-experts support in translated plans, not yet built: our MoE "
-               "layers (SPEC F9, issue #12) run Mixtral, Qwen2-MoE, Qwen3-MoE and PhiMoE through "
-               "their own plans, but Hugging Face's MoE styles are not wired to them yet")
 NOT_TRANSLATED = {"sequence_parallel": "sequence parallelism is not part of a translated plan"}
-KNOWN_STYLES = tuple(HF_STYLES) + MOE_STYLES + tuple(NOT_TRANSLATED)
+KNOWN_STYLES = tuple(HF_STYLES) + tuple(NOT_TRANSLATED)
 
 Q_NAMES = ("q_proj", "query", "q_b_proj", "wq")
 KV_NAMES = ("k_proj", "v_proj", "key", "value", "wk", "wv")
@@ -122,9 +127,6 @@ def check_styles(plan: dict[str, str], model_type: str) -> None:
                              f"is not a Hugging Face tensor-parallel style (known: "
                              f"{', '.join(sorted(KNOWN_STYLES))})")
     for pattern, style in plan.items():
-        if style in MOE_STYLES:
-            raise ValueError(f"{model_type}: tp_plan entry {pattern!r} has style {style!r}, which "
-                             f"{MOE_MISSING}")
         if style in NOT_TRANSLATED:
             raise ValueError(f"{model_type}: tp_plan entry {pattern!r} has style {style!r}: "
                              f"{NOT_TRANSLATED[style]}")
@@ -154,11 +156,14 @@ def _rule(model, pattern: str, style: str, target, head_name, embed_rule) -> dic
     if kind == "param":
         if ours not in ("colwise", "rowwise") or packed:
             raise ValueError(f"{pattern!r}: style {style!r} on a parameter of shape "
-                             f"{tuple(obj.shape)} is not translated (it belongs to an experts "
-                             f"module, which {MOE_MISSING})")
+                             f"{tuple(obj.shape)} is not translated (a 3-D experts weight is "
+                             f"split with its module: mark the module 'moe_tp_experts')")
         if ours == "rowwise" and name.endswith("bias"):
             return {}  # a row-parallel bias stays replicated
-        return {pattern: {"style": "shard_param", "dim": 0 if ours == "colwise" else -1}}
+        # as Hugging Face shards them: the output dimension of a [.., out, in] weight (dim 0 of
+        # a bias or a per-head vector), the input dimension (the last) for rowwise
+        dim = max(obj.dim() - 2, 0) if ours == "colwise" else -1
+        return {pattern: {"style": "shard_param", "dim": dim}}
     if packed:
         size = dense_weight(obj)[0].shape[0 if ours == "colwise" else 1]
         if size % packed:
@@ -167,8 +172,10 @@ def _rule(model, pattern: str, style: str, target, head_name, embed_rule) -> dic
         rule["sub_blocks"] = [size // packed] * packed
     if ours == "mla_kv_a":
         rope = getattr(text_config(model), "qk_rope_head_dim", None)
-        if not rope:
+        if rope is None:
             raise ValueError(f"{pattern!r}: style {style!r} needs the config's qk_rope_head_dim")
+        if rope == 0:  # no RoPE features bypass kv_b_proj: its own input gradient is whole
+            return {}
         rule["rope_dim"] = rope
     if name == head_name and ours == "colwise":  # a user-named head: vocab-parallel, maybe tied
         rule = {"style": "vocab_logits"}
@@ -229,6 +236,49 @@ def _check_heads(model, rules: dict, tp: int, targets: _Targets) -> None:
         rules[parent] = {"style": "attrs", "set": {"num_key_value_groups": heads // tp}}
 
 
+NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_norm", "key_norm")
+
+
+def _per_head_norms(rules: dict, targets: _Targets) -> None:
+    """Per-head Q/K norms beside split projections see only this rank's heads: their gradients
+    are summed over TP even where the family's plan forgets them (sarvam_moe, qwen3_vl_moe)."""
+    for pattern, rule in list(rules.items()):
+        parent, _, last = pattern.rpartition(".")
+        if rule["style"] != "colwise" or rule.get("gather_output") or \
+                last not in Q_NAMES + KV_NAMES + FUSED_QKV:
+            continue
+        found = targets.find(parent)
+        if found is None or found[0] != "module":
+            continue
+        for name, child in found[2].named_children():
+            key = f"{parent}.{name}"
+            if name in NORM_NAMES and key not in rules and next(child.parameters(), None) \
+                    is not None:
+                rules[key] = {"style": "grad_allreduce"}
+
+
+def _row_inputs(model, rules: dict) -> dict:
+    """A row layer reads features split by a column sibling. Where a pattern matches layers of
+    both kinds (glm5_next's ``self_attn.o_proj`` in split softmax attention and in linear
+    attention, which the plan leaves whole), it is kept per layer only where a sibling is
+    split."""
+    columns = [p for p, r in rules.items() if r["style"] == "colwise" and not r.get("gather_output")]
+    names = [n for n, _ in model.named_modules() if n]
+    split = {n for n in names if any(matches(n, c) for c in columns)}
+    out = {}
+    for pattern, rule in rules.items():
+        if rule["style"] != "rowwise" or rule.get("input_is_parallel") is False:
+            out[pattern] = rule
+            continue
+        hits = [n for n in names if matches(n, pattern)]
+        fed = [n for n in hits if any(m.rpartition(".")[0] == n.rpartition(".")[0] for m in split)]
+        if not fed or len(fed) == len(hits):
+            out[pattern] = rule
+        else:
+            out.update({n: dict(rule) for n in fed})
+    return out
+
+
 def _pad_ffn(rules: dict) -> None:
     """Let widths that do not divide by tp be padded where that is exact: a column layer whose
     parent also holds a row layer (the column→row FFN), a gathered column, a split-input row."""
@@ -274,9 +324,12 @@ def translated_plan(model, tp: int, loss_parallel: bool = False, *, tp_plan: dic
         else vocab_rules(model, tp, vocab, loss_parallel, profile=profile)
     embed_rule = None
     first = sorted(hf, key=lambda p: not (embed_name and matches(embed_name, p)))
+    experts = tuple(p + "." for p, s in hf.items() if s == "moe_tp_experts")
     for pattern, style in ((p, hf[p]) for p in first):  # an embedding before its tied head
         if not user_vocab and any(matches(n, pattern) for n in vocab_names):
             continue  # the vocabulary split is ours to choose
+        if pattern.startswith(experts):
+            continue  # the experts' weights (and identity expert): split with their module
         target = targets.find(pattern)
         if HF_STYLES[style] is None or target is None:
             continue
@@ -286,7 +339,14 @@ def translated_plan(model, tp: int, loss_parallel: bool = False, *, tp_plan: dic
         rules.update(new)
     if user_vocab and any(r["style"] == "vocab_logits" for r in rules.values()):
         mode = "parallel"
+    for pattern, rule in rules.items():  # a partial sum over raw sharded parameters
+        if rule["style"] == "reduce_out" and any(
+                r["style"] == "shard_param" for p, r in rules.items()
+                if p.startswith(pattern + ".")):
+            rule["region_inputs"] = True
+    rules = _row_inputs(model, rules)
     _check_heads(model, rules, tp, targets)
+    _per_head_norms(rules, targets)
     _pad_ffn(rules)
     return Plan(rules=rules, attention="heads", vocab=mode,
                 reason=f"translated from {model_type}'s tp_plan; {why}")

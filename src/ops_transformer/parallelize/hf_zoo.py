@@ -19,7 +19,7 @@ import inspect
 import torch
 
 from .hf_plans import has_family_plan
-from .hf_translate import MOE_MISSING, check_styles, hf_tp_plan
+from .hf_translate import check_styles, hf_tp_plan
 
 SMALL = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -38,11 +38,17 @@ SMALL = dict(
     linear_value_head_dim=16,
 )
 FAMILY = {  # what a family needs beyond SMALL (checked with transformers 5.24)
+    # DSA indexer; MLA expands its keys to every head (no GQA: as many KV heads as heads)
     **dict.fromkeys(["axk2", "deepseek_v32", "glm_moe_dsa", "mistral_large4_text"],
-                    {"index_head_dim": 16, "index_n_heads": 4, "index_topk": 8}),
+                    {"index_head_dim": 16, "index_n_heads": 4, "index_topk": 8,
+                     "num_key_value_heads": 4}),
     "neomme": {"embedding_rank": 16, "embedding_dim": 32},
     # M-RoPE sections must sum to head_dim / 2 = 8
-    **dict.fromkeys(["glm4v_text", "glm4v_moe_text", "glm_image_text", "glm_ocr_text",
+    # half the head rotates (partial_rotary_factor 0.5): sections sum to 4
+    "glm4v_moe_text": {"head_dim": 16, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+        "partial_rotary_factor": 0.5}},
+    **dict.fromkeys(["glm4v_text", "glm_image_text", "glm_ocr_text",
                      "qwen2_vl_text", "qwen2_5_vl_text", "hunyuan_vl_text"],
                     {"head_dim": 16, "rope_parameters": {"rope_type": "default",
                                                          "rope_theta": 10000.0,
@@ -52,7 +58,23 @@ FAMILY = {  # what a family needs beyond SMALL (checked with transformers 5.24)
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
                        "indexer_budget": 8, "indexer_compress_ratio": 2, "hc_lowrank": 16,
                        "ple_embed_dim": 16},
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # MoE layers in the tiny model too (the defaults keep the first layers, or all, dense)
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "flint": {"mlp_only_layers": [0]},
+    # one layer holds two attention + MLP sublayers; 2 identity ("zero") experts beside 4 routed
+    "longcat_flash": {"num_layers": 1, "zero_expert_num": 2},
+    # their configs want as many KV heads as query heads
+    # its sliding-window layers take their own sizes (swa_*)
+    "dots3_note_text": {"num_key_value_heads": 4, "index_topk": 8, "index_head_dim": 16,
+                        "index_n_heads": 4, "shared_experts_intermediate_size": 32,
+                        **{f"swa_{k}": v for k, v in dict(
+                            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                            kv_lora_rank=32, head_dim=16, qk_nope_head_dim=8,
+                            v_head_dim=16).items()}},
+    # DSA attention without RoPE; linear-attention layers of 4 heads
+    "glm5_next_text": {"num_key_value_heads": 4, "qk_rope_head_dim": 0, "qk_nope_head_dim": 16,
+                       "index_topk": 8, "index_kpool": 2, "index_head_dim": 16,
+                       "index_n_heads": 4, "linear_head_dim": 16, "linear_num_heads": 4},
     "cosmos3_edge_text": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                               "mrope_section": [2, 3, 3]}},
     "hy_v4_vl_text": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
@@ -62,7 +84,8 @@ FAMILY = {  # what a family needs beyond SMALL (checked with transformers 5.24)
              "n_output_layers": 1},
     "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 99,
                      "hidden_size_per_layer_input": 16},
-    "gemma4_text": {"vocab_size_per_layer_input": 99, "hidden_size_per_layer_input": 16},
+    "gemma4_text": {"vocab_size_per_layer_input": 99, "hidden_size_per_layer_input": 16,
+                    "enable_moe_block": True, "top_k_experts": 2, "moe_intermediate_size": 32},
     # its global layers differ (wider heads, fewer KV heads): one of each kind, KV heads divisible
     "embedding_gemma2_text": {"hidden_size_per_layer_input": 16, "embedding_dim": 64,
                               "per_layer_config": {"01": {"head_dim": 32,
@@ -291,6 +314,4 @@ def status(exc: BaseException | None, errors: dict | None = None) -> str:
         over = [f"{k} error {errors[k]:.1e}" for k, tol in TOLERANCE.items() if errors[k] > tol]
         return f"fails: {', '.join(over)}" if over else "works"
     message = str(exc).split("\n")[0]
-    if MOE_MISSING in message:
-        return "waiting: Hugging Face's MoE styles are not yet wired to our MoE layers (#12)"
     return f"fails: {type(exc).__name__}: {message}"

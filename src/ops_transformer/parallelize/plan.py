@@ -45,8 +45,10 @@ style              effect (communication: forward / backward)
                    norm over per-head features, e.g. Qwen3's ``q_norm``, sees only this rank's
                    heads). Fwd: none; bwd: their sum, coalesced with the other partial gradients
                    into one all-reduce per bucket at the end of backward (``GradSums``)
-``reduce_out``     the module computes a partial sum on each rank; its output is all-reduced.
-                   Fwd: all-reduce of the output; bwd: none
+``reduce_out``     the module computes a partial sum on each rank; its output is all-reduced
+                   (``region_inputs``: its parameters are sharded raw tensors, so each
+                   floating-point input's gradient is all-reduced too). Fwd: all-reduce of the
+                   output; bwd: none (``region_inputs``: all-reduce of each input gradient)
 ``mla_kv_a``       a replicated MLA ``kv_a_proj_with_mqa`` (``rope_dim``: its last ``rope_dim``
                    output features bypass the column-parallel ``kv_b_proj`` and feed this rank's
                    heads directly). Fwd: none; bwd: all-reduce of the gradient of those features
@@ -55,6 +57,10 @@ style              effect (communication: forward / backward)
 ``moe``            the reference MoE → :class:`ParallelMoE`; a ``transformers`` experts module
                    → :class:`ParallelExperts`: ``n_experts/ep`` experts per EP rank, each
                    column→row over TP, tokens moved by all-to-alls over the EP group
+                   (``hf_experts``: through :class:`~.hf_experts.HFExperts`, which keeps the
+                   module's call and keys — Hugging Face's ``moe_tp_experts``). Fwd: all-to-alls
+                   over EP, all-reduce of the experts' output over TP; bwd: all-to-alls, all-reduce
+                   of their input gradient
 ================== ========================================================================
 
 Hugging Face's styles map onto these in :mod:`.hf_translate` (``colwise_gather_output`` is
@@ -83,6 +89,7 @@ from ..layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParal
                                       PaddedRowParallelLinear)
 from ..layers.moe import to_expert_parallel
 from ..parallel.sharding import ShardSpec, set_shard_spec
+from .hf_experts import HFExperts
 
 STYLES = ("colwise", "rowwise", "gather_in", "region", "vocab", "vocab_head", "vocab_logits",
           "kv_split", "attrs", "embed_colwise", "grad_allreduce", "reduce_out", "mla_kv_a",
@@ -215,7 +222,16 @@ def _grad_allreduce(module, ctx, groups):
     return module
 
 
-def _reduce_out(module, ctx, groups):
+def _reduce_out(module, ctx, groups, region_inputs=False):
+    if region_inputs:  # raw sharded parameters inside: every input's gradient is partial too
+        def enter(m, args, kwargs):
+            def region(t):
+                return (copy_to_tp_region(to_compute_dtype(t), ctx.tp_group)
+                        if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+            return tuple(region(a) for a in args), {k: region(v) for k, v in kwargs.items()}
+
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+
     def reduce(m, args, out):
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"reduce_out style: {type(m).__name__} returned "
@@ -275,7 +291,8 @@ _APPLY = {
     "reduce_out": _reduce_out,
     "mla_kv_a": _mla_kv_a,
     "shard_param": _shard_param,
-    "moe": lambda m, ctx, groups: to_expert_parallel(m, ctx),
+    "moe": lambda m, ctx, groups, hf_experts=False: (HFExperts.from_dense(m, ctx) if hf_experts
+                                                     else to_expert_parallel(m, ctx)),
 }
 
 

@@ -80,8 +80,8 @@ class HFExperts(nn.Module):
             raise ValueError(f"moe_tp_experts on {name}: its forward follows neither transformers' "
                              f"experts contract (use_experts_implementation) nor a layout we "
                              f"translate (LongcatFlashExperts, Llama4TextExperts)")
-        for key, p in list(module.named_parameters(recurse=False)):  # now held by ParallelExperts
-            module._parameters[key] = None  # (its _apply_gate, bound to module, may still be used)
+        for key in [k for k, _ in module.named_parameters(recurse=False)]:  # ParallelExperts
+            module._parameters[key] = None  # holds them now (module's _apply_gate may still run)
         return out
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,

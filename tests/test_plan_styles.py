@@ -66,6 +66,19 @@ class Partial(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+class RawPartial(nn.Module):
+    """Inkling's shared experts: raw weights (no linear modules) split by ``shard_param``, so the
+    input gradient each rank computes is partial too (``reduce_out`` with ``region_inputs``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(16, H) * 0.3)
+        self.down = nn.Parameter(torch.randn(H, 16) * 0.3)
+
+    def forward(self, x):
+        return F.linear(F.gelu(F.linear(x, self.up)), self.down)
+
+
 class Wrapper(nn.Module):
     def __init__(self, inner):
         super().__init__()
@@ -133,6 +146,10 @@ CASES = {
     "reduce_out": (lambda: Wrapper(Partial()),
                    {"mlp.up": "colwise", "mlp.down.weight": {"style": "shard_param", "dim": -1},
                     "mlp": "reduce_out"}, {"all_reduce": 1}, {"all_reduce": 1}),
+    "reduce_out_raw": (lambda: Wrapper(RawPartial()),
+                       {"mlp.up": "shard_param", "mlp.down": {"style": "shard_param", "dim": -1},
+                        "mlp": {"style": "reduce_out", "region_inputs": True}},
+                       {"all_reduce": 1}, {"all_reduce": 1}),
     "mla_kv_a": (LatentKV, {"kv_a": {"style": "mla_kv_a", "rope_dim": LatentKV.ROPE},
                             "kv_b": "colwise", "o": "rowwise"},
                  {"all_reduce": 1}, {"all_reduce": 2}),

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
+from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
+from .memory.options import check_memory_flags, make_optimizer, partial_numel
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
 from .models.moe import moe_stats
@@ -49,9 +51,14 @@ class TrainConfig:
     sample_prompt: str = "def "
     progress: bool = True
     layers: int | None = None  # overrides the preset's n_layers
+    ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16: with a dynamic loss scaler)
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
     ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
+    sequence_parallel: bool = False  # memory (SPEC F7): see ops_transformer.memory
+    recompute: str = "none"
+    activation_cache: str = "none"
+    zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -74,6 +81,8 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, ep, tp = check_degrees(world_size, cfg.tp, cfg.dp, cfg.ep)
+    if cfg.ranks_per_node is not None:
+        NodeLayout(world_size, cfg.ranks_per_node)  # divides the number of processes
     model_cfg = cfg.model_config()
     check_train_ep(model_cfg, cfg.preset, ep)
     if model_cfg.vocab_size < VOCAB_SIZE:
@@ -83,6 +92,7 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
         raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})" if ep == 1 else
                          f"--batch ({cfg.batch}) must be divisible by dp ({dp}) × ep ({ep}): "
                          f"each of the {dp * ep} ranks reads its own rows")
+    check_memory_flags(cfg, dp, tp)
     gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
     check_corpus(load_corpus(cfg.data), cfg.seq)
     return dp, tp
@@ -99,17 +109,22 @@ def check_train_ep(model_cfg: GPTConfig, preset_name: str, ep: int) -> None:
 
 
 def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch: int,
-                           seq: int, vocab: str = "parallel") -> dict[str, dict[str, int]]:
+                           seq: int, vocab: str = "parallel",
+                           **memory) -> dict[str, dict[str, int]]:
     """The tensor-parallel collectives the cost model predicts for one training step on one rank
     (:func:`ops_transformer.planner.strategies.model_comm_per_step`, checked against the ledger by
-    the tests)."""
-    return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab)
+    the tests); ``memory``: its ``sequence_parallel``, ``recompute`` and ``partial_elements``."""
+    return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab, **memory)
 
 
-def train_worker(cfg: TrainConfig) -> dict | None:
+def train_worker(cfg: TrainConfig, profile=None) -> dict | None:
     """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere. The process
-    groups it starts are torn down before it returns."""
-    with init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep) as ctx:
+    groups it starts are torn down before it returns.
+
+    ``profile``: the hardware profile (or its path) for the automatic choices and the collective
+    algorithms; rank 0's is used by every rank (``init_parallel``). ``None``: the built-in one."""
+    with init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, ranks_per_node=cfg.ranks_per_node,
+                       profile=profile) as ctx:
         return _train(cfg, ctx)
 
 
@@ -117,12 +132,16 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
-    plan = gpt_plan(model_cfg, ctx.tp_size, cfg.attention, batch=cfg.batch // ctx.dp_ep_size,
-                    seq=cfg.seq)  # `auto` ranks the strategies for this run's shapes
+    attention = "heads" if cfg.sequence_parallel and cfg.attention == "auto" else cfg.attention
+    plan = gpt_plan(model_cfg, ctx.tp_size, attention, batch=cfg.batch // ctx.dp_ep_size,
+                    seq=cfg.seq, profile=ctx.profile)  # `auto`: for this run's shapes, on the
+    #                                                     profile every rank agreed on
     policy = precision_policy(cfg.precision)
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan,
-                        grad_reduce_dtype=policy.grad_reduce_dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+                        grad_reduce_dtype=policy.grad_reduce_dtype,
+                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+                        activation_cache=cfg.activation_cache)
+    opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
     lead = ctx.rank == 0
     losses, step_times, last, moe_history = [], [], None, []
@@ -224,8 +243,11 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
         "expected_tp_comm_per_step": expected_comm_per_step(
             model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_ep_size,
-            cfg.seq, model.parallel_plan.vocab),
+            cfg.seq, model.parallel_plan.vocab, sequence_parallel=cfg.sequence_parallel,
+            recompute=cfg.recompute, partial_elements=partial_numel(model, ctx.tp_group)),
         "params": _dense_param_count(model.cfg),
+        "ranks_per_node": ctx.ranks_per_node,
+        "comm_by_level": ledger.by_level(),  # what ran inside a node and across nodes
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
         "plan": model.parallel_plan.to_dict(), **(extra or {}),
     }

@@ -12,10 +12,12 @@ import sys
 
 from .. import __version__
 from . import calibrate, demo, embed, generate, plan, train
+from . import memory
 from ._common import error_line, quiet_unless_lead
 
 COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,
             "calibrate": calibrate}
+COMMANDS["memory"] = memory
 DEBUG_HELP = "show the traceback of an error instead of one line"
 
 

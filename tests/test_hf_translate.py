@@ -186,3 +186,24 @@ def _step_collectives(vocab):
 ])
 def test_vocabulary_split_by_cost(run_ranks, vocab, mode, calls):
     assert run_ranks(_step_collectives, 2, vocab)[0] == (mode, calls)
+
+
+def test_vocabulary_choice_reads_the_agreed_profile():
+    """The Hugging Face plans price the split on ``ctx.profile`` (the profile every rank agreed on
+    at init_parallel), as the GPT plan does: a network slow enough keeps Llama-2's 32000-token
+    vocabulary replicated."""
+    from ops_transformer import ParallelContext
+    from ops_transformer.parallelize import resolve_plan
+    from ops_transformer.planner.hardware import HardwareProfile
+
+    torch.manual_seed(0)
+    model = tr.LlamaForCausalLM(tr.LlamaConfig(
+        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64))
+    def ctx(profile=None):
+        return ParallelContext(rank=0, world_size=2, tp_size=2, tp_rank=0, dp_size=1, dp_rank=0,
+                               profile=profile)
+
+    assert resolve_plan(model, ctx()).vocab == "parallel"
+    slow = HardwareProfile("slow network", matmul_flops=1e11, alpha_s=1.0, bandwidth=1e3)
+    assert resolve_plan(model, ctx(slow)).vocab == "replicated"

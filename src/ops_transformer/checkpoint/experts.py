@@ -7,7 +7,8 @@ each split over TP: ``w_in [E/ep, W/tp, h]``, ``w_out [E/ep, h, F/tp]``, biases 
 reference MoE: ``experts.<e>.w_in.weight [W, h]``, …). A checkpoint stores the replaced module's
 tensors, so it loads at any ``tp × ep`` and into the unparallelised model:
 
-* stacked: one entry per tensor, its TP chunks shifted to the rank's first expert along dim 0;
+* stacked: one entry per tensor, its TP chunks shifted to the rank's first expert along dim 0
+  (and, for a module stored ``[E, in, out]`` — ``dense_transposed`` — turned to that orientation);
 * one MLP per expert: one entry per local expert ``j`` — the view ``local[j]`` — keyed
   ``<first + j>.w_in.weight``, its TP chunks those of the 2-D expert slice.
 """
@@ -38,6 +39,19 @@ class ShiftedLayout:
                 for offsets, view in self.base.chunks(local)]
 
 
+class TurnedLayout:
+    """``base``'s chunks of a stacked weight with its last two dimensions swapped (modules stored
+    ``[E, in, out]`` where the experts compute with ``[E, out, in]``: ``dense_transposed``)."""
+
+    def __init__(self, base: Layout):
+        self.base = base
+        e, a, b = base.global_shape
+        self.global_shape = (e, b, a)
+
+    def chunks(self, local: torch.Tensor):
+        return [((o[0], o[2], o[1]), view.transpose(1, 2)) for o, view in self.base.chunks(local)]
+
+
 @dataclass(frozen=True)
 class _Expert:
     """Selects local expert ``index`` of a stacked tensor."""
@@ -65,8 +79,10 @@ def expert_entries(module, prefix: str) -> dict[str, list[Entry]]:
         if module.dense_keys is not None:
             spec = shard_spec(param)
             base = SpecLayout(spec) if spec is not None else Replicated(param.shape)
-            out[name] = [Entry(prefix + module.dense_keys[name],
-                               ShiftedLayout(base, shard.first, shard.n_experts))]
+            layout = ShiftedLayout(base, shard.first, shard.n_experts)
+            if getattr(module, "dense_transposed", False) and param.dim() == 3:
+                layout = TurnedLayout(layout)  # as gather_dense_state stores it
+            out[name] = [Entry(prefix + module.dense_keys[name], layout)]
         else:
             layout = _expert_layout(param)
             out[name] = [Entry(f"{prefix}{shard.first + j}.{MLP_NAMES[name]}", layout, _Expert(j))

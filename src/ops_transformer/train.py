@@ -27,6 +27,7 @@ from .parallelize.gpt_plan import gpt_plan
 from .planner.strategies import model_comm_per_step
 from .utils.plot import write_line_plot_png
 from .utils.progress import Progress
+from .utils.tensorboard import ScalarLog, check_log_dir
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class TrainConfig:
     sample_prompt: str = "def "
     progress: bool = True
     layers: int | None = None  # overrides the preset's n_layers
+    tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -75,6 +77,7 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
         raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})")
     gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // dp, seq=cfg.seq)  # sizes vs tp
     check_corpus(load_corpus(cfg.data), cfg.seq)
+    check_log_dir(cfg.tensorboard)
     return dp, tp
 
 
@@ -94,8 +97,35 @@ def _global_loss(loss: torch.Tensor, ctx) -> float:
     return float(loss)
 
 
-def train_worker(cfg: TrainConfig) -> dict | None:
-    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere."""
+@dataclass
+class TrainState:
+    """What one rank trains: the model :func:`parallelize` prepared, its optimizer and the corpus.
+    :meth:`step` is one training step, the unit that ``train`` times and ``profile`` profiles."""
+
+    cfg: TrainConfig
+    ctx: object
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    data: object
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This data-parallel rank's rows of the global batch of ``step`` (on the device)."""
+        x, y = slice_for_rank(*get_batch(self.data, step, batch=self.cfg.batch, seq=self.cfg.seq,
+                                         seed=self.cfg.seed), self.ctx.dp_rank, self.ctx.dp_size)
+        return x.to(self.ctx.device), y.to(self.ctx.device)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, CommLedger]:
+        """Forward, backward and the optimizer step; the loss and the step's collectives."""
+        with CommLedger() as ledger:
+            loss = self.model(x, y)[1]
+            loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss, ledger
+
+
+def setup_training(cfg: TrainConfig) -> TrainState:
+    """Join the job (``init_parallel``), build the parallel model and its optimizer on this rank."""
     ctx = init_parallel(tp=cfg.tp, dp=cfg.dp)
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
@@ -104,19 +134,21 @@ def train_worker(cfg: TrainConfig) -> dict | None:
                     seq=cfg.seq)  # `auto` ranks the strategies for this run's shapes
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return TrainState(cfg, ctx, model, opt, data)
+
+
+def train_worker(cfg: TrainConfig) -> dict | None:
+    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere."""
+    state = setup_training(cfg)
+    ctx, model = state.ctx, state.model
     lead = ctx.rank == 0
     losses, step_times, last = [], [], None
     bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)
+    board = ScalarLog(cfg.tensorboard if lead else None)
     for step in range(cfg.steps):
-        x, y = slice_for_rank(*get_batch(data, step, batch=cfg.batch, seq=cfg.seq, seed=cfg.seed),
-                              ctx.dp_rank, ctx.dp_size)
-        x, y = x.to(ctx.device), y.to(ctx.device)
+        x, y = state.batch(step)
         start = time.perf_counter()
-        with CommLedger() as ledger:
-            loss = model(x, y)[1]
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss, ledger = state.step(x, y)
         step_times.append(time.perf_counter() - start)
         losses.append(_global_loss(loss, ctx))
         last = ledger
@@ -126,7 +158,10 @@ def train_worker(cfg: TrainConfig) -> dict | None:
         tokens_per_s = cfg.batch * cfg.seq / step_times[-1]
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
                                        "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"})
+        board.log(step, loss=losses[-1], tokens_per_s=tokens_per_s,
+                  comm_bytes_per_step=ledger.total_bytes, comm_calls_per_step=ledger.calls)
     bar.close()
+    board.close()
     sample = _sample(model, cfg, ctx.device)
     if not lead:
         return None

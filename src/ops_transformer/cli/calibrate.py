@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..planner.calibrate import calibrate
+from ..profiler.calibrate import calibrate
 from ..planner.profile import default_profile_path, save_profile
 from ..utils.progress import format_table
 

@@ -37,6 +37,8 @@ def add_parser(p) -> None:
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--tensorboard", metavar="DIR", help="log loss, tokens/s, communication (and "
+                   "the loss scale, with one) as TensorBoard scalars in DIR")
 
 
 def layout_from_plan(path: str) -> dict:
@@ -69,7 +71,8 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
         layout = layout_from_plan(args.plan)
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
-                       progress=not args.no_progress, **layout)
+                       progress=not args.no_progress,
+                       tensorboard=getattr(args, "tensorboard", None), **layout)
 
 
 def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:

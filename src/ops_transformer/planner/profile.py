@@ -77,7 +77,7 @@ def load_profile(path=None) -> CalibratedProfile:
 
 
 def _gpu_efficiency(entry) -> dict:
-    """``{card: efficiency}`` from a profile's ``"gpu"`` entry (:func:`.calibrate.gpu_efficiency`)
+    """``{card: efficiency}`` from a profile's ``"gpu"`` entry (:func:`ops_transformer.profiler.calibrate.gpu_efficiency`)
     when the device is a catalogue card."""
     if not isinstance(entry, dict) or not entry.get("catalogue"):
         return {}

@@ -10,9 +10,11 @@ import argparse
 import sys
 
 from . import calibrate, demo, embed, generate, plan, train
+from . import bench, diagnose, profile, sweep
 
 COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,
-            "calibrate": calibrate}
+            "calibrate": calibrate, "profile": profile, "diagnose": diagnose, "sweep": sweep,
+            "bench": bench}
 
 
 def build_parser() -> argparse.ArgumentParser:

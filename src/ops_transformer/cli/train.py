@@ -75,15 +75,23 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        tensorboard=getattr(args, "tensorboard", None), **layout)
 
 
-def run_training(cfg: TrainConfig, nproc: int | None) -> dict | None:
-    """Validate, then train on ``nproc`` local ranks or on the ranks of this torchrun job."""
+def run_training(cfg: TrainConfig, nproc: int | None, worker=train_worker, *args) -> dict | None:
+    """Validate, then run ``worker(cfg, *args)`` (training by default) on ``nproc`` local ranks or
+    on the ranks of this torchrun job."""
     if nproc is not None:
         if nproc < 1:
             raise ValueError(f"--nproc must be at least 1, got {nproc}")
         validate(cfg, nproc)
-        return launch(train_worker, nproc, cfg)[0]
+        return launch(worker, nproc, cfg, *args)[0]
     validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    return train_worker(cfg)
+    return worker(cfg, *args)
+
+
+def launch_size(args, cfg: TrainConfig) -> int | None:
+    """``--nproc``; with ``--plan`` and neither ``--nproc`` nor torchrun, the plan's ranks."""
+    if args.plan and args.nproc is None and "WORLD_SIZE" not in os.environ:
+        return cfg.tp * (cfg.dp or 1)  # a plan fixes the layout: launch it locally
+    return args.nproc
 
 
 def summary(metrics: dict) -> str:
@@ -101,10 +109,7 @@ def summary(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
-    nproc = args.nproc
-    if args.plan and nproc is None and "WORLD_SIZE" not in os.environ:
-        nproc = cfg.tp * (cfg.dp or 1)  # a plan fixes the layout: launch it locally
-    metrics = run_training(cfg, nproc)
+    metrics = run_training(cfg, launch_size(args, cfg))
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:

@@ -15,22 +15,43 @@ FOLD_SHARE = 0.01  # segments shorter than this share of the step are folded tog
 MIN_GAP_US = 5.0  # host gaps shorter than this are not segments of their own
 
 
+def _pieces(e: T.Event, comm: list[T.Event]):
+    """``e`` cut around the collective calls and waits nested in it: ``(name, type, start, end)``."""
+    if T.comm_kind(e.name) is not None:
+        yield e.name, "comm", e.start, e.end
+        return
+    t = e.start
+    for c in comm:
+        if c.thread == e.thread and c.start >= t and c.end <= e.end:
+            if c.start > t:
+                yield e.name, T.segment_type(e), t, c.start
+            yield c.name, "comm", c.start, c.end
+            t = c.end
+    if e.end > t:
+        yield e.name, T.segment_type(e), t, e.end
+
+
 def _chain(events: list[T.Event], s0: float, s1: float) -> list[dict]:
     """The top-level segments of ``[s0, s1]`` with the host gaps, times in ms from ``s0``."""
+    comm = T.comm_calls(events, s0, s1)
     out, t = [], s0
+
+    def add(name, kind, a, b):
+        out.append({"name": name, "type": kind, "start_ms": (a - s0) / 1e3, "ms": (b - a) / 1e3})
+
     for e in T.top_level(events, s0, s1):
         if e.start - t >= MIN_GAP_US:
-            out.append({"name": "host (Python, between operators)", "type": "host",
-                        "start_ms": (t - s0) / 1e3, "ms": (e.start - t) / 1e3})
-        start = max(e.start, t)
-        if e.end > start:
-            out.append({"name": e.name, "type": T.segment_type(e), "start_ms": (start - s0) / 1e3,
-                        "ms": (e.end - start) / 1e3})
+            add(HOST, "host", t, e.start)
+        for name, kind, a, b in _pieces(e, comm):
+            if b > max(a, t):
+                add(name, kind, max(a, t), b)
         t = max(t, e.end)
     if s1 - t >= MIN_GAP_US:
-        out.append({"name": "host (Python, between operators)", "type": "host",
-                    "start_ms": (t - s0) / 1e3, "ms": (s1 - t) / 1e3})
+        add(HOST, "host", t, s1)
     return out
+
+
+HOST = "host (Python, between operators)"
 
 
 def _merge(segments: list[dict], same) -> list[dict]:

@@ -7,8 +7,9 @@ inside a ``record_function("ops_transformer::step#<i>")`` range. Every rank of t
 steps (:mod:`.timeline`) and the :class:`Profile` it returns holds every rank's split, so
 :meth:`Profile.summary` is the same dict on every rank:
 
-- ``per_rank``: step time, compute (matmul / other), communication, exposed and overlapped
-  communication, idle host time, the compute/communication ratio and the device utilisation
+- ``per_rank``: step time, compute (matmul / other, and of the other the host's Python between
+  operators), communication, exposed and overlapped communication, idle time (GPU: the device
+  waiting for the host), the compute/communication ratio and the device utilisation
   (compute / step); per collective kind the calls, bytes (ledger) and element counts per step,
   the mean latency and the achieved bus bandwidth (ring wire bytes / latency, the convention of
   nccl-tests' ``busbw``); the top operators by self time; one step's timeline.
@@ -86,7 +87,7 @@ def _rank_summary(prof, ledgers: list[CommLedger], walls: list[float], ctx) -> d
     splits = [T.split_step(events, a, b) for a, b in steps]
     n = len(splits)
     mean = {k: sum(getattr(s, k) for s in splits) / n
-            for k in ("step", "compute", "matmul", "exposed_comm", "comm", "idle",
+            for k in ("step", "compute", "matmul", "host", "exposed_comm", "comm", "idle",
                       "overlapped_comm")}
     median = sorted(range(n), key=lambda i: splits[i].step)[n // 2]
     return {
@@ -94,7 +95,7 @@ def _rank_summary(prof, ledgers: list[CommLedger], walls: list[float], ctx) -> d
         "step_time_s": mean["step"], "step_times_s": [s.step for s in splits],
         "wall_step_times_s": walls,
         "compute_s": mean["compute"], "matmul_s": mean["matmul"],
-        "other_compute_s": mean["compute"] - mean["matmul"],
+        "other_compute_s": mean["compute"] - mean["matmul"], "host_s": mean["host"],
         "comm_s": mean["comm"], "exposed_comm_s": mean["exposed_comm"],
         "overlapped_comm_s": mean["overlapped_comm"], "idle_s": mean["idle"],
         "compute_comm_ratio": mean["compute"] / mean["comm"] if mean["comm"] else None,

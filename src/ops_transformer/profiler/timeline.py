@@ -9,14 +9,17 @@ which move the data of every collective, also while the step threads compute.
 Within one step ``[s0, s1]`` of length ``T``::
 
     exposed comm   E = |calls ∪ waits|                    (step threads blocked on communication)
-    compute        C = |operators \\ (calls ∪ waits)|      (matmul: the GEMM operators, M ⊆ C)
+    operators      O = |operators \ (calls ∪ waits)|      (matmul: the GEMM operators, M ⊆ O)
+    host           H = T − O − E                          (Python between operators)
+    compute        C = O + H
     comm           K = |calls ∪ waits ∪ gloo events|       (communication in flight)
     overlapped     K − E                                  (hidden behind compute)
-    idle           T − C − E                              (host time between operators: Python)
 
-so ``C + E + idle = T`` exactly, and ``C + E ≈ T`` says that operators and communication account
-for the step. On a GPU the device's kernels replace the operators (NCCL kernels are the
-communication), and ``idle`` is the time the device waits for the host.
+On a CPU the host is the device: the Python between operators is work of the step, so it counts
+as compute (reported apart as ``host``), and ``C + E = T``; nothing is idle that the profiler can
+see. On a GPU the device's kernels replace the operators (NCCL kernels are the communication),
+``C`` is the kernels' time, ``E`` the NCCL time no kernel hides, and ``idle = T − C − E`` is the
+time the device waits for the host.
 """
 
 from __future__ import annotations
@@ -145,6 +148,7 @@ class StepTimes:
     step: float
     compute: float
     matmul: float
+    host: float
     exposed_comm: float
     comm: float
     idle: float
@@ -185,9 +189,11 @@ def split_step(events: list[Event], s0: float, s1: float) -> StepTimes:
     ops = subtract(clip(ops, s0, s1), blocked)
     comm = union(blocked + clip(background, s0, s1))
     T = (s1 - s0) * 1e-6
-    E, C = length(blocked) * 1e-6, length(ops) * 1e-6
-    return StepTimes(step=T, compute=C, matmul=length(subtract(clip(gemm, s0, s1), blocked)) * 1e-6,
-                     exposed_comm=E, comm=length(comm) * 1e-6, idle=max(T - C - E, 0.0))
+    E, O = length(blocked) * 1e-6, length(ops) * 1e-6
+    H = 0.0 if on_device else max(T - O - E, 0.0)
+    return StepTimes(step=T, compute=O + H, host=H,
+                     matmul=length(subtract(clip(gemm, s0, s1), blocked)) * 1e-6,
+                     exposed_comm=E, comm=length(comm) * 1e-6, idle=max(T - O - H - E, 0.0))
 
 
 def _is_gemm_kernel(name: str) -> bool:
@@ -209,6 +215,13 @@ def kind_latencies(events: list[Event], steps: list[tuple[float, float]]) -> dic
         target = transfer if is_background_comm(e) else calls
         target.setdefault(kind, []).append(e.dur * 1e-6)
     return {kind: transfer.get(kind) or calls.get(kind, []) for kind in set(transfer) | set(calls)}
+
+
+def comm_calls(events: list[Event], s0: float, s1: float) -> list[Event]:
+    """The collective calls and waits of the step threads inside ``[s0, s1]``, outermost first."""
+    return sorted((e for e in events if e.start >= s0 and e.end <= s1 and not e.device
+                   and not is_background_comm(e) and comm_kind(e.name) is not None),
+                  key=lambda e: (e.start, -e.end))
 
 
 def top_level(events: list[Event], s0: float, s1: float) -> list[Event]:

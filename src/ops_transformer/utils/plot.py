@@ -14,9 +14,10 @@ import math
 from pathlib import Path
 
 # One colour per part of a step, shared by every profiler picture.
-COLOURS = {"matmul": "#1f77b4", "compute": "#6baed6", "exposed comm": "#d62728",
-           "overlapped comm": "#ff9896", "comm": "#d62728", "idle": "#c7c7c7",
-           "host": "#c7c7c7", "mixed": "#9edae5", "comm threads": "#ff9896"}
+COLOURS = {"matmul": "#1f77b4", "compute": "#6baed6", "other ops": "#6baed6",
+           "host (Python)": "#9ecae1", "exposed comm": "#d62728",
+           "overlapped comm": "#ff9896", "overlapped comm (beside compute)": "#ff9896", "comm": "#d62728", "idle": "#e0e0e0",
+           "host": "#9ecae1", "mixed": "#9edae5", "comm threads": "#ff9896"}
 
 
 def _pyplot():
@@ -68,7 +69,7 @@ def write_stacked_bars_png(path, labels: list[str], parts: dict[str, list[float]
                            title: str = "", ylabel: str = "") -> Path:
     """One bar per label, stacked from ``parts`` (name → one value per label, bottom first)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(labels) + 2), 4))
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.2 * len(labels) + 4), 4))
     bottom = [0.0] * len(labels)
     for name, values in parts.items():
         ax.bar(labels, values, bottom=bottom, label=name, color=COLOURS.get(name))

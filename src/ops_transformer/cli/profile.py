@@ -1,0 +1,34 @@
+"""``ops-transformer profile``: a few training steps under ``torch.profiler`` on every rank."""
+
+from __future__ import annotations
+
+import json
+
+from ..profiler.report import summary_text
+from ..profiler.run import profile_worker
+from . import train as train_cli
+
+HELP = ("profile a few training steps (options as train): compute vs communication per rank, "
+        "collectives, top operators, critical path; Chrome traces, profile.json and pictures")
+
+
+def add_parser(p) -> None:
+    train_cli.add_parser(p)
+    p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (default 2)")
+    p.set_defaults(steps=5)  # the profiled steps
+
+
+def run(args) -> int:
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    cfg = train_cli.config_from_args(args, "profile")
+    summary = train_cli.run_training(cfg, train_cli.launch_size(args, cfg), profile_worker,
+                                     args.steps, args.warmup)
+    if summary is None:  # not rank 0 of a torchrun job
+        return 0
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(summary_text(summary))
+    print("\nwrote " + ", ".join(summary["files"].values()))
+    return 0

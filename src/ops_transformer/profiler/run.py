@@ -1,0 +1,48 @@
+"""``ops-transformer profile``: the training step of ``train`` (same options), profiled.
+
+:func:`profile_worker` runs on every rank: it builds what ``train`` builds
+(:func:`~ops_transformer.train.setup_training`), profiles ``warmup + steps`` training steps with
+:func:`~.profile.profile_step` on batches prepared beforehand, and writes ``trace_rank<r>.json``
+(each rank) and, on rank 0, ``profile.json``, ``breakdown.png`` and ``timeline.png``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from ..train import TrainConfig, setup_training
+from .profile import profile_step
+from .report import write_breakdown_png, write_timeline_of_step_png
+
+
+def output_files(out: Path, ranks: int) -> dict[str, Path]:
+    files = {"profile": out / "profile.json", "breakdown": out / "breakdown.png",
+             "timeline": out / "timeline.png"}
+    files.update({f"trace_rank{r}": out / f"trace_rank{r}.json" for r in range(ranks)})
+    return files
+
+
+def profile_worker(cfg: TrainConfig, steps: int, warmup: int) -> dict | None:
+    """Run on every rank; the summary (with the files written) on rank 0, ``None`` elsewhere."""
+    state = setup_training(cfg)
+    batches = iter([state.batch(i) for i in range(warmup + steps)])
+    prof = profile_step(lambda: state.step(*next(batches)), state.ctx, steps=steps,
+                        warmup=warmup)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(out / f"trace_rank{state.ctx.rank}.json")
+    if state.ctx.rank != 0:
+        return None
+    summary = prof.summary()
+    plan = state.model.parallel_plan
+    summary.update(config=asdict(cfg), attention=plan.attention, vocab=plan.vocab,
+                   tp=state.ctx.tp_size, dp=state.ctx.dp_size,
+                   tokens_per_s=cfg.batch * cfg.seq / summary["step_time_s"])
+    files = output_files(out, state.ctx.world_size)
+    summary["files"] = {k: str(v) for k, v in files.items()}
+    write_breakdown_png(summary, files["breakdown"])
+    write_timeline_of_step_png(summary, files["timeline"])
+    files["profile"].write_text(json.dumps(summary, indent=1) + "\n")
+    return summary

@@ -22,3 +22,5 @@ __all__ = [
     "vocab_parallel_cross_entropy", "ShardSpec", "gather_full", "gather_full_state_dict",
     "GPT", "GPTConfig", "Plan", "parallelize", "no_sync", "parallel_linear",
 ]
+from .profiler import Diagnostic, Profile, diagnose, profile_step
+__all__ += ["Diagnostic", "Profile", "diagnose", "profile_step"]

@@ -10,6 +10,7 @@
   this machine measured for the cost model, and the cost model checked against runs.
 """
 
+from .diagnose import CODES, SEVERITIES, Diagnostic, diagnose
 from .profile import Profile, profile_step
 
-__all__ = ["Profile", "profile_step"]
+__all__ = ["CODES", "Diagnostic", "Profile", "SEVERITIES", "diagnose", "profile_step"]

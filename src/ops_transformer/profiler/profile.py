@@ -38,6 +38,11 @@ from .critical import critical_path, step_timeline
 TOP_OPERATORS = 12
 
 
+def world_group(ctx):
+    """The group of every rank of the job (the default group), ``None`` for one process."""
+    return dist.group.WORLD if ctx.world_size > 1 else None
+
+
 def profile_step(step_fn, ctx, steps: int = 5, warmup: int = 2) -> Profile:
     """Profile ``steps`` calls of ``step_fn()`` after ``warmup`` unprofiled ones, on every rank
     of ``ctx`` (module docstring)."""
@@ -46,7 +51,7 @@ def profile_step(step_fn, ctx, steps: int = 5, warmup: int = 2) -> Profile:
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     for _ in range(warmup):
         step_fn()
-    world = dist.group.WORLD if ctx.world_size > 1 else None
+    world = world_group(ctx)
     C.barrier(world)  # the ranks start the profiled steps together
     cuda = ctx.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -63,8 +68,8 @@ def profile_step(step_fn, ctx, steps: int = 5, warmup: int = 2) -> Profile:
                 walls.append(time.perf_counter() - start)
             ledgers.append(ledger)
     mine = _rank_summary(prof, ledgers, walls, ctx)
-    return Profile(rank=ctx.rank, per_rank=_gather(mine, world), steps=steps, warmup=warmup,
-                   torch_profile=prof)
+    return Profile(rank=ctx.rank, per_rank=gather_objects(mine, world), steps=steps,
+                   warmup=warmup, torch_profile=prof)
 
 
 def events_of(prof) -> list[T.Event]:
@@ -138,7 +143,7 @@ def _top_operators(prof, steps: int) -> list[dict]:
             for a in rows[:TOP_OPERATORS]]
 
 
-def _gather(mine: dict, group) -> list[dict]:
+def gather_objects(mine, group) -> list:
     """Every rank's ``mine`` in rank order (JSON over two all-gathers: lengths, then bytes)."""
     if group is None:
         return [mine]

@@ -1,4 +1,5 @@
-"""``ops-transformer profile``: the training step of ``train`` (same options), profiled.
+"""``ops-transformer profile`` and ``diagnose``: the training step of ``train`` (same options),
+profiled or diagnosed.
 
 :func:`profile_worker` runs on every rank: it builds what ``train`` builds
 (:func:`~ops_transformer.train.setup_training`), profiles ``warmup + steps`` training steps with
@@ -13,8 +14,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..train import TrainConfig, setup_training
+from .diagnose import Diagnostic, diagnose
+from .dims import dimension_checks
 from .profile import profile_step
 from .report import write_breakdown_png, write_timeline_of_step_png
+from .steps import PROFILED_STEPS
 
 
 def output_files(out: Path, ranks: int) -> dict[str, Path]:
@@ -46,3 +50,23 @@ def profile_worker(cfg: TrainConfig, steps: int, warmup: int) -> dict | None:
     write_timeline_of_step_png(summary, files["timeline"])
     files["profile"].write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def diagnose_worker(cfg: TrainConfig, steps: bool = True) -> list[dict] | None:
+    """Run on every rank: diagnose the training step of ``cfg``; rank 0 returns the findings."""
+    state = setup_training(cfg)
+    batches = iter([state.batch(i) for i in range(1 + PROFILED_STEPS)])
+    step_fn = (lambda: state.step(*next(batches))) if steps else None
+    found = diagnose(state.model, state.ctx, step_fn)
+    return [d.to_dict() for d in found] if state.ctx.rank == 0 else None
+
+
+def dense_diagnostics(cfg: TrainConfig, tp: int) -> list[dict]:
+    """The model-only diagnostics of ``cfg``'s GPT at ``tp`` (no rank started, meta tensors)."""
+    import torch
+
+    from ..models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg.model_config())
+    return [Diagnostic(**d).to_dict() for d in dimension_checks(model, tp)]

@@ -1,4 +1,4 @@
-"""Where a rank's step time goes, from its profiler events: pure functions over time intervals.
+r"""Where a rank's step time goes, from its profiler events: pure functions over time intervals.
 
 A rank's events fall on two kinds of threads. **Step threads** run the step: the Python thread
 and, on GPUs, autograd's device threads; there, ``ops_transformer::<kind>`` ranges are collective

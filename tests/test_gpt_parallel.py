@@ -153,11 +153,12 @@ def test_auto_keeps_a_byte_vocabulary_replicated_and_splits_gpt2s():
 
 
 def test_replicated_kv_heads_sum_their_gradients_over_the_replicas(run_ranks):
-    fwd, bwd, groups = run_ranks(_collectives, 4, "llama", 1, "heads")[0]
+    fwd, bwd, groups = run_ranks(_collectives, 4, "llama", 2, "heads")[0]
     kv = CONFIGS["llama"].n_kv_heads * CONFIGS["llama"].head_dim * CONFIGS["llama"].d_model
-    # wk and wv of the one layer, each [n_kv_heads·head_dim / 2 shards, d_model] on this rank
-    assert groups[(0, 1)] == {"all_reduce": {"calls": 2, "elements": kv, "bytes": 4 * kv}}
-    assert fwd["all_reduce"]["calls"] == 2 + 1  # attention + FFN, embedding
+    # wk and wv of both layers, each [n_kv_heads·head_dim / 2 shards, d_model] on this rank, summed
+    # in one coalesced all-reduce at the end of backward (not one per parameter per layer)
+    assert groups[(0, 1)] == {"all_reduce": {"calls": 1, "elements": 2 * kv, "bytes": 8 * kv}}
+    assert fwd["all_reduce"]["calls"] == 2 * 2 + 1  # attention + FFN per layer, embedding
     assert fwd["all_gather"]["calls"] == 1  # the loss
 
 

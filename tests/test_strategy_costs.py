@@ -12,6 +12,7 @@ import torch
 from ops_transformer import GPT, CommLedger, init_parallel, parallelize
 from ops_transformer.models import preset
 from ops_transformer.planner import attention_cost, ffn_cost, layer_cost
+from ops_transformer.planner.strategies import grad_sum_calls_per_step
 
 SHAPES = {  # name: (config, tp, batch, seq)
     "gpt2-h64-tp2": (preset("tiny", vocab_size=256), 2, 2, 8),
@@ -83,7 +84,11 @@ def test_naive_moves_more_than_heads():
 
 def test_replicated_kv_heads_add_their_gradient_sums():
     c = attention_cost("heads", 1, 8, 64, 4, 2, 4, bias=True)  # head_dim 16
-    assert c.bwd["all_reduce"] == {"calls": 4, "elements": 8 * 64 + 2 * 16 * 64 + 16}
+    # the elements per layer; the call once per step, coalesced for all layers
+    assert c.bwd["all_reduce"] == {"calls": 1, "elements": 8 * 64 + 2 * 16 * 64 + 16}
+    assert grad_sum_calls_per_step("heads", 2, 4) == 1
+    assert grad_sum_calls_per_step("heads", 4, 4) == 0  # KV heads split: nothing to sum
+    assert grad_sum_calls_per_step("kv_split", 4, 2) == 1  # the replicated output projection
 
 
 def test_ffn_and_tp1():
@@ -99,5 +104,5 @@ def test_replica_sums_are_priced_on_their_own_group():
     c = attention_cost("heads", 2, 8, 64, 4, 2, 4, bias=False)  # 2 KV heads at tp 4: pairs
     (p_main, main), (p_sub, sub) = c.priced()
     assert (p_main, p_sub) == (4, 2)
-    assert sub == {"all_reduce": {"calls": 2, "elements": 2 * 16 * 64}}
+    assert sub == {"all_reduce": {"calls": 0, "elements": 2 * 16 * 64}}  # one call per step
     assert main == {"all_reduce": {"calls": 2, "elements": 2 * 2 * 8 * 64}}

@@ -22,5 +22,9 @@ __all__ = [
     "vocab_parallel_cross_entropy", "ShardSpec", "gather_full", "gather_full_state_dict",
     "GPT", "GPTConfig", "Plan", "parallelize", "no_sync", "parallel_linear",
 ]
+from .comm.bucketing import GradSums, all_reduce_coalesced, mark_partial_grad
+from .precision import DynamicLossScaler, clip_grad_norm_, optimizer_step, precision_policy
+__all__ += ["DynamicLossScaler", "clip_grad_norm_", "optimizer_step", "precision_policy",
+            "GradSums", "all_reduce_coalesced", "mark_partial_grad"]
 from .profiler import Diagnostic, Profile, diagnose, profile_step
 __all__ += ["Diagnostic", "Profile", "diagnose", "profile_step"]

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from .comm import collectives as C
 from .comm.ledger import CommLedger
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
@@ -25,6 +24,7 @@ from .parallel.context import check_degrees, init_parallel
 from .parallelize import parallelize
 from .parallelize.gpt_plan import gpt_plan
 from .planner.strategies import model_comm_per_step
+from .precision import DynamicLossScaler, optimizer_step, precision_policy
 from .utils.plot import write_line_plot_png
 from .utils.progress import Progress
 from .utils.tensorboard import ScalarLog, check_log_dir
@@ -49,6 +49,8 @@ class TrainConfig:
     sample_prompt: str = "def "
     progress: bool = True
     layers: int | None = None  # overrides the preset's n_layers
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16: with a dynamic loss scaler)
+    clip_grad: float | None = None  # clip the dense model's gradient norm to this
     tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
 
     def model_config(self) -> GPTConfig:
@@ -66,6 +68,9 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
             raise ValueError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be positive, got {cfg.lr}")
+    precision_policy(cfg.precision)  # names the valid choices
+    if cfg.clip_grad is not None and not cfg.clip_grad > 0:
+        raise ValueError(f"--clip-grad must be positive, got {cfg.clip_grad}")
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, _, tp = check_degrees(world_size, cfg.tp, cfg.dp, 1)
@@ -89,24 +94,19 @@ def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch:
     return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab)
 
 
-def _global_loss(loss: torch.Tensor, ctx) -> float:
-    loss = loss.detach().clone()
-    if ctx.dp_size > 1:  # the global-batch loss, for reporting (not part of the step's ledger)
-        C.all_reduce(loss, ctx.dp_group, label="report_loss")
-        loss /= ctx.dp_size
-    return float(loss)
-
-
 @dataclass
 class TrainState:
-    """What one rank trains: the model :func:`parallelize` prepared, its optimizer and the corpus.
-    :meth:`step` is one training step, the unit that ``train`` times and ``profile`` profiles."""
+    """What one rank trains: the model :func:`parallelize` prepared, its optimizer, the precision
+    policy (and loss scaler) and the corpus. :meth:`step` is one training step, the unit that
+    ``train`` times and ``profile`` / ``sweep`` / ``diagnose`` measure."""
 
     cfg: TrainConfig
     ctx: object
     model: torch.nn.Module
     opt: torch.optim.Optimizer
     data: object
+    policy: object
+    scaler: DynamicLossScaler | None
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This data-parallel rank's rows of the global batch of ``step`` (on the device)."""
@@ -114,14 +114,19 @@ class TrainState:
                                          seed=self.cfg.seed), self.ctx.dp_rank, self.ctx.dp_size)
         return x.to(self.ctx.device), y.to(self.ctx.device)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, CommLedger]:
-        """Forward, backward and the optimizer step; the loss and the step's collectives."""
-        with CommLedger() as ledger:
-            loss = self.model(x, y)[1]
-            loss.backward()
-        self.opt.step()
+    def step(self, x: torch.Tensor, y: torch.Tensor):
+        """Forward, backward, clipping and the optimizer step: ``(report, ledger)``, the
+        optimizer's report (``report.metrics["loss"]``: the global-batch loss) and the step's
+        collectives."""
+        with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
+            with self.policy.autocast(self.ctx.device):
+                loss = self.model(x, y)[1]
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+            report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
+                                    max_norm=self.cfg.clip_grad,
+                                    metrics={"loss": loss})  # one all-reduce for what is small
         self.opt.zero_grad(set_to_none=True)
-        return loss, ledger
+        return report, ledger
 
 
 def setup_training(cfg: TrainConfig) -> TrainState:
@@ -132,15 +137,18 @@ def setup_training(cfg: TrainConfig) -> TrainState:
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
     plan = gpt_plan(model_cfg, ctx.tp_size, cfg.attention, batch=cfg.batch // ctx.dp_size,
                     seq=cfg.seq)  # `auto` ranks the strategies for this run's shapes
-    model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan)
+    policy = precision_policy(cfg.precision)
+    model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan,
+                        grad_reduce_dtype=policy.grad_reduce_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    return TrainState(cfg, ctx, model, opt, data)
+    scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
+    return TrainState(cfg, ctx, model, opt, data, policy, scaler)
 
 
 def train_worker(cfg: TrainConfig) -> dict | None:
     """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere."""
     state = setup_training(cfg)
-    ctx, model = state.ctx, state.model
+    ctx, model, scaler = state.ctx, state.model, state.scaler
     lead = ctx.rank == 0
     losses, step_times, last = [], [], None
     bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)
@@ -148,24 +156,41 @@ def train_worker(cfg: TrainConfig) -> dict | None:
     for step in range(cfg.steps):
         x, y = state.batch(step)
         start = time.perf_counter()
-        loss, ledger = state.step(x, y)
+        report, ledger = state.step(x, y)
         step_times.append(time.perf_counter() - start)
-        losses.append(_global_loss(loss, ctx))
+        losses.append(report.metrics["loss"])
         last = ledger
-        if not math.isfinite(losses[-1]):
+        if not math.isfinite(losses[-1]) and (scaler is None
+                                              or scaler.scale_value <= scaler.min_scale):
             raise ValueError(f"the loss became {losses[-1]} at step {step}; lower --lr "
                              f"(now {cfg.lr})")
         tokens_per_s = cfg.batch * cfg.seq / step_times[-1]
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
-                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"})
+                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"},
+                   **_precision_stats(report, scaler))
         board.log(step, loss=losses[-1], tokens_per_s=tokens_per_s,
-                  comm_bytes_per_step=ledger.total_bytes, comm_calls_per_step=ledger.calls)
+                  comm_bytes_per_step=ledger.total_bytes, comm_calls_per_step=ledger.calls,
+                  grad_norm=report.grad_norm,
+                  loss_scale=None if scaler is None else scaler.scale_value)
     bar.close()
     board.close()
     sample = _sample(model, cfg, ctx.device)
     if not lead:
         return None
-    return _metrics(cfg, ctx, model, losses, step_times, last, sample)
+    return _metrics(cfg, ctx, model, losses, step_times, last, sample,
+                    {"precision": cfg.precision, "clip_grad": cfg.clip_grad,
+                     "grad_norm_last": report.grad_norm, "comm_by_dtype": last.by_dtype(),
+                     **({} if scaler is None else {"loss_scale": scaler.scale_value,
+                                                   "skipped_steps": scaler.skipped_steps})})
+
+
+def _precision_stats(report, scaler) -> dict:
+    """Progress-line fields: the gradient norm when clipping; the loss scale and the number of
+    skipped steps with fp16's loss scaler."""
+    stats = {} if report.grad_norm is None else {"gnorm": report.grad_norm}
+    if scaler is not None:
+        stats.update(scale=scaler.scale_value, skipped=scaler.skipped_steps)
+    return stats
 
 
 def _sample(model, cfg: TrainConfig, device) -> str:
@@ -177,7 +202,7 @@ def _sample(model, cfg: TrainConfig, device) -> str:
     return decode(out[0].tolist())
 
 
-def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
+def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) -> dict:
     warm = step_times[min(2, len(step_times) - 1):]  # the first steps pay one-off costs
     median_step = sorted(warm)[len(warm) // 2]
     comm = ledger.summary()
@@ -197,7 +222,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample) -> dict:
             cfg.seq, model.parallel_plan.vocab),
         "params": _dense_param_count(model.cfg),
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
-        "plan": model.parallel_plan.to_dict(),
+        "plan": model.parallel_plan.to_dict(), **(extra or {}),
     }
     if cfg.out:
         write_outputs(Path(cfg.out), metrics)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..models.gpt import PRESETS
 from ..parallel import launch
+from ..precision import PRECISIONS
 from ..train import TrainConfig, train_worker, validate
 from ..utils.progress import format_table
 
@@ -37,6 +38,11 @@ def add_parser(p) -> None:
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="compute dtype: fp32, or bf16 / fp16 autocast over fp32 master weights "
+                   "(fp16 with a dynamic loss scaler); default fp32")
+    p.add_argument("--clip-grad", type=float, metavar="NORM",
+                   help="clip the gradients to this total norm (the dense model's)")
     p.add_argument("--tensorboard", metavar="DIR", help="log loss, tokens/s, communication (and "
                    "the loss scale, with one) as TensorBoard scalars in DIR")
 
@@ -71,8 +77,9 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
         layout = layout_from_plan(args.plan)
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
-                       progress=not args.no_progress,
-                       tensorboard=getattr(args, "tensorboard", None), **layout)
+                       progress=not args.no_progress, **layout,
+                       precision=args.precision, clip_grad=args.clip_grad,
+                       tensorboard=getattr(args, "tensorboard", None))
 
 
 def run_training(cfg: TrainConfig, nproc: int | None, worker=train_worker, *args) -> dict | None:
@@ -98,6 +105,7 @@ def summary(metrics: dict) -> str:
     rows = [
         {"": "layout", "value": f"dp={metrics['dp']} × tp={metrics['tp']}"},
         {"": "attention", "value": metrics["attention"]},
+        {"": "precision", "value": _precision_line(metrics)},
         {"": "parameters", "value": f"{metrics['params']:,}"},
         {"": "loss first → last", "value": f"{metrics['loss_first']:.4f} → "
                                            f"{metrics['loss_last']:.4f}"},
@@ -105,6 +113,15 @@ def summary(metrics: dict) -> str:
         {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
     ]
     return format_table(rows)
+
+
+def _precision_line(metrics: dict) -> str:
+    line = metrics.get("precision", "fp32")
+    if "loss_scale" in metrics:
+        line += f" (loss scale {metrics['loss_scale']:g}, {metrics['skipped_steps']} skipped steps)"
+    if metrics.get("clip_grad"):
+        line += f", gradients clipped to norm {metrics['clip_grad']:g}"
+    return line
 
 
 def run(args) -> int:

@@ -225,16 +225,3 @@ def all_to_all(x: torch.Tensor, group: ProcessGroup | None, *,
         raise ValueError(f"all_to_all: input_splits {list(input_splits)} sum to "
                          f"{sum(input_splits)}, but dim 0 of the input has size {x.shape[0]}")
     return _AllToAll.apply(x, group, output_splits, input_splits)
-
-
-def grad_sum_hook(group: ProcessGroup | None, label: str):
-    """A tensor hook for a parameter replicated over ``group`` whose ranks each see part of its
-    gradient (replicated KV heads, strategy B's output projection): it returns the gradient summed
-    over the group, before accumulation, so gradient accumulation stays correct."""
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        summed = grad.clone()
-        C.all_reduce(summed, group, label=label)
-        return summed
-
-    return hook

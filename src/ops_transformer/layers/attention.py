@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.bucketing import mark_partial_grad
 from ..comm.primitives import (all_gather_along, copy_to_tp_region, gather_from_tp_region,
-                               grad_sum_hook, reduce_scatter_along)
-from .linear import ColumnParallelLinear
+                               reduce_scatter_along)
+from .linear import ColumnParallelLinear, to_compute_dtype
 
 
 def _feature_blocks(heads: int, head_dim: int, rope: bool) -> list[int]:
@@ -47,7 +48,11 @@ def check_kv_split(head_dim: int, tp: int, rope: bool) -> None:
 
 class FeatureSplitAttention(nn.Module):
     """Drop-in for the reference :class:`~ops_transformer.models.gpt.Attention` (same parameter
-    names ``wq, wk, wv, wo``), computing strategy B; ``wo`` stays replicated."""
+    names ``wq, wk, wv, wo``), computing strategy B; ``wo`` stays replicated. Each rank's ``wo``
+    gradient covers its query rows only: it is marked as partial
+    (:func:`~ops_transformer.comm.bucketing.mark_partial_grad`), and ``parallelize`` sums it over
+    the TP group once per backward, coalesced with the other small sums
+    (:func:`~ops_transformer.comm.bucketing.attach_grad_sums` for a module built by hand)."""
 
     def __init__(self, attn: nn.Module, ctx, *, rope: bool):
         super().__init__()
@@ -64,7 +69,7 @@ class FeatureSplitAttention(nn.Module):
             attn.wv, ctx, sub_blocks=_feature_blocks(kv_heads, d, False), reduce_input_grad=False)
         self.wo = attn.wo  # replicated; each rank's gradient covers its rows only: summed
         for p in self.wo.parameters():
-            p.register_hook(grad_sum_hook(self.group, "kv_split_wo_grads"))
+            mark_partial_grad(p, self.group)
 
     def _local_rope(self, cos, sin):
         """The cos/sin columns of this rank's features: slice r of each half."""
@@ -81,7 +86,7 @@ class FeatureSplitAttention(nn.Module):
         if T % p:
             raise ValueError(f"attention='kv_split' scatters the {T} query positions over tp ({p}) "
                              f"ranks: the sequence length must be divisible by {p}")
-        x = copy_to_tp_region(x, self.group)  # Q, K, V share one backward all-reduce
+        x = copy_to_tp_region(to_compute_dtype(x), self.group)  # Q, K, V share one all-reduce
         d_local = self.head_dim // p
         q = self.wq(x).view(B, T, -1, d_local).transpose(1, 2)  # (B, nh, T, d/p)
         k = self.wk(x).view(B, T, -1, d_local).transpose(1, 2)  # (B, nkv, T, d/p)

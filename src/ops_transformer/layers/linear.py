@@ -24,6 +24,10 @@ class _LinearAllReduceInputGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
+        dtype = _autocast_dtype(x)
+        if dtype is not None:  # cast as autocast's F.linear would, so backward uses the same
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         return F.linear(x, weight, bias)
@@ -44,6 +48,21 @@ class _LinearAllReduceInputGrad(torch.autograd.Function):
         if handle is not None:
             handle.wait()
         return grad_x, grad_w, grad_b, None
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs matrix products in here, or ``None`` outside autocast.
+    Backward runs outside autocast, so a custom matmul must cast its saved inputs itself."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype (unchanged outside autocast): for an activation whose only
+    consumers are matmuls — which would cast it anyway — so that the all-reduce of its gradient
+    runs in 16 bits too."""
+    dtype = _autocast_dtype(x)
+    return x if dtype is None or not x.is_floating_point() else x.to(dtype)
 
 
 def linear_with_grad_all_reduce(x, weight, bias, group):

@@ -75,6 +75,12 @@ class ParallelContext:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """Every rank of the job (``None`` for one process): for what all ranks must agree on,
+        such as a skipped step."""
+        return dist.group.WORLD if self.world_size > 1 else None
+
     def __str__(self) -> str:
         return (f"rank {self.rank}/{self.world_size} (dp {self.dp_rank}/{self.dp_size}, "
                 f"ep {self.ep_rank}/{self.ep_size}, tp {self.tp_rank}/{self.tp_size}) "

@@ -9,6 +9,10 @@ collectives go through the communication ledger like every other.
 
 Each backward averages the gradients it accumulated. For gradient accumulation over micro-batches,
 run all but the last backward inside :func:`no_sync`.
+
+``reduce_dtype`` is the dtype the buckets are averaged in (``parallelize``'s ``grad_reduce_dtype``:
+float32 by default when the parameters are 16-bit): a bf16 sum of many ranks' gradients keeps 8
+significant bits, so the gradients are cast up for the all-reduce and back when copied out.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ class _Bucket:
 class GradSync:
     """Averages the gradients of ``params`` over ``group`` during backward."""
 
-    def __init__(self, params, group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, params, group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 reduce_dtype: torch.dtype | None = None):
         self.group, self.world = group, C.group_size(group)
+        self.reduce_dtype = reduce_dtype  # None: each bucket in its parameters' dtype
         self.enabled = True
         self._queued = False
         unique = list(dict.fromkeys(p for p in params if p.requires_grad))  # tied weights once
@@ -72,7 +78,8 @@ class GradSync:
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        bucket.flat = flat.to(self.reduce_dtype or flat.dtype).div_(self.world)
         bucket.handle = C.all_reduce(bucket.flat, self.group, async_op=True, label="dp_grads")
 
     def _finish(self) -> None:
@@ -86,7 +93,7 @@ class GradSync:
                 n = p.numel()
                 averaged = bucket.flat[offset:offset + n].view_as(p)
                 if p.grad is None:
-                    p.grad = averaged.clone()
+                    p.grad = averaged.to(p.dtype, copy=True)
                 else:
                     p.grad.copy_(averaged)
                 offset += n
@@ -106,13 +113,16 @@ def grad_sync_of(model: nn.Module) -> GradSync | None:
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module):
-    """Accumulate gradients locally (no data-parallel communication) inside this context."""
-    sync = grad_sync_of(model)
-    if sync is None:
-        yield
-        return
-    previous, sync.enabled = sync.enabled, False
+    """Accumulate gradients locally inside this context: no data-parallel averaging, and no
+    end-of-backward sums of partial gradients (:class:`~ops_transformer.comm.bucketing.GradSums`);
+    the first backward outside it reduces everything accumulated."""
+    syncs = [s for s in (grad_sync_of(model),
+                         *getattr(model, "_ops_transformer_grad_reducers", ())) if s is not None]
+    previous = [s.enabled for s in syncs]
+    for sync in syncs:
+        sync.enabled = False
     try:
         yield
     finally:
-        sync.enabled = previous
+        for sync, enabled in zip(syncs, previous):
+            sync.enabled = enabled

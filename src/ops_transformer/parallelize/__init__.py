@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.bucketing import GradSums, add_grad_reducer
 from ..models.gpt import GPT
 from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, no_sync
+from ..precision.policy import resolve_grad_reduce_dtype
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
 from .plan import Plan, apply_plan
@@ -77,7 +80,8 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
 
 def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
                 vocab: str = "auto", loss_parallel: bool = False,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> nn.Module:
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                grad_reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """Apply tensor parallelism over ``ctx.tp_group`` and data-parallel gradient averaging over
     ``ctx.dp_group`` to ``model`` (in place) and return it.
 
@@ -92,6 +96,12 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     ``base_model_tp_plan``) return what the unsharded model returns: full-vocabulary logits, so
     ``generate`` works unchanged. With ``loss_parallel=True`` the logits stay sharded and the loss
     (``labels=``) is the vocab-parallel cross-entropy — the full logits are never gathered.
+
+    ``grad_reduce_dtype`` is the dtype of the gradient reductions — data-parallel averaging and the
+    sums of replicated parameters' partial gradients (replicated KV heads, strategy B's output
+    projection), coalesced at the end of backward
+    (:class:`~ops_transformer.comm.bucketing.GradSums`). Default: float32 when the parameters are
+    16-bit, else the parameters' dtype.
     """
     if getattr(model, "parallel_plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_plan is set)")
@@ -101,9 +111,15 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
         if loss_parallel and _is_hf(model):
             model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
     model.parallel_plan = resolved
+    reduce_dtype = resolve_grad_reduce_dtype(model, grad_reduce_dtype)
     if ctx.dp_size > 1:
         model._ops_transformer_grad_sync = GradSync(model.parameters(), ctx.dp_group,
-                                                    bucket_bytes=bucket_bytes)
+                                                    bucket_bytes=bucket_bytes,
+                                                    reduce_dtype=reduce_dtype)
+    # Built after the data-parallel averaging, so its end-of-backward sums run after it.
+    sums = GradSums.of_module(model, dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+    if sums is not None:
+        add_grad_reducer(model, sums)
     log.info("parallelize: tp=%d dp=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
              resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model

@@ -38,10 +38,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..comm.primitives import copy_to_tp_region, gather_from_tp_region, grad_sum_hook
+from ..comm.bucketing import mark_partial_grad
+from ..comm.primitives import copy_to_tp_region, gather_from_tp_region
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..layers.attention import FeatureSplitAttention
 from ..layers.head import GatheredLMHead, VocabParallelLMHead
+from ..layers.linear import to_compute_dtype
 
 STYLES = ("colwise", "rowwise", "gather_in", "region", "vocab", "vocab_head", "vocab_logits",
           "kv_split", "attrs")
@@ -115,7 +117,7 @@ def _colwise(module, ctx, groups, sub_blocks=None, kv_heads=None, reduce_input_g
     if replicas > 1:
         group = groups.replica_group(replicas)
         for p in layer.parameters():  # each replica saw only its query heads: sum the gradients
-            p.register_hook(grad_sum_hook(group, "kv_replica_grads"))
+            mark_partial_grad(p, group)
     return layer
 
 
@@ -128,12 +130,12 @@ def _gather_in(module, ctx, groups):
 def _region(module, ctx, groups, set=None):
     _attrs(module, ctx, groups, set)
 
-    def enter(m, args, kwargs):
+    def enter(m, args, kwargs):  # in autocast's dtype: the backward all-reduce runs in it too
         if args:
-            return (copy_to_tp_region(args[0], ctx.tp_group), *args[1:]), kwargs
+            return (copy_to_tp_region(to_compute_dtype(args[0]), ctx.tp_group), *args[1:]), kwargs
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": copy_to_tp_region(kwargs["hidden_states"],
-                                                                       ctx.tp_group)}
+            hidden = copy_to_tp_region(to_compute_dtype(kwargs["hidden_states"]), ctx.tp_group)
+            return args, {**kwargs, "hidden_states": hidden}
         raise ValueError(f"region style: {type(m).__name__} was called without a positional "
                          f"input or a hidden_states keyword")
 

@@ -107,8 +107,10 @@ def link_alpha(kind: str, group_size: int, step_latency_s: float) -> float:
 def collective_time(kind: str, elements: float, group_size: int, *, alpha_s: float,
                     bandwidth: float, bytes_per_element: int = 4, calls: int = 1) -> float:
     """``calls · α + wire_elements(kind, elements, p) · bytes / β`` seconds; 0 on a group of one
-    or with nothing to send. ``elements`` is the total over the ``calls`` (ledger convention)."""
-    if group_size <= 1 or calls <= 0:
+    or with nothing to send. ``elements`` is the total over the ``calls`` (ledger convention);
+    elements with no call are a share of a coalesced collective whose call is counted once
+    elsewhere (the per-layer gradient sums): their bytes, no latency."""
+    if group_size <= 1 or (calls <= 0 and elements <= 0):
         return 0.0
     wire = wire_elements(kind, elements, group_size)
     return calls * alpha_s + wire * bytes_per_element / bandwidth

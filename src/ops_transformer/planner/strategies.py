@@ -52,6 +52,23 @@ class LayerCost:
                          max(self.subgroup_size, other.subgroup_size))
 
 
+def _summed_per_step(kind: str, elements: int) -> Comm:
+    """Gradient sums of replicated parameters: their elements count per layer, but all layers'
+    go in one coalesced all-reduce per step (:mod:`ops_transformer.comm.bucketing`), so no call is
+    counted per layer (see :func:`grad_sum_calls_per_step`)."""
+    return Comm().add(kind, elements, calls=0)
+
+
+def grad_sum_calls_per_step(strategy: str, kv_heads: int, tp: int) -> int:
+    """Calls of the coalesced end-of-backward gradient sums per step (one per bucket of
+    ``GradSums``; the reference models' fit one): the replicated K/V weights with ``tp >
+    kv_heads`` (strategy A, on the replicas' group), strategy B's output projection (TP group)."""
+    if tp == 1:
+        return 0
+    return int(strategy == "kv_split" or (strategy in ("heads", "heads_allgather")
+                                          and tp > kv_heads))
+
+
 def _bytes(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -84,7 +101,8 @@ def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: 
     * ``heads`` (Megatron): Q/K/V column-parallel behind one ``copy_to_tp_region``, output
       projection row-parallel. fwd: all-reduce ``bsh``; bwd: all-reduce ``bsh``. When
       ``tp > kv_heads`` the replicated K/V weights (and V bias) are summed over their replicas'
-      group in backward (``head_dim·h`` elements each).
+      group in backward (``head_dim·h`` elements each; coalesced for all layers into one call
+      per step, :func:`grad_sum_calls_per_step`).
     * ``heads_allgather``: the output projection replicated after an all-gather of the head outputs.
       fwd: all-gather ``bsh``; bwd: all-reduce ``bsh`` (+ the same KV-replica sums). The output
       projection's FLOPs are not divided by ``tp``.
@@ -92,7 +110,7 @@ def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: 
       partial scores ``b·heads·s²``, all-gather of V ``b·s·kv_dim`` and of the output ``bsh``;
       bwd all-gather of the score gradient ``b·heads·s²``, reduce-scatter of the V gradient, all-reduce
       of the input gradient ``bsh`` and of the replicated output projection's gradient
-      (``h²``, and ``h`` with a bias). Every rank also holds the full partial scores before the
+      (``h²``, and ``h`` with a bias; coalesced, no call per layer). Every rank also holds the full partial scores before the
       reduce-scatter (``b·heads·s²`` more activation elements).
     * ``naive``: each of Q, K, V and the output projection an isolated column-parallel linear with
       its output gathered; attention computed replicated. fwd: all-gathers ``bsh``, ``b·s·kv_dim``
@@ -105,26 +123,25 @@ def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: 
     if tp == 1:
         return LayerCost(flops=_attention_flops(b, s, h, kv_dim, 1),
                          activation_bytes=_attention_activations(b, s, h, heads, 1, dtype, 1))
-    replica = ()
+    replica = Comm()
     if strategy in ("heads", "heads_allgather") and tp > kv_heads:  # wk.weight, wv.weight, wv.bias
-        replica = (("all_reduce", head_dim * h), ("all_reduce", head_dim * h),
-                   ("all_reduce", head_dim if bias else 0))
-    groups = {"group_size": tp, "subgroup": Comm.of(*replica),
+        replica = _summed_per_step("all_reduce", 2 * head_dim * h + (head_dim if bias else 0))
+    groups = {"group_size": tp, "subgroup": replica,
               "subgroup_size": tp // kv_heads if replica else 1}
     if strategy == "heads":
-        return LayerCost(Comm.of(("all_reduce", bsh)), Comm.of(("all_reduce", bsh), *replica),
+        return LayerCost(Comm.of(("all_reduce", bsh)), Comm.of(("all_reduce", bsh)) + replica,
                          _attention_flops(b, s, h, kv_dim, tp),
                          _attention_activations(b, s, h, heads, tp, dtype, tp), **groups)
     if strategy == "heads_allgather":
-        return LayerCost(Comm.of(("all_gather", bsh)), Comm.of(("all_reduce", bsh), *replica),
+        return LayerCost(Comm.of(("all_gather", bsh)), Comm.of(("all_reduce", bsh)) + replica,
                          _attention_flops(b, s, h, kv_dim, tp, replicated_out=True),
                          _attention_activations(b, s, h, heads, tp, dtype, tp), **groups)
     if strategy == "kv_split":
         scores, v = b * heads * s * s, b * s * kv_dim
         return LayerCost(
             Comm.of(("reduce_scatter", scores), ("all_gather", v), ("all_gather", bsh)),
-            Comm.of(("all_gather", scores), ("reduce_scatter", v), ("all_reduce", bsh),
-                  ("all_reduce", h * h), ("all_reduce", h if bias else 0)),
+            Comm.of(("all_gather", scores), ("reduce_scatter", v), ("all_reduce", bsh))
+            + _summed_per_step("all_reduce", h * h + (h if bias else 0)),
             _attention_flops(b, s, h, kv_dim, tp),
             _attention_activations(b, s, h, heads, tp, dtype, tp, extra_scores=2 * scores), tp)
     kv = b * s * kv_dim  # naive
@@ -190,10 +207,15 @@ def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
     """The tensor-parallel collectives of one training step of the reference decoder on one rank
     (``cfg``: a :class:`~ops_transformer.models.GPTConfig`, the model description the planner and
     the model share), for a micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` ×
-    :func:`layer_cost`, plus :func:`vocab_cost` of the embedding, LM head and loss."""
+    :func:`layer_cost`, plus :func:`vocab_cost` of the embedding, LM head and loss, plus the one
+    coalesced call of strategy B's output-projection gradient sums (on the TP group; replicated
+    KV heads sum on their replicas' smaller group)."""
     if tp == 1:
         return Comm()
     layer = layer_cost(attention, batch, seq, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff,
                        tp, bias=cfg.bias, swiglu=cfg.mlp == "swiglu").total()
-    return layer.scaled(cfg.n_layers) + vocab_cost(vocab, batch, seq, cfg.d_model,
-                                                   cfg.vocab_size, tp).total()
+    out = layer.scaled(cfg.n_layers) + vocab_cost(vocab, batch, seq, cfg.d_model,
+                                                  cfg.vocab_size, tp).total()
+    if attention == "kv_split":
+        out.add("all_reduce", 0, grad_sum_calls_per_step(attention, cfg.n_kv_heads, tp))
+    return out

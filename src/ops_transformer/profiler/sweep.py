@@ -76,11 +76,11 @@ def sweep_worker(cfg: TrainConfig, warmup: int) -> dict | None:
     import ops_transformer
 
     state = setup_training(cfg)
-    times, ledger = [], None
+    times, ledger, report = [], None, None
     for i in range(warmup + cfg.steps):
         x, y = state.batch(i)
         start = time.perf_counter()
-        loss, ledger = state.step(x, y)
+        report, ledger = state.step(x, y)
         times.append(time.perf_counter() - start)
     measure = getattr(ops_transformer, "activation_memory", None)
     x, y = state.batch(0)
@@ -91,7 +91,7 @@ def sweep_worker(cfg: TrainConfig, warmup: int) -> dict | None:
     plan = state.model.parallel_plan
     return {"step_s": step, "tokens_per_s": cfg.batch * cfg.seq / step,
             "activation_bytes": activation, "comm_bytes_per_step": ledger.total_bytes,
-            "loss": float(loss), "attention_used": plan.attention,
+            "loss": report.metrics["loss"], "attention_used": plan.attention,
             "dp_used": state.ctx.dp_size}
 
 

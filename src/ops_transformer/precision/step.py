@@ -1,0 +1,85 @@
+"""The optimizer step of a training loop, with every small reduction of the step in one collective.
+
+After ``backward`` a step needs up to three small agreements across ranks: whether any rank's fp16
+gradients overflowed (MAX over the job), the dense gradient norm for clipping (a sum of per-rank
+shares over the job, :mod:`.clip`), and the metrics to log (the loss averaged over the
+data-parallel ranks). Issued one by one they are three latency-bound collectives per step;
+:func:`optimizer_step` packs them into **one** all-reduce of a few float32 elements over every rank
+of the job (:func:`~ops_transformer.comm.bucketing.all_reduce_coalesced`):
+
+=================== ============================================ ===============================
+element             this rank contributes                        after the SUM
+=================== ============================================ ===============================
+overflow count      1 if one of its gradients is inf/NaN, else 0  > 0 ⇔ MAX of the flags is 1
+norm share          ``Σ g²`` of what it owns of the dense model   ``‖g‖²`` of the dense model
+each metric         ``value / (dp·ep)`` on TP rank 0, else 0      the mean over data shards
+=================== ============================================ ===============================
+
+(the overflow flag travels as a count because one all-reduce has one reduction op: a sum of 0/1
+flags is positive exactly when their maximum is 1). With one data shard and neither a loss scaler
+nor clipping there is nothing to agree on and nothing is communicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..comm.bucketing import all_reduce_coalesced
+from .clip import (check_max_norm, clip_grads_with_norm_, grad_norm_partial, params_with_grad,
+                   total_norm)
+from .loss_scaler import DynamicLossScaler
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What :func:`optimizer_step` did: ``stepped`` (False when an overflow skipped the step),
+    ``grad_norm`` (the dense gradient norm before clipping; ``None`` without clipping),
+    ``loss_scale`` (the scale this step used; ``None`` without a scaler) and ``metrics`` (each
+    averaged over the data-parallel ranks)."""
+
+    stepped: bool
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def optimizer_step(model, optimizer, ctx, *, scaler: DynamicLossScaler | None = None,
+                   max_norm: float | None = None,
+                   metrics: dict[str, torch.Tensor | float] | None = None) -> StepReport:
+    """Unscale (with ``scaler``), agree on overflow, clip to ``max_norm`` (the dense model's
+    2-norm) and step ``optimizer`` — or skip it on every rank — with one all-reduce over the job,
+    which also averages ``metrics`` (e.g. ``{"loss": loss}``) over the data-parallel ranks. Call it
+    after ``backward`` on every rank; then ``optimizer.zero_grad()``."""
+    if max_norm is not None:
+        check_max_norm(max_norm, 2.0)
+    metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach().reshape(1)
+               for k, v in (metrics or {}).items()}
+    shards = ctx.world_size // ctx.tp_size  # data shards: dp (× ep)
+    values: list[torch.Tensor] = []
+    if scaler is not None:
+        values.append(scaler.unscale_(optimizer))
+    params = params_with_grad(model) if max_norm is not None else []
+    if max_norm is not None:
+        values.append(grad_norm_partial(params, ctx))
+    if shards > 1:
+        weight = 1.0 / shards if ctx.tp_rank == 0 else 0.0
+        values += [v * weight for v in metrics.values()]
+    reduced = all_reduce_coalesced(values, ctx.world_group, dtype=torch.float32,
+                                   label="step_stats") if values else []
+    found_inf = bool(reduced.pop(0) > 0) if scaler is not None else False
+    norm = None
+    if max_norm is not None:
+        norm = total_norm(reduced.pop(0))
+        if not found_inf:
+            clip_grads_with_norm_(params, max_norm, norm)
+    averaged = ({k: float(v) for k, v in zip(metrics, reduced)} if shards > 1
+                else {k: float(v) for k, v in metrics.items()})
+    if scaler is None:
+        optimizer.step()
+        return StepReport(True, None if norm is None else float(norm), None, averaged)
+    scale = scaler.scale_value
+    stepped = scaler.step(optimizer, found_inf=found_inf)
+    scaler.update()
+    return StepReport(stepped, None if norm is None else float(norm), scale, averaged)

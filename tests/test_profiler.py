@@ -115,6 +115,20 @@ def test_step_split_on_synthetic_events():
     assert T.subtract([(0, 10)], [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
 
 
+def test_step_split_on_a_device_timeline():
+    """On a GPU the kernels are the timeline: NCCL kernels not hidden behind compute kernels are
+    exposed, and the device's gaps are idle."""
+    E = T.Event
+    events = [E("ops_transformer::step#0", 1, 0, 100), E("aten::mm", 1, 0, 5),
+              E("ampere_sgemm_128x64_tn", -1, 0, 40, True),
+              E("ncclDevKernel_AllReduce_Sum_f32_RING_LL", -2, 30, 60, True),
+              E("vectorized_elementwise_kernel", -1, 65, 70, True)]
+    s = T.split_step(events, 0, 100)
+    assert (s.compute, s.matmul, s.exposed_comm) == pytest.approx((45e-6, 40e-6, 20e-6))
+    assert (s.comm, s.overlapped_comm, s.idle, s.host) == pytest.approx((30e-6, 10e-6, 35e-6, 0))
+    assert T.comm_kind("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "all_reduce"
+
+
 def test_dimension_diagnostics_without_ranks():
     ctx = ParallelContext(rank=0, world_size=2, tp_size=2, tp_rank=0, dp_size=1, dp_rank=0)
     odd = GPT(GPTConfig(d_model=60, n_heads=5, d_ff=240, vocab_size=251))
@@ -172,4 +186,21 @@ def _reference_worker():
 
 def test_reference_gpt_is_silent_but_for_machine_dependent_findings(run_ranks):
     found = run_ranks(_reference_worker, 2)[0]
+    assert {d["code"] for d in found} <= SILENT_ON_REFERENCE, found
+
+
+def _vocab_parallel_worker():
+    ctx = ot.init_parallel(tp=2)
+    torch.manual_seed(0)
+    model = ot.parallelize(GPT(preset("tiny", n_layers=1)), ctx, attention="heads",
+                           vocab="parallel")
+    x = torch.randint(0, 256, (4, 33))
+    step = lambda: model(x[:, :-1], x[:, 1:])[1].backward()  # noqa: E731
+    return [d.to_dict() for d in ot.diagnose(model, ctx, step)]
+
+
+@pytest.mark.slow
+def test_reference_gpt_with_a_split_vocabulary_is_silent(run_ranks):
+    """The embedding's token-range check reads a CPU tensor only on a CPU: no host sync."""
+    found = run_ranks(_vocab_parallel_worker, 2)[0]
     assert {d["code"] for d in found} <= SILENT_ON_REFERENCE, found

@@ -24,7 +24,8 @@ def _png(path) -> tuple[int, int, set]:
     assert path.read_bytes()[:8] == PNG_SIGNATURE
     pixels = mpimg.imread(path)
     h, w = pixels.shape[:2]
-    colours = {tuple(int(round(255 * c)) for c in px[:3]) for px in pixels.reshape(-1, pixels.shape[2])}
+    flat = pixels.reshape(-1, pixels.shape[2])
+    colours = {tuple(int(round(255 * c)) for c in px[:3]) for px in flat}
     return w, h, colours
 
 

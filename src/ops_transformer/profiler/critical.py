@@ -16,7 +16,8 @@ MIN_GAP_US = 5.0  # host gaps shorter than this are not segments of their own
 
 
 def _pieces(e: T.Event, comm: list[T.Event]):
-    """``e`` cut around the collective calls and waits nested in it: ``(name, type, start, end)``."""
+    """``e`` cut around the collective calls and waits nested in it:
+    ``(name, type, start, end)`` pieces."""
     if T.comm_kind(e.name) is not None:
         yield e.name, "comm", e.start, e.end
         return

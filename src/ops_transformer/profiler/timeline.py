@@ -2,8 +2,8 @@ r"""Where a rank's step time goes, from its profiler events: pure functions over
 
 A rank's events fall on two kinds of threads. **Step threads** run the step: the Python thread
 and, on GPUs, autograd's device threads; there, ``ops_transformer::<kind>`` ranges are collective
-calls and ``ops_transformer::wait:<kind>`` ranges waits on async handles (:mod:`..comm.collectives`),
-every other event an operator. **Communication threads** are gloo's workers (``gloo:<op>`` events),
+calls and ``ops_transformer::wait:<kind>`` ranges waits on async handles
+(:mod:`ops_transformer.comm.collectives`), every other event an operator. **Communication threads** are gloo's workers (``gloo:<op>`` events),
 which move the data of every collective, also while the step threads compute.
 
 Within one step ``[s0, s1]`` of length ``T``::

@@ -8,7 +8,8 @@ reduces, and what runs between collectives.
   one) and ``torch.cuda.synchronize``, each attributed to the module whose forward is running
   (forward hooks on every submodule) or to the autograd node running it (backward). Outside the
   model only reads of accelerator tensors count: the optimizer's ``.item()`` on its CPU step
-  counters is no synchronisation;
+  counters is no synchronisation; nor are the library's CPU-only input checks
+  (``check_token_range``, skipped on a GPU);
 - a ``TorchDispatchMode`` sees each ``c10d`` collective (in call order, as the ledger records
   them), keeps for an all-reduce a fingerprint of its input (shape, dtype and two float64 sums;
   zero tensors have none), and counts the matrix products since the previous collective;
@@ -20,6 +21,7 @@ A synchronisation nested in another (``print`` calls ``.item()``) counts once.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +37,25 @@ GEMMS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled
          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
          "_scaled_dot_product_flash_attention_for_cpu_backward", "convolution")
 OUTSIDE = "(outside the model)"
+
+
+def _deliberate_codes() -> frozenset:
+    """Library checks that read CPU tensors only (they return early on an accelerator), so on a
+    GPU they cost no synchronisation: the token-range check of the embeddings and the loss."""
+    from ..layers.embedding import check_token_range
+
+    return frozenset({check_token_range.__code__})
+
+
+def _called_from(codes: frozenset, depth: int = 6) -> bool:
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
 NOT_COLLECTIVES = ("barrier", "monitored_barrier", "wait", "_wrap")
 
 
@@ -105,10 +126,11 @@ class _SyncMode(TorchFunctionMode):
     def __init__(self, where: _Where, out: list[Sync]):
         super().__init__()
         self.where, self.out, self.depth = where, out, 0
+        self.deliberate = _deliberate_codes()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         what = SYNC_METHODS.get(getattr(func, "__name__", ""))
-        if what is None or self.depth:
+        if what is None or self.depth or _called_from(self.deliberate):
             return func(*args, **(kwargs or {}))
         device = any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
         self.out.append(Sync(what, self.where(), device))

@@ -16,7 +16,8 @@ from pathlib import Path
 # One colour per part of a step, shared by every profiler picture.
 COLOURS = {"matmul": "#1f77b4", "compute": "#6baed6", "other ops": "#6baed6",
            "host (Python)": "#9ecae1", "exposed comm": "#d62728",
-           "overlapped comm": "#ff9896", "overlapped comm (beside compute)": "#ff9896", "comm": "#d62728", "idle": "#e0e0e0",
+           "overlapped comm": "#ff9896", "overlapped comm (beside compute)": "#ff9896",
+           "comm": "#d62728", "idle": "#e0e0e0",
            "host": "#9ecae1", "mixed": "#9edae5", "comm threads": "#ff9896"}
 
 

@@ -1,8 +1,8 @@
 """TensorBoard scalars for a training run (``train --tensorboard DIR``).
 
 :class:`ScalarLog` writes one event file in ``DIR`` through ``torch.utils.tensorboard`` (the
-``tensorboard`` package, installed with the ``profiler`` extra): each :meth:`ScalarLog.log` call adds
-its scalars at a global step. With ``log_dir=None`` it does nothing, so the training loop need not
+``tensorboard`` package, installed with the ``profiler`` extra): each :meth:`ScalarLog.log` call
+adds its scalars at a global step. With ``log_dir=None`` it does nothing, so the training loop need not
 branch on the rank. View with ``tensorboard --logdir DIR``.
 """
 

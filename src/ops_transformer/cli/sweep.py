@@ -8,7 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..parallel import launch
-from ..profiler.sweep import AXES, parse_values, run_sweep
+from ..profiler.sweep import AXES, parse_values, run_sweep, split_axes
 from ..train import TrainConfig
 from ..utils.plot import write_bar_pairs_png
 from ..utils.progress import Progress, format_table
@@ -91,7 +91,7 @@ def run(args) -> int:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} exists and is not a directory")
     count = 1
-    for values in axes.values():
+    for values in split_axes(axes)[0].values():
         count *= len(values)
     bar = Progress(count, desc="sweep", enabled=not args.no_progress)
     result = run_sweep(base, axes, nproc, args.warmup, launch=launch,
@@ -107,7 +107,8 @@ def run(args) -> int:
         return 0
     print(table(result))
     for name, values in result["unavailable"].items():
-        print(f"\n--{name.replace('_', '-')} {','.join(map(str, values))}: unavailable in this "
+        shown = ",".join("on" if v is True else "off" if v is False else str(v) for v in values)
+        print(f"\n--{name.replace('_', '-')} {shown}: unavailable in this "
               f"build (TrainConfig has no '{name}'); not swept")
     print(f"\nwrote {out / 'sweep.json'}" + (f" and {out / 'sweep.png'}"
                                              if (out / 'sweep.png').exists() else ""))

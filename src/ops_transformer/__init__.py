@@ -26,5 +26,9 @@ from .comm.bucketing import GradSums, all_reduce_coalesced, mark_partial_grad
 from .precision import DynamicLossScaler, clip_grad_norm_, optimizer_step, precision_policy
 __all__ += ["DynamicLossScaler", "clip_grad_norm_", "optimizer_step", "precision_policy",
             "GradSums", "all_reduce_coalesced", "mark_partial_grad"]
+from .layers.moe import ParallelExperts, ParallelMoE  # noqa: E402
+from .models.moe import MoE, moe_stats  # noqa: E402
+
+__all__ += ["ParallelExperts", "ParallelMoE", "MoE", "moe_stats"]
 from .profiler import Diagnostic, Profile, diagnose, profile_step
 __all__ += ["Diagnostic", "Profile", "diagnose", "profile_step"]

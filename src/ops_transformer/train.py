@@ -1,4 +1,4 @@
-"""Training the reference GPT with ``dp × tp`` parallelism: the loop behind ``train`` and ``demo``.
+"""Training the reference GPT with ``dp × ep × tp`` parallelism: the loop behind ``train`` and ``demo``.
 
 :func:`validate` checks a :class:`TrainConfig` before any process starts; :func:`train_worker` runs on
 every rank (under ``launch`` or ``torchrun``) and returns the metrics on rank 0. The loop is the plain
@@ -20,6 +20,7 @@ import torch
 from .comm.ledger import CommLedger
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
+from .models.moe import moe_stats
 from .parallel.context import check_degrees, init_parallel
 from .parallelize import parallelize
 from .parallelize.gpt_plan import gpt_plan
@@ -51,6 +52,7 @@ class TrainConfig:
     layers: int | None = None  # overrides the preset's n_layers
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16: with a dynamic loss scaler)
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
+    ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
     tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
 
     def model_config(self) -> GPTConfig:
@@ -73,17 +75,30 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
         raise ValueError(f"--clip-grad must be positive, got {cfg.clip_grad}")
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
-    dp, _, tp = check_degrees(world_size, cfg.tp, cfg.dp, 1)
+    dp, ep, tp = check_degrees(world_size, cfg.tp, cfg.dp, cfg.ep)
     model_cfg = cfg.model_config()
+    check_train_ep(model_cfg, cfg.preset, ep)
     if model_cfg.vocab_size < VOCAB_SIZE:
         raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; byte-level "
                          f"data needs at least {VOCAB_SIZE}")
-    if cfg.batch % dp:
-        raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})")
-    gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // dp, seq=cfg.seq)  # sizes vs tp
+    if cfg.batch % (dp * ep):
+        raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})" if ep == 1 else
+                         f"--batch ({cfg.batch}) must be divisible by dp ({dp}) × ep ({ep}): "
+                         f"each of the {dp * ep} ranks reads its own rows")
+    gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
     check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
     return dp, tp
+
+
+def check_train_ep(model_cfg: GPTConfig, preset_name: str, ep: int) -> None:
+    """``--ep`` needs an MoE preset whose experts divide by it."""
+    if ep > 1 and not model_cfg.n_experts:
+        raise ValueError(f"--ep ({ep}) needs a mixture-of-experts preset (moe-tiny, moe-small); "
+                         f"{preset_name!r} has a dense FFN")
+    if model_cfg.n_experts and model_cfg.n_experts % ep:
+        raise ValueError(f"--ep ({ep}) must divide the preset's n_experts "
+                         f"({model_cfg.n_experts})")
 
 
 def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch: int,
@@ -109,9 +124,11 @@ class TrainState:
     scaler: DynamicLossScaler | None
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This data-parallel rank's rows of the global batch of ``step`` (on the device)."""
+        """This rank's rows of the global batch of ``step`` (on the device): data-parallel and
+        expert-parallel ranks read their own."""
         x, y = slice_for_rank(*get_batch(self.data, step, batch=self.cfg.batch, seq=self.cfg.seq,
-                                         seed=self.cfg.seed), self.ctx.dp_rank, self.ctx.dp_size)
+                                         seed=self.cfg.seed),
+                              self.ctx.dp_ep_rank, self.ctx.dp_ep_size)  # EP ranks: own rows
         return x.to(self.ctx.device), y.to(self.ctx.device)
 
     def step(self, x: torch.Tensor, y: torch.Tensor):
@@ -124,18 +141,20 @@ class TrainState:
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
                                     max_norm=self.cfg.clip_grad,
-                                    metrics={"loss": loss})  # one all-reduce for what is small
+                                    metrics={"loss": loss, **_moe_metrics(self.model,
+                                                                          self.model.cfg)})
+            # (one all-reduce for what is small; the metrics averaged over dp × ep)
         self.opt.zero_grad(set_to_none=True)
         return report, ledger
 
 
 def setup_training(cfg: TrainConfig) -> TrainState:
     """Join the job (``init_parallel``), build the parallel model and its optimizer on this rank."""
-    ctx = init_parallel(tp=cfg.tp, dp=cfg.dp)
+    ctx = init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep)
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
-    plan = gpt_plan(model_cfg, ctx.tp_size, cfg.attention, batch=cfg.batch // ctx.dp_size,
+    plan = gpt_plan(model_cfg, ctx.tp_size, cfg.attention, batch=cfg.batch // ctx.dp_ep_size,
                     seq=cfg.seq)  # `auto` ranks the strategies for this run's shapes
     policy = precision_policy(cfg.precision)
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan,
@@ -148,9 +167,9 @@ def setup_training(cfg: TrainConfig) -> TrainState:
 def train_worker(cfg: TrainConfig) -> dict | None:
     """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere."""
     state = setup_training(cfg)
-    ctx, model, scaler = state.ctx, state.model, state.scaler
+    ctx, model, scaler, model_cfg = state.ctx, state.model, state.scaler, state.model.cfg
     lead = ctx.rank == 0
-    losses, step_times, last = [], [], None
+    losses, step_times, last, moe_history = [], [], None, []
     bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)
     board = ScalarLog(cfg.tensorboard if lead else None)
     for step in range(cfg.steps):
@@ -165,13 +184,19 @@ def train_worker(cfg: TrainConfig) -> dict | None:
             raise ValueError(f"the loss became {losses[-1]} at step {step}; lower --lr "
                              f"(now {cfg.lr})")
         tokens_per_s = cfg.batch * cfg.seq / step_times[-1]
+        if model_cfg.n_experts:
+            moe_history.append(_moe_report(report.metrics))
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
                                        "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"},
-                   **_precision_stats(report, scaler))
+                   **_precision_stats(report, scaler),
+                   **({"aux": moe_history[-1]["aux_loss"],
+                       "dropped": f"{moe_history[-1]['dropped_fraction']:.1%}"}
+                      if moe_history else {}))
         board.log(step, loss=losses[-1], tokens_per_s=tokens_per_s,
                   comm_bytes_per_step=ledger.total_bytes, comm_calls_per_step=ledger.calls,
                   grad_norm=report.grad_norm,
-                  loss_scale=None if scaler is None else scaler.scale_value)
+                  loss_scale=None if scaler is None else scaler.scale_value,
+                  moe_aux_loss=moe_history[-1]["aux_loss"] if moe_history else None)
     bar.close()
     board.close()
     sample = _sample(model, cfg, ctx.device)
@@ -181,7 +206,28 @@ def train_worker(cfg: TrainConfig) -> dict | None:
                     {"precision": cfg.precision, "clip_grad": cfg.clip_grad,
                      "grad_norm_last": report.grad_norm, "comm_by_dtype": last.by_dtype(),
                      **({} if scaler is None else {"loss_scale": scaler.scale_value,
-                                                   "skipped_steps": scaler.skipped_steps})})
+                                                   "skipped_steps": scaler.skipped_steps}),
+                     **({"moe": {k: [m[k] for m in moe_history]
+                                 for k in ("aux_loss", "dropped_fraction")}}
+                        if moe_history else {})})
+
+
+def _moe_metrics(model, model_cfg: GPTConfig) -> dict:
+    """This rank's load-balancing loss (summed over the MoE layers, before the coefficient) and
+    dropped / routed token-slots, to be averaged over the ranks with the loss."""
+    if not model_cfg.n_experts:
+        return {}
+    stats = moe_stats(model)
+    return {"moe_aux_loss": stats["aux_loss"], "moe_dropped": float(stats["dropped"]),
+            "moe_slots": float(stats["slots"])}
+
+
+def _moe_report(averaged: dict) -> dict:
+    """The step's load-balancing loss (mean over the ``dp × ep`` micro-batches) and the fraction of
+    all ranks' token-slots that the capacity dropped."""
+    slots = averaged["moe_slots"]
+    return {"aux_loss": averaged["moe_aux_loss"],
+            "dropped_fraction": averaged["moe_dropped"] / slots if slots else 0.0}
 
 
 def _precision_stats(report, scaler) -> dict:
@@ -208,7 +254,8 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
     comm = ledger.summary()
     tp_ranks = tuple(range(ctx.rank, ctx.rank + ctx.tp_size))  # rank 0's TP group
     metrics = {
-        "preset": cfg.preset, "tp": ctx.tp_size, "dp": ctx.dp_size, "steps": cfg.steps,
+        "preset": cfg.preset, "tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
+        "steps": cfg.steps,
         "batch": cfg.batch, "seq": cfg.seq, "lr": cfg.lr, "seed": cfg.seed,
         "attention": model.parallel_plan.attention, "vocab": model.parallel_plan.vocab,
         "attention_reason": model.parallel_plan.reason,
@@ -218,7 +265,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()),
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
         "expected_tp_comm_per_step": expected_comm_per_step(
-            model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_size,
+            model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_ep_size,
             cfg.seq, model.parallel_plan.vocab),
         "params": _dense_param_count(model.cfg),
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),

@@ -23,7 +23,9 @@ def add_parser(p) -> None:
     p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
                    "run under torchrun (or as one process)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / tp)")
+    p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (tp·ep))")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree for MoE presets "
+                   "(moe-tiny, moe-small): n_experts/ep experts per rank (default 1)")
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--data", help="a text file or a directory (default: the Python standard "
                    "library's sources on this machine)")
@@ -57,9 +59,6 @@ def layout_from_plan(path: str) -> dict:
     if not isinstance(best, dict) or not {"tp", "dp", "attention"} <= set(best):
         raise ValueError(f"--plan {path!r} has no layout (its 'best' is null: nothing fits, or it "
                          f"is not a planner result)")
-    if best.get("ep", 1) != 1:
-        raise ValueError(f"--plan {path!r} uses expert parallelism (ep={best['ep']}), which "
-                         f"train does not run")
     skipped = [f"{k}={best[k]}" for k, default in (("zero_stage", 0), ("recompute", "none"),
                                                     ("sequence_parallel", False))
                if best.get(k, default) != default]
@@ -67,12 +66,14 @@ def layout_from_plan(path: str) -> dict:
         warnings.warn(f"--plan: train runs the plan's layout but not yet {', '.join(skipped)} "
                       f"(SPEC F7 is not implemented); memory use will be higher than planned",
                       stacklevel=2)
-    return {"tp": best["tp"], "dp": best["dp"], "attention": best["attention"]}
+    return {"tp": best["tp"], "dp": best["dp"], "ep": best.get("ep", 1),
+            "attention": best["attention"]}
 
 
 def config_from_args(args, out_prefix: str) -> TrainConfig:
     out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    layout = {"tp": args.tp, "dp": args.dp, "attention": args.attention}
+    layout = {"tp": args.tp, "dp": args.dp, "ep": getattr(args, "ep", 1),
+              "attention": args.attention}
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
@@ -95,15 +96,19 @@ def run_training(cfg: TrainConfig, nproc: int | None, worker=train_worker, *args
 
 
 def launch_size(args, cfg: TrainConfig) -> int | None:
-    """``--nproc``; with ``--plan`` and neither ``--nproc`` nor torchrun, the plan's ranks."""
-    if args.plan and args.nproc is None and "WORLD_SIZE" not in os.environ:
-        return cfg.tp * (cfg.dp or 1)  # a plan fixes the layout: launch it locally
+    """``--nproc``; without it and outside torchrun, the ranks of a fixed layout (a plan, or
+    degrees above 1), launched locally."""
+    size = cfg.tp * cfg.ep * (cfg.dp or 1)
+    if args.nproc is None and "WORLD_SIZE" not in os.environ and (args.plan or size > 1):
+        return size
     return args.nproc
 
 
 def summary(metrics: dict) -> str:
     rows = [
-        {"": "layout", "value": f"dp={metrics['dp']} × tp={metrics['tp']}"},
+        {"": "layout", "value": f"dp={metrics['dp']} × "
+                                + (f"ep={metrics['ep']} × " if metrics.get("ep", 1) > 1 else "")
+                                + f"tp={metrics['tp']}"},
         {"": "attention", "value": metrics["attention"]},
         {"": "precision", "value": _precision_line(metrics)},
         {"": "parameters", "value": f"{metrics['params']:,}"},
@@ -112,6 +117,10 @@ def summary(metrics: dict) -> str:
         {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s']:,.0f}"},
         {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
     ]
+    if "moe" in metrics:
+        rows.append({"": "MoE aux loss / dropped (last)",
+                     "value": f"{metrics['moe']['aux_loss'][-1]:.4f} / "
+                              f"{metrics['moe']['dropped_fraction'][-1]:.1%} of token-slots"})
     return format_table(rows)
 
 

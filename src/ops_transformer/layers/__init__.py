@@ -6,3 +6,7 @@ from .loss import vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy"]
+
+from .moe import ParallelExperts, ParallelMoE  # noqa: E402
+
+__all__ += ["ParallelExperts", "ParallelMoE"]

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .moe import MoE, check_moe_config, init_routers, moe_aux_loss
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -36,6 +38,13 @@ class GPTConfig:
     dropout: float = 0.0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Mixture of experts (models/moe.py): n_experts 0 is the dense FFN; every moe_every-th layer
+    # (layers moe_every-1, 2·moe_every-1, ...) routes each token to top_k of n_experts FFNs.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_aux_loss_coef: float = 0.01
+    moe_every: int = 1
 
     def __post_init__(self):
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
@@ -58,10 +67,14 @@ class GPTConfig:
             raise ValueError(f"rope needs an even head dimension, got {self.head_dim}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        check_moe_config(self)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,14 +97,18 @@ PRESETS: dict[str, GPTConfig] = {
     "llama-style": GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=8, n_kv_heads=2,
                              d_ff=688, max_seq_len=256, norm="rmsnorm", pos="rope", mlp="swiglu",
                              bias=False, tie_embeddings=False),
+    "moe-tiny": GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=128,
+                          max_seq_len=128, n_experts=4, top_k=2, moe_capacity_factor=1.25),
+    "moe-small": GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=8, d_ff=512,
+                           max_seq_len=256, n_experts=8, top_k=2, moe_capacity_factor=1.25),
     "gpt2-124m": GPTConfig(vocab_size=50257, n_layers=12, d_model=768, n_heads=12, d_ff=3072,
                            max_seq_len=1024),
 }
 
 
 def preset(name: str, **overrides) -> GPTConfig:
-    """A named configuration (``tiny``, ``small``, ``llama-tiny``, ``llama-style``,
-    ``gpt2-124m``), optionally with some fields changed."""
+    """A named configuration (``tiny``, ``small``, ``llama-tiny``, ``llama-style``, ``moe-tiny``,
+    ``moe-small``, ``gpt2-124m``), optionally with some fields changed."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name].with_(**overrides)
@@ -178,10 +195,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.norm1, self.attn = make_norm(cfg), Attention(cfg)
-        self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
+        self.norm2 = make_norm(cfg)
+        self.mlp = MoE(cfg, MLP) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, rope=None):
@@ -213,15 +231,16 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg)
         self.lm_head = LMHead(cfg)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
-            if name.endswith(("attn.wo.weight", "mlp.w_out.weight")):
+            if name.endswith(("attn.wo.weight", "w_out.weight")):  # dense FFN or expert
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        init_routers(self)  # last: with one expert, the same weights as the dense model
 
     @staticmethod
     def _init_weights(module):
@@ -245,7 +264,10 @@ class GPT(nn.Module):
         x = self.drop(x)
         for block in self.layers:
             x = block(x, rope)
-        return self.lm_head(self.norm(x), targets)
+        logits, loss = self.lm_head(self.norm(x), targets)
+        if loss is not None and self.cfg.n_experts:  # each MoE layer's load-balancing loss
+            loss = loss + self.cfg.moe_aux_loss_coef * moe_aux_loss(self)
+        return logits, loss
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, *, temperature: float = 1.0,

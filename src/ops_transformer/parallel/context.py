@@ -39,6 +39,8 @@ class ParallelContext:
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
     mesh: object | None = field(default=None, repr=False)  # torch DeviceMesh, or None for one rank
+    # The ranks that read different data at one TP rank: dp × ep (dense gradients average here).
+    dp_ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
     device: torch.device = torch.device("cpu")
     backend: str | None = None
 
@@ -66,10 +68,24 @@ class ParallelContext:
         tp_size, tp_rank, tp_group = axis("tp")
         dp_size, dp_rank, dp_group = axis("dp")
         ep_size, ep_rank, ep_group = axis("ep")
+        dp_ep_group = dp_group if ep_size == 1 else ep_group if dp_size == 1 else \
+            mesh["dp", "ep"]._flatten("dp_ep").get_group()
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
                    tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank,
                    ep_size=ep_size, ep_rank=ep_rank, tp_group=tp_group, dp_group=dp_group,
-                   ep_group=ep_group, mesh=mesh, device=device, backend=backend)
+                   ep_group=ep_group, mesh=mesh, device=device, backend=backend,
+                   dp_ep_group=dp_ep_group)
+
+    @property
+    def dp_ep_size(self) -> int:
+        """Ranks reading different micro-batches (``dp × ep``): EP ranks hold different experts
+        but, like data-parallel ranks, each feeds its own rows of the global batch."""
+        return self.dp_size * self.ep_size
+
+    @property
+    def dp_ep_rank(self) -> int:
+        """This rank's micro-batch among the ``dp × ep`` ones (``dp_rank · ep + ep_rank``)."""
+        return self.dp_rank * self.ep_size + self.ep_rank
 
     @property
     def is_distributed(self) -> bool:

@@ -117,6 +117,7 @@ def no_sync(model: nn.Module):
     end-of-backward sums of partial gradients (:class:`~ops_transformer.comm.bucketing.GradSums`);
     the first backward outside it reduces everything accumulated."""
     syncs = [s for s in (grad_sync_of(model),
+                         getattr(model, "_ops_transformer_expert_grad_sync", None),
                          *getattr(model, "_ops_transformer_grad_reducers", ())) if s is not None]
     previous = [s.enabled for s in syncs]
     for sync in syncs:

@@ -143,6 +143,18 @@ def gather_full(tensor: torch.Tensor, group) -> torch.Tensor:
 
 def gather_full_state_dict(model: nn.Module, ctx) -> dict[str, torch.Tensor]:
     """The dense state dict of a tensor-parallel model, with the keys and shapes of the model
-    before it was parallelised. Every rank of the TP group receives it (collective call)."""
-    return {name: gather_full(value, ctx.tp_group)
-            for name, value in model.state_dict(keep_vars=True).items()}
+    before it was parallelised. Every rank of the TP group receives it (collective call); with
+    expert parallelism every rank of the TP and EP groups. A module whose parameters are laid out
+    unlike the dense one it replaced (experts spread over ``ep``) gives its dense tensors back
+    through its ``gather_dense_state()``."""
+    regrouped = {f"{name}." if name else "": m for name, m in model.named_modules()
+                 if hasattr(m, "gather_dense_state")}
+    state, done = {}, set()
+    for name, value in model.state_dict(keep_vars=True).items():
+        prefix = next((p for p in regrouped if name.startswith(p)), None)
+        if prefix is None:
+            state[name] = gather_full(value, ctx.tp_group)
+        elif prefix not in done:  # the whole module's dense tensors, where its first key was
+            done.add(prefix)
+            state.update({prefix + k: v for k, v in regrouped[prefix].gather_dense_state().items()})
+    return state

@@ -10,10 +10,12 @@ from torch import nn
 
 from ..comm.bucketing import GradSums, add_grad_reducer
 from ..models.gpt import GPT
+from ..layers.moe import scale_expert_grads, split_expert_params
 from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, no_sync
 from ..precision.policy import resolve_grad_reduce_dtype
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
+from .moe_plan import check_expert_parallel
 from .plan import Plan, apply_plan
 
 log = logging.getLogger("ops_transformer")
@@ -58,9 +60,15 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
             raise ValueError("the planner found no layout that fits (its 'best' is null)")
         plan = plan["best"]
     if isinstance(plan, dict) and {"tp", "dp", "attention"} <= set(plan):  # a planner layout
-        if (plan["tp"], plan["dp"]) != (ctx.tp_size, ctx.dp_size):
-            raise ValueError(f"the plan is for dp={plan['dp']} × tp={plan['tp']}, but this job "
-                             f"runs dp={ctx.dp_size} × tp={ctx.tp_size}")
+        wanted = {"dp": plan["dp"], "ep": plan.get("ep", 1), "tp": plan["tp"]}
+        actual = {"dp": ctx.dp_size, "ep": ctx.ep_size, "tp": ctx.tp_size}
+        if wanted != actual:
+            axes = [a for a in wanted if a != "ep" or max(wanted["ep"], actual["ep"]) > 1]
+
+            def show(degrees):
+                return " × ".join(f"{a}={degrees[a]}" for a in axes)
+
+            raise ValueError(f"the plan is for {show(wanted)}, but this job runs {show(actual)}")
         attention = plan["attention"]
         plan = "auto"
     elif isinstance(plan, dict):
@@ -106,22 +114,32 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     if getattr(model, "parallel_plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_plan is set)")
     resolved = resolve_plan(model, ctx, plan, attention, loss_parallel, vocab)
+    if ctx.ep_size > 1:
+        check_expert_parallel(model, resolved, ctx)
     if ctx.tp_size > 1:
         apply_plan(model, resolved, ctx, _Groups(model, ctx))
         if loss_parallel and _is_hf(model):
             model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
+    elif ctx.ep_size > 1:  # experts only
+        apply_plan(model, Plan({k: r for k, r in resolved.rules.items() if r["style"] == "moe"}),
+                   ctx, _Groups(model, ctx))
     model.parallel_plan = resolved
     reduce_dtype = resolve_grad_reduce_dtype(model, grad_reduce_dtype)
-    if ctx.dp_size > 1:
-        model._ops_transformer_grad_sync = GradSync(model.parameters(), ctx.dp_group,
-                                                    bucket_bytes=bucket_bytes,
+    if ctx.dp_ep_size > 1:  # EP ranks read different micro-batches, like DP ranks
+        dense, experts = split_expert_params(model.parameters())
+        scale_expert_grads(experts, ctx.ep_size)
+        group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
+        model._ops_transformer_grad_sync = GradSync(dense, group, bucket_bytes=bucket_bytes,
                                                     reduce_dtype=reduce_dtype)
+        if experts and ctx.dp_size > 1:
+            model._ops_transformer_expert_grad_sync = GradSync(
+                experts, ctx.dp_group, bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype)
     # Built after the data-parallel averaging, so its end-of-backward sums run after it.
     sums = GradSums.of_module(model, dtype=reduce_dtype, bucket_bytes=bucket_bytes)
     if sums is not None:
         add_grad_reducer(model, sums)
-    log.info("parallelize: tp=%d dp=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
-             resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
+    log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
+             ctx.ep_size, resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model
 
 

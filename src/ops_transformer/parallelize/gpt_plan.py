@@ -1,6 +1,7 @@
 """The tensor-parallel plan of the reference GPT (:mod:`ops_transformer.models.gpt`).
 
-The FFN is column→row in every plan. The embedding and LM head are vocab-parallel (with the
+The FFN is column→row in every plan; an MoE FFN (``n_experts > 0``) has its experts spread over
+the ``ep`` axis, each column→row (:mod:`ops_transformer.layers.moe`). The embedding and LM head are vocab-parallel (with the
 vocab-parallel loss) or replicated, by predicted time (``vocab="auto"``): three collectives per step
 against ``tp`` times the head's FLOPs — a byte-level vocabulary is cheaper replicated, GPT-2's
 50257 is not. The attention strategy (SPEC F5) is one of:
@@ -61,6 +62,23 @@ def _attention_rules(cfg: GPTConfig, attention: str) -> dict:
     }
 
 
+def _ffn_rules(cfg: GPTConfig) -> dict:
+    """Column→row for a dense FFN; ``moe`` (experts over ``ep``, each column→row over ``tp``, the
+    router replicated) for an MoE one. With ``moe_every > 1`` the layers are named one by one."""
+    dense = {"w_in": ({"style": "colwise", "sub_blocks": [cfg.d_ff, cfg.d_ff]}
+                      if cfg.mlp == "swiglu" else "colwise"), "w_out": "rowwise"}
+    moe = [cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
+    if not any(moe):
+        return {f"layers.*.mlp.{name}": rule for name, rule in dense.items()}
+    if all(moe):
+        return {"layers.*.mlp": "moe"}
+    rules = {}
+    for i, is_moe in enumerate(moe):
+        rules.update({f"layers.{i}.mlp": "moe"} if is_moe else
+                     {f"layers.{i}.mlp.{name}": rule for name, rule in dense.items()})
+    return rules
+
+
 def gpt_plan(cfg: GPTConfig, tp: int, attention: str = "auto", *, vocab: str = "auto",
              batch: int = AUTO_BATCH, seq: int | None = None,
              profile: HardwareProfile | None = None) -> Plan:
@@ -87,10 +105,7 @@ def gpt_plan(cfg: GPTConfig, tp: int, attention: str = "auto", *, vocab: str = "
             vocab, why = choose_vocab(cfg, tp, batch=batch, seq=seq or cfg.max_seq_len,
                                       profile=profile)
             reason += f"; {why}"
-    rules = {**_attention_rules(cfg, attention),
-             "layers.*.mlp.w_in": ({"style": "colwise", "sub_blocks": [cfg.d_ff, cfg.d_ff]}
-                                   if cfg.mlp == "swiglu" else "colwise"),
-             "layers.*.mlp.w_out": "rowwise"}
+    rules = {**_attention_rules(cfg, attention), **_ffn_rules(cfg)}
     if vocab == "parallel":
         rules = {"tok_emb": "vocab", **rules,
                  "lm_head": ({"style": "vocab_head", "tied_to": "tok_emb"} if cfg.tie_embeddings

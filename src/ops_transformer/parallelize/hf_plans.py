@@ -171,6 +171,10 @@ def hf_plan(model, tp: int, loss_parallel: bool = False) -> Plan:
         return llama_plan(model, tp, loss_parallel)
     if model_type == "bert":
         return bert_plan(model, tp, loss_parallel)
+    from .moe_plan import MOE_FAMILIES, hf_moe_plan  # experts: their own module
+
+    if model_type in MOE_FAMILIES:
+        return hf_moe_plan(model, tp, loss_parallel)
     if getattr(model.config, "base_model_tp_plan", None):
         return translated_plan(model, tp, loss_parallel)
     raise ValueError(f"no tensor-parallel plan for Hugging Face model_type {model_type!r}: "

@@ -27,6 +27,9 @@ style          effect
 ``kv_split``   the reference attention → :class:`FeatureSplitAttention` (strategy B; ``rope``)
 ``attrs``      set the module's per-rank attributes (``set``: name → value), e.g. the split size of
                a fused QKV output in Hugging Face's GPT-2
+``moe``        the reference MoE → :class:`ParallelMoE`; a ``transformers`` experts module →
+               :class:`ParallelExperts`: ``n_experts/ep`` experts per EP rank, each column→row
+               over TP, tokens moved by all-to-alls over the EP group
 ============== =============================================================================
 """
 
@@ -44,9 +47,11 @@ from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbed
 from ..layers.attention import FeatureSplitAttention
 from ..layers.head import GatheredLMHead, VocabParallelLMHead
 from ..layers.linear import to_compute_dtype
+from ..layers.moe import to_expert_parallel
 
 STYLES = ("colwise", "rowwise", "gather_in", "region", "vocab", "vocab_head", "vocab_logits",
           "kv_split", "attrs")
+STYLES += ("moe",)  # mixture of experts (layers/moe.py)
 
 
 @dataclass
@@ -172,6 +177,7 @@ _APPLY = {
     "vocab_logits": _vocab_logits,
     "kv_split": lambda m, ctx, groups, rope=False: FeatureSplitAttention(m, ctx, rope=rope),
     "attrs": _attrs,
+    "moe": lambda m, ctx, groups: to_expert_parallel(m, ctx),
 }
 
 

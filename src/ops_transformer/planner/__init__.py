@@ -16,6 +16,7 @@ from .specs import MODEL_PRESETS, ClusterSpec, ModelSpec
 from .strategies import (ATTENTION_STRATEGIES, VOCAB_MODES, LayerCost, attention_cost, ffn_cost,
                          layer_cost, model_comm_per_step, vocab_cost)
 from .topology import Topology, detect_topology
+from .strategies import moe_cost
 
 __all__ = [
     "A100_NVLINK", "ATTENTION_STRATEGIES", "CPU_GLOO", "CalibratedProfile", "ClusterSpec", "GPUS",
@@ -27,3 +28,4 @@ __all__ = [
     "evaluate_layout", "execution", "hierarchical_time", "logits_bytes", "model_comm_per_step",
     "ring_steps", "zero_comm",
 ]
+__all__ += ["moe_cost"]

@@ -141,7 +141,9 @@ class ModelSpec:
                          n_heads=self.heads, n_kv_heads=self.kv_heads, d_ff=self.ffn,
                          max_seq_len=self.seq, norm=self.norm, pos=self.pos, mlp=self.ffn_type,
                          bias=self.bias, tie_embeddings=self.tie_embeddings,
-                         dropout=self.dropout)
+                         dropout=self.dropout,
+                         **({"n_experts": self.experts, "top_k": self.top_k}  # MoE in every layer
+                            if self.experts > 1 else {}))
 
     @classmethod
     def from_gpt_config(cls, cfg: GPTConfig, *, seq: int | None = None, global_batch: int = 8,
@@ -153,7 +155,8 @@ class ModelSpec:
                    ffn_type=cfg.mlp, vocab=cfg.vocab_size, seq=seq or cfg.max_seq_len,
                    global_batch=global_batch, micro_batch=micro_batch, dtype=dtype,
                    tie_embeddings=cfg.tie_embeddings, norm=cfg.norm, pos=cfg.pos, bias=cfg.bias,
-                   dropout=cfg.dropout)
+                   dropout=cfg.dropout, experts=max(cfg.n_experts, 1),
+                   top_k=cfg.top_k if cfg.n_experts > 1 else 1)
 
     @classmethod
     def from_hf_config(cls, config, *, seq: int | None = None, global_batch: int = 8,

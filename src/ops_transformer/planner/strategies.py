@@ -209,13 +209,53 @@ def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
     the model share), for a micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` ×
     :func:`layer_cost`, plus :func:`vocab_cost` of the embedding, LM head and loss, plus the one
     coalesced call of strategy B's output-projection gradient sums (on the TP group; replicated
-    KV heads sum on their replicas' smaller group)."""
+    KV heads sum on their replicas' smaller group). An MoE layer's FFN pair is counted on
+    ``batch·seq·top_k`` routed slots (:func:`moe_cost`): exact in calls, in elements only for a
+    balanced routing."""
     if tp == 1:
         return Comm()
+    swiglu = cfg.mlp == "swiglu"
     layer = layer_cost(attention, batch, seq, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff,
-                       tp, bias=cfg.bias, swiglu=cfg.mlp == "swiglu").total()
+                       tp, bias=cfg.bias, swiglu=swiglu).total()
     out = layer.scaled(cfg.n_layers) + vocab_cost(vocab, batch, seq, cfg.d_model,
                                                   cfg.vocab_size, tp).total()
     if attention == "kv_split":
         out.add("all_reduce", 0, grad_sum_calls_per_step(attention, cfg.n_kv_heads, tp))
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    if n_moe:  # the routed FFN pair in place of the dense one
+        dense = ffn_cost(batch, seq, cfg.d_model, cfg.d_ff, tp, swiglu=swiglu).total()
+        routed = moe_cost(batch, seq, cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, 1, tp,
+                          swiglu=swiglu).total()
+        out = out.minus(dense.scaled(n_moe)) + routed.scaled(n_moe)
     return out
+
+
+def moe_cost(b: int, s: int, h: int, ffn: int, experts: int, top_k: int, ep: int, tp: int,
+             dtype=torch.float32, *, swiglu: bool = False) -> LayerCost:
+    """One MoE FFN (:mod:`ops_transformer.layers.moe`) on one rank, dropless, with balanced
+    routing: this rank routes ``S = b·s·top_k`` token-slots and receives as many for its
+    ``experts/ep`` experts (summed over an EP group, what ranks receive is what they send, for
+    any routing).
+
+    * EP group (``ep > 1``; the cost's ``subgroup``, priced on ``ep`` ranks): fwd one all-gather of
+      the per-expert slot counts (``ep·experts`` integers, the uneven all-to-all's split sizes),
+      the dispatch all-to-all ``S·h`` and the combine all-to-all ``S·h``; bwd the same two
+      all-to-alls, ``S·h`` each.
+    * TP group (``tp > 1``): fwd all-reduce ``S·h`` of the experts' partial outputs, bwd
+      all-reduce ``S·h`` of their input gradient — the dense FFN's pair, on routed slots.
+    * FLOPs: the router ``2·bsh·experts`` (replicated) and the experts ``2·S·h·ffn·(2 or 3)``
+      divided by ``tp``, times 3 for a step.
+    * Activations (16-bit bytes as in :func:`ffn_cost`, scaled to ``dtype``): the FFN input
+      ``2bsh``; per routed slot its row dispatched, received and returned ``3·2·S·h``; the
+      experts' intermediates ``4·S·ffn·(mats−1)/tp``.
+    """
+    slots, bsh = b * s * top_k, b * s * h
+    mats = 3 if swiglu else 2
+    flops = 3.0 * (2 * bsh * experts + 2 * slots * h * ffn * mats / tp)
+    act = (_bytes(dtype) / 2) * (2 * bsh + 6 * slots * h + 4 * slots * ffn * (mats - 1) / tp)
+    ep_fwd = Comm.of(("all_gather", ep * experts), ("all_to_all", slots * h),
+                     ("all_to_all", slots * h)) if ep > 1 else Comm()
+    ep_bwd = Comm.of(("all_to_all", slots * h), ("all_to_all", slots * h)) if ep > 1 else Comm()
+    tp_pair = Comm.of(("all_reduce", slots * h)) if tp > 1 else Comm()
+    return LayerCost(tp_pair + ep_fwd, tp_pair + ep_bwd, flops, act, group_size=tp,
+                     subgroup=ep_fwd + ep_bwd, subgroup_size=ep)

@@ -18,7 +18,9 @@ Per GPU and optimizer step, with ``k = global_batch / (dp · micro_batch)`` micr
   (:data:`.efficiency.MEMORY_PASSES`); recomputed work adds its share.
 * **tp_comm** (not overlapped): the strategies' collectives (:mod:`.strategies`, equal to the
   ledger), with sequence parallelism each all-reduce becoming a reduce-scatter + all-gather of the
-  same volume, priced by :func:`.network.group_time`.
+  same volume, priced by :func:`.network.group_time`. An MoE FFN's pair runs on the routed slots.
+* **ep_comm** (MoE, not overlapped): per layer the count all-gather and the 4 all-to-alls of the
+  routed slots on the EP group (:func:`.strategies.moe_cost`, equal to the ledger).
 * **dp_comm** (:func:`zero_comm`, as the ZeRO paper and FSDP run them), hidden behind the compute
   it overlaps with (the backward of the last micro-step for stages 0–1, each micro-step's for 2–3).
 * **optimizer**: Adam reads and writes ``32`` bytes per parameter of its shard (fp32 master,
@@ -33,7 +35,7 @@ from .cost import Comm
 from .memory import (activation_bytes_per_layer, effective_recompute, layer_matmuls, logits_bytes,
                      ops_saved)
 from .network import group_time, placement
-from .strategies import layer_cost, vocab_cost
+from .strategies import attention_cost, layer_cost, moe_cost, vocab_cost
 
 ADAM_STEP_BYTES = 32
 
@@ -133,9 +135,13 @@ def tp_comm(model, o) -> dict:
     """One micro-step's tensor-parallel collectives on one rank: ``{"main": Comm}`` on the TP
     group (per layer × layers + the vocabulary's, sequence parallelism converted) and ``{"sub":
     Comm, "sub_size"}`` on the replicated-KV subgroups."""
-    layer = layer_cost(o.attention, o.micro_batch, model.seq, model.hidden, model.heads,
-                       model.kv_heads, model.ffn // o.ep if model.experts > 1 else model.ffn,
-                       o.tp, swiglu=model.ffn_type == "swiglu", bias=model.bias)
+    if model.experts > 1:  # attention + the MoE FFN's TP pair on routed slots (moe_cost)
+        layer = attention_cost(o.attention, o.micro_batch, model.seq, model.hidden, model.heads,
+                               model.kv_heads, o.tp, bias=model.bias) + _moe(model, o, 1, o.tp)
+    else:
+        layer = layer_cost(o.attention, o.micro_batch, model.seq, model.hidden, model.heads,
+                           model.kv_heads, model.ffn, o.tp, swiglu=model.ffn_type == "swiglu",
+                           bias=model.bias)
     comm = layer.total().minus(layer.subgroup).scaled(model.layers)
     comm = comm + vocab_cost("parallel", o.micro_batch, model.seq, model.hidden, model.vocab,
                              o.tp).total()
@@ -143,6 +149,13 @@ def tp_comm(model, o) -> dict:
     if o.sequence_parallel:
         comm = sequence_parallel_comm(comm)
     return {"main": comm, "sub": sub, "sub_size": layer.subgroup_size}
+
+
+def _moe(model, o, ep: int, tp: int):
+    """One MoE FFN of ``model`` at ``ep × tp`` (:func:`~.strategies.moe_cost`): the count
+    all-gather and 4 all-to-alls of the routed slots on the EP group, the column→row pair on TP."""
+    return moe_cost(o.micro_batch, model.seq, model.hidden, model.ffn, model.experts, model.top_k,
+                    ep, tp, swiglu=model.ffn_type == "swiglu")
 
 
 def step_parts(model, cluster, o, run: Execution, peak: float, params_per_gpu: float) -> dict:
@@ -153,10 +166,7 @@ def step_parts(model, cluster, o, run: Execution, peak: float, params_per_gpu: f
     tp = tp_comm(model, o)
     tp_s = (group_time(cluster, tp["main"], placement(cluster, o.tp, 1), size)
             + group_time(cluster, tp["sub"], placement(cluster, tp["sub_size"], 1), size))
-    ep = Comm()
-    if o.ep > 1:
-        routed = o.micro_batch * model.seq * model.hidden * model.top_k
-        ep = Comm().add("all_to_all", 4 * routed * model.layers, 4 * model.layers)
+    ep = _moe(model, o, o.ep, 1).subgroup.scaled(model.layers) if o.ep > 1 else Comm()
     dp = zero_comm(o.zero_stage, params_per_gpu, micro_steps) if o.dp > 1 else Comm()
     shard = params_per_gpu / (o.dp if o.zero_stage >= 1 else 1)
     wire = (micro_steps * (tp["main"].wire_elements(o.tp) + ep.wire_elements(o.ep)

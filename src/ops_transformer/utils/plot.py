@@ -100,8 +100,9 @@ def write_timeline_png(path, rows: list[tuple[str, list[tuple[float, float, str]
 
 
 def write_bar_pairs_png(path, labels: list[str], series: dict[str, list[float | None]], *,
-                        title: str = "", ylabel: str = "") -> Path:
-    """Grouped bars: for each label one bar per series (``None`` leaves a gap)."""
+                        title: str = "", ylabel: str = "", log: bool | None = None) -> Path:
+    """Grouped bars: for each label one bar per series (``None`` leaves a gap). The value axis is
+    logarithmic when ``log``, by default when the values span more than a factor of 20."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(labels) + 3), 4.5))
     width = 0.8 / max(len(series), 1)
@@ -109,6 +110,9 @@ def write_bar_pairs_png(path, labels: list[str], series: dict[str, list[float | 
         xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))]
         ax.bar([x for x, v in zip(xs, values) if v is not None],
                [v for v in values if v is not None], width, label=name)
+    values = [v for vs in series.values() for v in vs if v is not None and v > 0]
+    if log or (log is None and values and max(values) > 20 * min(values)):
+        ax.set_yscale("log")
     ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right", fontsize=8)
     ax.set(title=title, ylabel=ylabel)
     ax.legend()

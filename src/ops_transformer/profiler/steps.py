@@ -11,10 +11,10 @@ from .profile import gather_objects, profile_step, world_group
 from .watch import OUTSIDE, StepWatch
 
 PROFILED_STEPS = 3
-OVERLAP_FIX = ("hide it behind compute: sequence parallelism (--sequence-parallel: the same volume "
-               "as reduce-scatter + all-gather, overlappable with the norms), async input-gradient "
-               "all-reduces (ColumnParallelLinear does this), a smaller tp (fewer, larger shards) "
-               "or tp inside one NVLink domain")
+OVERLAP_FIX = ("hide it behind compute: sequence parallelism (reduce-scatter + all-gather of the "
+               "same volume, which can overlap with the norms), async input-gradient all-reduces "
+               "(ColumnParallelLinear does this), a smaller tp (fewer, larger shards) or tp "
+               "inside one NVLink domain")
 
 
 def _diag(code, severity, where, message, suggestion, saving=None) -> dict:

@@ -93,6 +93,13 @@ class Progress:
         if self._bar is not None:
             self._bar.update(n)
 
+    def render(self) -> str:
+        """The status line for the current state (what the bar shows)."""
+        if self._bar is not None:
+            return str(self._bar)
+        return (f"{self.desc + ' ' if self.desc else ''}{self.n}/{self.total} "
+                f"{self.postfix_text()}").rstrip()
+
     def postfix_text(self) -> str:
         return " ".join(f"{k}={format_number(v)}" for k, v in self.postfix.items())
 
@@ -113,8 +120,7 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
         elif self.enabled:  # no tqdm: one plain line
-            self.stream.write(f"{self.desc + ' ' if self.desc else ''}{self.n}/{self.total} "
-                              f"{self.postfix_text()}".rstrip() + "\n")
+            self.stream.write(self.render() + "\n")
             self.stream.flush()
 
 

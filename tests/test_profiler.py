@@ -5,13 +5,14 @@ each diagnostic on a model planted with its problem, and none on the reference G
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import pytest
 import torch
 from torch import nn
 
 import ops_transformer as ot
-from ops_transformer.comm import collectives as C
 from ops_transformer.models.gpt import GPT, GPTConfig, preset
 from ops_transformer.parallel.context import ParallelContext
 from ops_transformer.profiler import timeline as T
@@ -50,12 +51,18 @@ def _step(model, x):
     return step
 
 
-def _profile_worker():
+def _split_vocab_gpt(batch: int, seq: int):
+    """The 1-layer tiny GPT at tp 2 with its vocabulary split (one all-gather in the loss), and
+    a batch of tokens."""
     ctx = ot.init_parallel(tp=2)
     torch.manual_seed(0)
     model = ot.parallelize(GPT(preset("tiny", n_layers=1)), ctx, attention="heads",
                            vocab="parallel")
-    x = torch.randint(0, 256, (8, 65))
+    return ctx, model, torch.randint(0, 256, (batch, seq + 1))
+
+
+def _profile_worker():
+    ctx, model, x = _split_vocab_gpt(8, 64)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step():
@@ -66,7 +73,6 @@ def _profile_worker():
     with ot.CommLedger() as ledger:
         step()
     prof = ot.profile_step(step, ctx, steps=3, warmup=1)
-    import tempfile, os
     path = os.path.join(tempfile.mkdtemp(), f"trace_rank{ctx.rank}.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
@@ -190,11 +196,7 @@ def test_reference_gpt_is_silent_but_for_machine_dependent_findings(run_ranks):
 
 
 def _vocab_parallel_worker():
-    ctx = ot.init_parallel(tp=2)
-    torch.manual_seed(0)
-    model = ot.parallelize(GPT(preset("tiny", n_layers=1)), ctx, attention="heads",
-                           vocab="parallel")
-    x = torch.randint(0, 256, (4, 33))
+    ctx, model, x = _split_vocab_gpt(4, 32)
     step = lambda: model(x[:, :-1], x[:, 1:])[1].backward()  # noqa: E731
     return [d.to_dict() for d in ot.diagnose(model, ctx, step)]
 

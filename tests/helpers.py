@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 FP32_RTOL = 1e-5
@@ -26,3 +28,16 @@ def assert_rel(actual, expected, rtol=FP32_RTOL, what="", floor=1e-12):
 
 def rank_chunk(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     return full.chunk(world, dim)[rank]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

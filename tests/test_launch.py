@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from helpers import alive
 from ops_transformer import RankError, launch
 
 
@@ -36,18 +37,6 @@ def _fail_on_rank_one(pidfile):
     dist.all_reduce(torch.ones(2))  # rank 0 would wait here for rank 1 forever
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie still answers kill(0); it is gone for our purpose
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
-
-
 def test_exception_reraised_with_rank_and_type(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ValueError) as info:
@@ -60,7 +49,7 @@ def test_exception_reraised_with_rank_and_type(tmp_path):
     assert "_fail_on_rank_one" in str(err.__cause__)
     for rank in (0, 1):
         pid = int((tmp_path / f"pid.{rank}").read_text())
-        assert not _alive(pid), f"rank {rank} (pid {pid}) survived launch"
+        assert not alive(pid), f"rank {rank} (pid {pid}) survived launch"
 
 
 def _hang(pidfile):
@@ -79,7 +68,7 @@ def test_timeout_ends_hung_ranks_and_reports_their_stacks(tmp_path):
     assert "_hang" in str(info.value)  # the ranks' Python stacks
     time.sleep(0.2)
     for rank in (0, 1):
-        assert not _alive(int((tmp_path / f"pid.{rank}").read_text()))
+        assert not alive(int((tmp_path / f"pid.{rank}").read_text()))
 
 
 def _die():

@@ -148,9 +148,14 @@ class TrainState:
         return report, ledger
 
 
-def setup_training(cfg: TrainConfig) -> TrainState:
-    """Join the job (``init_parallel``), build the parallel model and its optimizer on this rank."""
-    ctx = init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep)
+def join(cfg: TrainConfig):
+    """This rank's :class:`ParallelContext` for ``cfg`` (``with join(cfg) as ctx:`` tears its
+    process groups down at the end)."""
+    return init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep)
+
+
+def setup_training(cfg: TrainConfig, ctx) -> TrainState:
+    """Build the parallel model, its optimizer and loss scaler on this rank of ``ctx``."""
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
@@ -165,9 +170,15 @@ def setup_training(cfg: TrainConfig) -> TrainState:
 
 
 def train_worker(cfg: TrainConfig) -> dict | None:
-    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere."""
-    state = setup_training(cfg)
-    ctx, model, scaler, model_cfg = state.ctx, state.model, state.scaler, state.model.cfg
+    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere. The process
+    groups it starts are torn down before it returns."""
+    with join(cfg) as ctx:
+        return _train(cfg, ctx)
+
+
+def _train(cfg: TrainConfig, ctx) -> dict | None:
+    state = setup_training(cfg, ctx)
+    model, scaler, model_cfg = state.model, state.scaler, state.model.cfg
     lead = ctx.rank == 0
     losses, step_times, last, moe_history = [], [], None, []
     bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)

@@ -3,13 +3,11 @@ training step, interleaved (:mod:`ops_transformer.profiler.bench`)."""
 
 from __future__ import annotations
 
-import json
-import sys
-
 from ..models.gpt import preset
 from ..parallel import launch
 from ..profiler.bench import METHODS, RATIOS, TP, Size, _key, rank_main, summarise
 from ..utils.progress import format_table
+from ._common import add_launch_timeout, launch_timeout, print_json, refuse_torchrun, status
 
 HELP = ("time one GPT training step: ours (tp=2) vs PyTorch DTensor TP vs the plain model, "
         "interleaved; medians and ratios")
@@ -24,6 +22,7 @@ def add_parser(p) -> None:
                    "(default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per block (default 2)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_launch_timeout(p, default=3600.0)
 
 
 def check(args) -> Size:
@@ -54,14 +53,17 @@ def table(row: dict) -> str:
 
 
 def run(args) -> int:
+    refuse_torchrun("bench", "launches its own local ranks")
     size = check(args)
-    print(f"bench: {args.preset}, batch {args.batch} × seq {args.seq}, tp={TP} on {TP} local "
-          f"ranks, {args.rounds} rounds × {len(METHODS)} methods × ({args.warmup} + "
-          f"{args.steps}) steps ...", file=sys.stderr, flush=True)
-    per_rank = launch(rank_main, TP, [size], args.rounds, args.steps, args.warmup, timeout=3600)
+    timeout = launch_timeout(args)
+    status(f"bench: {args.preset}, batch {args.batch} × seq {args.seq}, tp={TP} on {TP} local "
+           f"ranks, {args.rounds} rounds × {len(METHODS)} methods × ({args.warmup} + "
+           f"{args.steps}) steps ...")
+    per_rank = launch(rank_main, TP, [size], args.rounds, args.steps, args.warmup,
+                      timeout=timeout)
     row = summarise(per_rank)[0]
     if args.json:
-        print(json.dumps({"row": row, "methods": METHODS}, indent=1))
+        print_json({"row": row, "methods": METHODS})
         return 0
     print(table(row))
     return 0

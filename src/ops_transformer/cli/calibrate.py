@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 from ..profiler.calibrate import calibrate
 from ..planner.profile import default_profile_path, save_profile
 from ..utils.progress import format_table
+from ._common import (add_launch_timeout, check_out_file, launch_timeout, print_json,
+                      refuse_torchrun)
 
 HELP = ("measure matmul FLOP/s, collective latency and bandwidth, and the point-to-point "
         "threshold of this machine into a hardware profile (JSON)")
@@ -19,6 +19,7 @@ def add_parser(p) -> None:
     p.add_argument("--quick", action="store_true", help="few sizes and runs: seconds, rough")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_launch_timeout(p, default=900.0)  # each of its local jobs
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...]:
@@ -66,12 +67,15 @@ def summary(profile: dict) -> str:
 
 
 def run(args) -> int:
+    refuse_torchrun("calibrate", "launches its own local ranks")
     sizes = parse_world_sizes(args.world_sizes) if args.world_sizes else \
         ((2,) if args.quick else (2, 4))
-    profile = calibrate(sizes, quick=args.quick, progress=not args.no_progress)
-    path = save_profile(profile, args.out)
+    out = check_out_file(args.out or default_profile_path())
+    profile = calibrate(sizes, quick=args.quick, progress=not args.no_progress,
+                        timeout=launch_timeout(args))
+    path = save_profile(profile, out)
     if args.json:
-        print(json.dumps(profile, indent=2))
+        print_json(profile)
         return 0
     print(summary(profile))
     print(f"\nwrote {path}")

@@ -9,12 +9,13 @@ step against the theoretical minimum, tokens/s and a generated sample. Writes
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
 from ..parallel import launch
 from ..train import TrainConfig, train_worker, validate, write_outputs
+from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
+                      refuse_torchrun, status)
 from .train import summary
 
 HELP = "train the tiny GPT at tp=2 on 2 local ranks and check it against tp=1"
@@ -26,6 +27,7 @@ def add_parser(p) -> None:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
     p.add_argument("--out", help="output directory (default runs/demo-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    add_launch_timeout(p)
 
 
 def _comm_lines(measured: dict, expected: dict) -> list[str]:
@@ -40,24 +42,27 @@ def _comm_lines(measured: dict, expected: dict) -> list[str]:
 
 
 def run(args) -> int:
+    refuse_torchrun("demo", "launches its own local ranks (and a tp=1 reference)")
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = TrainConfig(preset="tiny", tp=args.tp, steps=args.steps, batch=16, seq=64, lr=3e-3)
     validate(cfg, args.tp)
+    timeout = launch_timeout(args)
+    check_out_dir(out)
     check = dataclasses.replace(cfg, tp=1, steps=min(CHECK_STEPS, cfg.steps), sample_tokens=0,
                                 progress=False)
-    print(f"demo: GPT preset 'tiny' on {args.tp} local ranks (tp={args.tp}), {cfg.steps} steps of "
-          f"{cfg.batch}×{cfg.seq} bytes of the Python standard library", flush=True)
-    metrics = launch(train_worker, args.tp, cfg)[0]
-    print(f"demo: re-running the first {check.steps} steps at tp=1 on one process ...", flush=True)
-    reference = launch(train_worker, 1, check)[0]
+    status(f"demo: GPT preset 'tiny' on {args.tp} local ranks (tp={args.tp}), {cfg.steps} steps "
+           f"of {cfg.batch}×{cfg.seq} bytes of the Python standard library")
+    metrics = launch(train_worker, args.tp, cfg, timeout=timeout)[0]
+    status(f"demo: re-running the first {check.steps} steps at tp=1 on one process ...")
+    reference = launch(train_worker, 1, check, timeout=timeout)[0]
     pairs = list(zip(metrics["losses"], reference["losses"]))
     metrics["max_rel_loss_diff_vs_tp1"] = max(abs(a - b) / abs(b) for a, b in pairs)
     expected = metrics["expected_tp_comm_per_step"]
     metrics["expected_allreduce_per_step"] = expected.get("all_reduce", {}).get("calls", 0)
     write_outputs(out, metrics)
     if args.json:
-        print(json.dumps(metrics, indent=2))
-        return 0
+        print_json(metrics)
+        return 0 if metrics["max_rel_loss_diff_vs_tp1"] <= 1e-5 else 1
     print(summary(metrics))
     print(f"\nexactness: the first {len(pairs)} losses at tp={args.tp} differ from tp=1 by at most "
           f"{metrics['max_rel_loss_diff_vs_tp1']:.2e} (relative)")

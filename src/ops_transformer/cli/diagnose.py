@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 from ..profiler.diagnose import SEVERITIES
 from ..profiler.run import dense_diagnostics, diagnose_worker
 from ..utils.progress import format_table
 from . import train as train_cli
+from ._common import launch_timeout, print_json
 
 HELP = ("diagnose a training configuration (options as train): sizes vs tp and Tensor-Core "
         "tiles, host syncs, redundant or small collectives, exposed communication, imbalance")
@@ -33,12 +32,13 @@ def run(args) -> int:
     cfg = train_cli.config_from_args(args, "diagnose")
     found = dense_diagnostics(cfg, cfg.tp)
     if not args.static and not any(d["severity"] == "error" for d in found):
-        found = train_cli.run_training(cfg, train_cli.launch_size(args, cfg), diagnose_worker)
+        found = train_cli.run_training(cfg, train_cli.launch_size(args, cfg),
+                                       launch_timeout(args), diagnose_worker)
         if found is None:  # not rank 0 of a torchrun job
             return 0
     counts = {s: sum(d["severity"] == s for d in found) for s in SEVERITIES}
     if args.json:
-        print(json.dumps({"diagnostics": found, "counts": counts}, indent=1))
+        print_json({"diagnostics": found, "counts": counts})
     elif not found:
         print("no findings")
     else:

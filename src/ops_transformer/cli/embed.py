@@ -6,11 +6,10 @@ all-MiniLM-L6-v2); prints the pairwise cosine similarities.
 
 from __future__ import annotations
 
-import json
-
 import torch
 import torch.nn.functional as F
 
+from ._common import add_launch_timeout, launch_timeout, print_json
 from ._hf import check_model_dir, load_parallel, load_tokenizer, run_on_ranks
 
 HELP = "sentence embeddings from a local Hugging Face encoder split over tp ranks"
@@ -22,6 +21,7 @@ def add_parser(p) -> None:
     p.add_argument("--nproc", type=int, help="local ranks to launch (default: --tp)")
     p.add_argument("--text", action="append", required=True, help="a sentence (repeat the flag)")
     p.add_argument("--json", action="store_true")
+    add_launch_timeout(p)
 
 
 def mean_pooled(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -31,23 +31,29 @@ def mean_pooled(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _worker(root, tp, texts):
     ctx, model = load_parallel(root, "AutoModel", tp)
-    encoded = load_tokenizer(root)(texts, padding=True, return_tensors="pt")
-    batch = {k: torch.as_tensor(v) for k, v in encoded.items()
-             if k in ("input_ids", "attention_mask", "token_type_ids")}
-    with torch.no_grad():
-        hidden = model(**batch).last_hidden_state
+    with ctx:
+        encoded = load_tokenizer(root)(texts, padding=True, return_tensors="pt")
+        batch = {k: torch.as_tensor(v) for k, v in encoded.items()
+                 if k in ("input_ids", "attention_mask", "token_type_ids")}
+        with torch.no_grad():
+            hidden = model(**batch).last_hidden_state
+    if ctx.rank != 0:
+        return None
     emb = mean_pooled(hidden, batch["attention_mask"])
     return {"tp": ctx.tp_size, "texts": texts, "dim": emb.shape[-1],
             "similarity": (emb @ emb.T).tolist(), "embeddings": emb.tolist()}
 
 
 def run(args) -> int:
-    root = check_model_dir(args.model)
-    result = run_on_ranks(_worker, args.tp, args.nproc, root, args.tp, args.text)
-    if result is None:
+    if any(not t for t in args.text):
+        raise ValueError("--text is empty: give a sentence to embed")
+    root, _ = check_model_dir(args.model, "embed")
+    result = run_on_ranks(_worker, args.tp, args.nproc, root, args.tp, args.text,
+                          timeout=launch_timeout(args))
+    if result is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:
-        print(json.dumps(result))
+        print_json(result)
         return 0
     texts = result["texts"]
     print(f"{len(texts)} embeddings of dimension {result['dim']} at tp={result['tp']}; "

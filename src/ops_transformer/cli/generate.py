@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import torch
 
-from ._hf import check_model_dir, load_parallel, load_tokenizer, run_on_ranks
+from ._common import add_launch_timeout, launch_timeout, print_json
+from ._hf import check_causal_lm, check_model_dir, load_parallel, load_tokenizer, run_on_ranks
 
 HELP = "generate text with a local Hugging Face causal LM split over tp ranks"
 
@@ -21,10 +20,17 @@ def add_parser(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    add_launch_timeout(p)
 
 
 def _worker(root, tp, prompt, max_new_tokens, temperature, seed):
     ctx, model = load_parallel(root, "AutoModelForCausalLM", tp)
+    with ctx:
+        result = _generate(model, root, prompt, max_new_tokens, temperature, seed)
+    return dict(result, tp=ctx.tp_size) if ctx.rank == 0 else None
+
+
+def _generate(model, root, prompt, max_new_tokens, temperature, seed) -> dict:
     tokenizer = load_tokenizer(root)
     inputs = tokenizer([prompt], return_tensors="pt")
     ids = torch.as_tensor(inputs["input_ids"])
@@ -38,20 +44,25 @@ def _worker(root, tp, prompt, max_new_tokens, temperature, seed):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          pad_token_id=model.config.eos_token_id or 0, **sampling)
     new = out[0, ids.shape[1]:].tolist()
-    return {"prompt": prompt, "tp": ctx.tp_size, "new_token_ids": new,
-            "text": tokenizer.decode(new)}
+    return {"prompt": prompt, "new_token_ids": new, "text": tokenizer.decode(new)}
 
 
 def run(args) -> int:
-    root = check_model_dir(args.model)
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give the text to continue")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature must be 0 (greedy) or positive, got {args.temperature}")
+    root, config = check_model_dir(args.model, "generate")
+    check_causal_lm(root, config)
     result = run_on_ranks(_worker, args.tp, args.nproc, root, args.tp, args.prompt,
-                          args.max_new_tokens, args.temperature, args.seed)
-    if result is None:
+                          args.max_new_tokens, args.temperature, args.seed,
+                          timeout=launch_timeout(args))
+    if result is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:
-        print(json.dumps(result, indent=2))
+        print_json(result)
     else:
         print(f"{args.prompt}{result['text']}")
     return 0

@@ -1,7 +1,8 @@
 """``ops-transformer <command>``: argument parsing and uniform error handling.
 
 A user error (``ValueError``, also when raised on a rank) prints one clear line and exits with code
-2; nothing else is caught.
+2; ``--debug`` shows its traceback instead. Nothing else is caught. Under ``torchrun`` only rank 0
+writes to stdout, so a result (and a ``--json`` document) appears once.
 """
 
 from __future__ import annotations
@@ -9,30 +10,45 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import __version__
 from . import calibrate, demo, embed, generate, plan, train
 from . import bench, diagnose, profile, sweep
+from ._common import error_line, quiet_unless_lead
 
 COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,
             "calibrate": calibrate, "profile": profile, "diagnose": diagnose, "sweep": sweep,
             "bench": bench}
+DEBUG_HELP = "show the traceback of an error instead of one line"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import torch
+
     parser = argparse.ArgumentParser(
         prog="ops-transformer",
         description="Exact, low-overhead tensor parallelism for Transformers on PyTorch.")
+    parser.add_argument("--version", action="version",
+                        version=f"ops-transformer {__version__} (torch {torch.__version__})")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
-        module.add_parser(sub.add_parser(name, help=module.HELP, description=module.HELP))
+        command = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_parser(command)
+        # also after the command; SUPPRESS keeps the value given before it
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help=DEBUG_HELP)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command].run(args) or 0
+        with quiet_unless_lead():
+            return COMMANDS[args.command].run(args) or 0
     except ValueError as exc:
-        print(f"ops-transformer {args.command}: error: {exc}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(error_line(args.command, exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

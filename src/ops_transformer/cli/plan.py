@@ -14,6 +14,7 @@ from ..planner.search import Options, evaluate_layout, execution, layout_problem
 from ..planner.specs import ClusterSpec, ModelSpec
 from ..planner.strategies import ATTENTION_STRATEGIES
 from ..utils.progress import format_table
+from ._common import check_out_file
 
 HELP = "predict step time and memory of every dp × tp × ep layout and pick the best"
 LAYOUT_FLAGS = ("tp", "dp", "ep", "zero", "recompute", "sequence_parallel", "micro_batch",
@@ -198,6 +199,8 @@ def run(args) -> int:
         return print_report(refit=args.fit, by_stack=args.stack is not None, json_output=args.json)
     _positive(args, "top", "gpus", "gpus_per_node", "nics_per_node", "seq", "batch", "tp", "dp",
               "ep", "micro_batch")
+    if args.out:
+        check_out_file(args.out)
     model = _model(args)
     forced = _forced(args)
     layout, gpus = _layout(args, model) if forced else (None, args.gpus or 8)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 from ..profiler.report import summary_text
 from ..profiler.run import profile_worker
 from . import train as train_cli
+from ._common import launch_timeout, print_json
 
 HELP = ("profile a few training steps (options as train): compute vs communication per rank, "
         "collectives, top operators, critical path; Chrome traces, profile.json and pictures")
@@ -23,12 +22,12 @@ def run(args) -> int:
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     cfg = train_cli.config_from_args(args, "profile")
-    summary = train_cli.run_training(cfg, train_cli.launch_size(args, cfg), profile_worker,
-                                     args.steps, args.warmup)
+    summary = train_cli.run_training(cfg, train_cli.launch_size(args, cfg), launch_timeout(args),
+                                     profile_worker, (args.steps, args.warmup))
     if summary is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:
-        print(json.dumps(summary, indent=1))
+        print_json(summary)
         return 0
     print(summary_text(summary))
     print("\nwrote " + ", ".join(summary["files"].values()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import fields
@@ -12,6 +13,8 @@ from ..profiler.sweep import AXES, parse_values, run_sweep, split_axes
 from ..train import TrainConfig
 from ..utils.plot import write_bar_pairs_png
 from ..utils.progress import Progress, format_table
+from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
+                      refuse_torchrun)
 
 HELP = ("run several training configurations (comma-separated values per option, every "
         "combination) and compare step time, tokens/s, activation memory, communication and the "
@@ -31,6 +34,7 @@ def add_parser(p) -> None:
                    "runs/sweep-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_launch_timeout(p)
 
 
 def _axes(args) -> dict[str, list]:
@@ -78,6 +82,8 @@ def chart(result: dict, path: Path) -> Path:
 
 
 def run(args) -> int:
+    refuse_torchrun("sweep", "launches its own local ranks for each configuration")
+    timeout = launch_timeout(args)
     for name, least in (("steps", 1), ("warmup", 0)):
         if getattr(args, name) < least:
             raise ValueError(f"--{name} must be at least {least}, got {getattr(args, name)}")
@@ -87,23 +93,21 @@ def run(args) -> int:
     base = TrainConfig(steps=args.steps, lr=args.lr, data=args.data, out=None, progress=False,
                        sample_tokens=0, **fixed)
     nproc = args.nproc or max([base.tp] + axes.get("tp", []))
-    out = Path(args.out or f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} exists and is not a directory")
+    out = check_out_dir(args.out or f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     count = 1
     for values in split_axes(axes)[0].values():
         count *= len(values)
     bar = Progress(count, desc="sweep", enabled=not args.no_progress)
-    result = run_sweep(base, axes, nproc, args.warmup, launch=launch,
+    result = run_sweep(base, axes, nproc, args.warmup,
+                       launch=functools.partial(launch, timeout=timeout),
                        progress=lambda row: bar.update(config=row["config"]))
     bar.close()
     result["fixed"] = fixed
-    out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(result, indent=1) + "\n")
     if any(r["status"] == "ok" for r in result["rows"]):
         chart(result, out / "sweep.png")
     if args.json:
-        print(json.dumps(result, indent=1))
+        print_json(result)
         return 0
     print(table(result))
     for name, values in result["unavailable"].items():

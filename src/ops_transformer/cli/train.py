@@ -4,16 +4,21 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 import warnings
 from pathlib import Path
 
+import torch
+
 from ..models.gpt import PRESETS
 from ..parallel import launch
+from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
+from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
 from ..train import TrainConfig, train_worker, validate
 from ..utils.progress import format_table
+from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
+                      under_torchrun, world_size)
 
 HELP = "train the reference GPT with tensor (and data) parallelism"
 ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
@@ -22,9 +27,9 @@ ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
 def add_parser(p) -> None:
     p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
                    "run under torchrun (or as one process)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (tp·ep))")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree for MoE presets "
+    p.add_argument("--ep", type=int, help="expert-parallel degree for MoE presets "
                    "(moe-tiny, moe-small): n_experts/ep experts per rank (default 1)")
     p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--data", help="a text file or a directory (default: the Python standard "
@@ -34,7 +39,7 @@ def add_parser(p) -> None:
     p.add_argument("--seq", type=int, default=64, help="sequence length in bytes")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention", default="auto", choices=ATTENTION)
+    p.add_argument("--attention", choices=ATTENTION, help="attention strategy (default auto)")
     p.add_argument("--plan", help="a plan from 'ops-transformer plan --out FILE' (its best "
                    "layout) or a candidate from it: sets --tp, --dp and --attention")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
@@ -45,6 +50,7 @@ def add_parser(p) -> None:
                    "(fp16 with a dynamic loss scaler); default fp32")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
+    add_launch_timeout(p)
     p.add_argument("--tensorboard", metavar="DIR", help="log loss, tokens/s, communication (and "
                    "the loss scale, with one) as TensorBoard scalars in DIR")
 
@@ -72,10 +78,18 @@ def layout_from_plan(path: str) -> dict:
 
 def config_from_args(args, out_prefix: str) -> TrainConfig:
     out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    layout = {"tp": args.tp, "dp": args.dp, "ep": getattr(args, "ep", 1),
-              "attention": args.attention}
+    given = {"tp": args.tp, "dp": args.dp, "ep": getattr(args, "ep", None),
+             "attention": args.attention}
+    layout = {"tp": 1 if args.tp is None else args.tp, "dp": args.dp,
+              "ep": 1 if given["ep"] is None else given["ep"],
+              "attention": args.attention or "auto"}
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
+        conflicts = [f"--{k} {v} (the plan has {layout[k]})" for k, v in given.items()
+                     if v is not None and v != layout[k]]
+        if conflicts:
+            raise ValueError(f"--plan {args.plan!r} sets --tp, --dp, --ep and --attention, but "
+                             f"also {', '.join(conflicts)}: drop the flag or the plan")
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
                        progress=not args.no_progress, **layout,
@@ -83,23 +97,34 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        tensorboard=getattr(args, "tensorboard", None))
 
 
-def run_training(cfg: TrainConfig, nproc: int | None, worker=train_worker, *args) -> dict | None:
-    """Validate, then run ``worker(cfg, *args)`` (training by default) on ``nproc`` local ranks or
-    on the ranks of this torchrun job."""
+def run_training(cfg: TrainConfig, nproc: int | None,
+                 timeout: float = DEFAULT_LAUNCH_TIMEOUT, worker=train_worker,
+                 args: tuple = ()) -> dict | None:
+    """Validate (the output directory included), then run ``worker(cfg, *args)`` (training by
+    default) on ``nproc`` local ranks, on the ranks of this torchrun job, or in this one process
+    (with the launcher's thread policy)."""
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    validate(cfg, world_size() if nproc is None else nproc)
+    if cfg.out:
+        check_out_dir(cfg.out)
     if nproc is not None:
-        if nproc < 1:
-            raise ValueError(f"--nproc must be at least 1, got {nproc}")
-        validate(cfg, nproc)
-        return launch(worker, nproc, cfg, *args)[0]
-    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    return worker(cfg, *args)
+        return launch(worker, nproc, cfg, *args, timeout=timeout)[0]
+    if under_torchrun():
+        return worker(cfg, *args)
+    threads = torch.get_num_threads()
+    set_rank_threads()
+    try:
+        return worker(cfg, *args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def launch_size(args, cfg: TrainConfig) -> int | None:
     """``--nproc``; without it and outside torchrun, the ranks of a fixed layout (a plan, or
     degrees above 1), launched locally."""
     size = cfg.tp * cfg.ep * (cfg.dp or 1)
-    if args.nproc is None and "WORLD_SIZE" not in os.environ and (args.plan or size > 1):
+    if args.nproc is None and not under_torchrun() and (args.plan or size > 1):
         return size
     return args.nproc
 
@@ -135,11 +160,11 @@ def _precision_line(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
-    metrics = run_training(cfg, launch_size(args, cfg))
+    metrics = run_training(cfg, launch_size(args, cfg), launch_timeout(args))
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:
-        print(json.dumps(metrics, indent=2))
+        print_json(metrics)
         return 0
     print(summary(metrics))
     print(f"\nsample: {metrics['sample']!r}")

@@ -8,12 +8,17 @@ package keeps a process group in a global.
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ..comm import collectives as C
+from .teardown import DEFAULT_TEARDOWN_TIMEOUT_S, destroy_process_groups
 
 MESH_AXES = ("dp", "ep", "tp")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -43,6 +48,7 @@ class ParallelContext:
     dp_ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
     device: torch.device = torch.device("cpu")
     backend: str | None = None
+    owned_group: dist.ProcessGroup | None = field(default=None, repr=False)  # made by init_parallel
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelContext:
@@ -102,6 +108,22 @@ class ParallelContext:
                 f"ep {self.ep_rank}/{self.ep_size}, tp {self.tp_rank}/{self.tp_size}) "
                 f"on {self.device}")
 
+    def close(self, timeout: float = DEFAULT_TEARDOWN_TIMEOUT_S) -> None:
+        """Destroy the process groups this context created (``init_parallel`` started the default
+        group: it and every group made from it). Idempotent; a group the context found already
+        initialised is left to whoever created it. Never hangs: a backend that does not finish
+        within ``timeout`` seconds (a peer is gone) is abandoned with a warning. Also runs at
+        interpreter exit, so a script may simply return."""
+        atexit.unregister(self.close)
+        if self.owned_group is not None:
+            destroy_process_groups(self.owned_group, timeout)
+
+    def __enter__(self) -> ParallelContext:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
 
 def check_degrees(world_size: int, tp: int, dp: int | None, ep: int) -> tuple[int, int, int]:
     """Validate the parallel degrees against the world size; returns ``(dp, ep, tp)``."""
@@ -140,7 +162,8 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
     """
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
-    if dist.is_available() and dist.is_initialized():
+    created = not (dist.is_available() and dist.is_initialized())
+    if not created:
         world_size = dist.get_world_size()
         backend = dist.get_backend()
     else:
@@ -168,9 +191,21 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dp, ep, tp), mesh_dim_names=MESH_AXES)
-    return ParallelContext.from_mesh(mesh, device, backend)
+    ctx = ParallelContext.from_mesh(mesh, device, backend)  # may create more (flattened) groups
+    # No rank returns before every rank has connected its groups through the rendezvous store,
+    # which rank 0 may host: a rank 0 that finished and exited would break the others' set-up.
+    C.barrier(dist.group.WORLD)
+    return _own_default_group(ctx) if created else ctx
 
 
 def _local_rank(rank: int) -> int:
     local = _env_int("LOCAL_RANK")
     return local if local is not None else rank % max(torch.cuda.device_count(), 1)
+
+
+def _own_default_group(ctx: ParallelContext) -> ParallelContext:
+    """``ctx`` as the owner of the default group ``init_parallel`` just started: ``close()``
+    destroys it, and so does an ``atexit`` hook if the script never calls ``close()``."""
+    ctx = dataclasses.replace(ctx, owned_group=dist.group.WORLD)
+    atexit.register(ctx.close)
+    return ctx

@@ -6,37 +6,45 @@ already set, so the same ``fn`` runs unchanged under ``torchrun``. Each rank run
 thread. Processes are forked when that is safe (Linux, CUDA not initialised in the parent: ~0.1 s a
 start) and spawned otherwise (every child then imports torch, 3–10 s).
 
-The first rank to fail ends the job: its exception is re-raised in the caller, still an instance of
-its original type and also of :class:`RankError`, with the rank in the message and the remote
-traceback attached as ``__cause__``. A job that runs past ``timeout`` seconds is ended with the
-Python stacks of the ranks still running. No child process survives ``launch``.
+Called inside a job that already has its ranks (a ``torchrun`` worker, or a process with an
+initialised default process group), ``launch`` starts nothing: it runs ``fn`` on the current rank
+and returns a list of ``nprocs`` entries holding this rank's result at its index (``None`` at the
+others); ``nprocs`` must then equal the job's world size.
+
+A rank that dies (a signal, or an exit without a result) is the cause of the failure, ahead of the
+errors its peers then get; otherwise the first rank to fail is. Its exception is re-raised in the
+caller, still an instance of its original type and also of :class:`RankError`, with the rank in the
+message and the remote traceback attached as ``__cause__`` (an exception that cannot be rebuilt in
+the caller arrives as a plain :class:`RankError` with its type name and message). A job that runs
+past ``timeout`` seconds is ended with the Python stacks of the ranks still running.
+
+No rank outlives ``launch``, nor the launcher process: ranks are killed when it dies (any signal,
+SIGKILL included), and SIGTERM or SIGHUP to the launcher first reaps them, then ends it as the
+signal would have. Nothing is written to disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import socket
 import sys
-import tempfile
+import threading
 import time
-import traceback
 from multiprocessing.connection import wait
 
 import torch
 
+from .rank_process import RankError, rank_main
+
+__all__ = ["launch", "RankError", "DEFAULT_LAUNCH_TIMEOUT"]
+
 DEFAULT_LAUNCH_TIMEOUT = 600.0
 _GRACE_S = 1.0  # after a failure, how long other ranks get to report their own errors
-
-
-class RankError(RuntimeError):
-    """A rank of a :func:`launch` job failed. ``rank`` names it; ``remote_traceback`` is its
-    traceback as text."""
-
-    rank: int = -1
-    remote_traceback: str = ""
+_POLL_S = 0.5  # how often pending ranks are checked for an exit their pipes do not show
 
 
 class RemoteTraceback(Exception):
@@ -56,47 +64,10 @@ def _fork_is_safe() -> bool:
     return (sys.platform.startswith("linux") and not torch.cuda.is_initialized())
 
 
-def _child(rank, nprocs, port, conn, stack_file, fn, args, kwargs):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # before any compute: a fork after a threaded matmul can hang
-    if hasattr(signal, "SIGUSR1"):
-        import faulthandler
-
-        faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=False)
-    try:
-        payload = ("ok", fn(*args, **kwargs))
-    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        failed_at, tb = time.time(), traceback.format_exc()
-        try:
-            pickle.dumps(exc)
-        except Exception:  # unpicklable exception: send its text
-            exc = RuntimeError(f"{type(exc).__name__}: {exc}")
-        payload = ("error", (exc, tb, failed_at))
-    try:
-        data = pickle.dumps(payload)
-    except Exception as exc:
-        error = TypeError(f"the return value of rank {rank} cannot be pickled: {exc}")
-        data = pickle.dumps(("error", (error, "", time.time())))
-    conn.send_bytes(data)  # before tearing down: peers then fail after the parent knows why
-    conn.close()
-    _destroy_process_group()
-
-
-def _destroy_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-
-
 def _as_rank_error(exc: BaseException, rank: int, nprocs: int, tb: str) -> BaseException:
     """The rank's exception, re-typed to also be a RankError, with the rank in its message."""
     message = f"[rank {rank}/{nprocs}] {exc}"
+    type_name = getattr(exc, "type_name", "") or type(exc).__name__
     if isinstance(exc, RankError) or type(exc) is RuntimeError:
         err = RankError(message)
     else:
@@ -107,9 +78,33 @@ def _as_rank_error(exc: BaseException, rank: int, nprocs: int, tb: str) -> BaseE
         except Exception:
             err = RankError(f"[rank {rank}/{nprocs}] {type(exc).__name__}: {exc}")
     err.rank = rank
+    err.type_name = type_name
     err.remote_traceback = tb
     err.__cause__ = RemoteTraceback(tb) if tb else None
     return err
+
+
+def _current_job() -> tuple[int, int] | None:
+    """``(rank, world_size)`` when this process is already a rank of a job, else ``None``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    return (int(rank), int(world)) if rank and world else None
+
+
+def _run_in_place(fn, nprocs: int, job: tuple[int, int], args, kwargs) -> list:
+    rank, world = job
+    if nprocs != world:
+        raise ValueError(
+            f"launch(fn, {nprocs}) was called inside a job that already has {world} ranks "
+            f"(torchrun, or an initialised process group): there it runs fn on the current rank, "
+            f"so nprocs must equal the world size; start torchrun with --nproc-per-node {nprocs}, "
+            f"or run the script with plain `python` to launch {nprocs} local ranks")
+    results = [None] * nprocs
+    results[rank] = fn(*args, **kwargs)
+    return results
 
 
 def launch(fn, nprocs: int, *args, timeout: float = DEFAULT_LAUNCH_TIMEOUT,
@@ -119,38 +114,88 @@ def launch(fn, nprocs: int, *args, timeout: float = DEFAULT_LAUNCH_TIMEOUT,
     ``timeout`` (seconds) bounds the whole job; ``start_method`` forces ``"fork"`` or ``"spawn"``
     (default: fork when safe). Both are consumed by ``launch`` itself; pass ``fn`` a
     ``functools.partial`` if it needs arguments with those names. With ``spawn``, ``fn``, its
-    arguments and its results must be picklable.
+    arguments and its results must be picklable. Inside a running job (``torchrun``) ``fn`` runs on
+    the current rank instead (see the module docstring); ``timeout`` then does not apply.
     """
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    job = _current_job()
+    if job is not None:
+        return _run_in_place(fn, nprocs, job, args, kwargs)
     method = start_method or ("fork" if _fork_is_safe() else "spawn")
     if method not in ("fork", "spawn", "forkserver"):
         raise ValueError(f"start_method must be 'fork', 'spawn' or 'forkserver', got {method!r}")
     mp_ctx = mp.get_context(method)
     port = _free_port()
-    stack_dir = tempfile.mkdtemp(prefix="ops-transformer-launch-")
-    procs, conns = [], []
+    parent_pid = None if method == "forkserver" else os.getpid()
+    procs, conns, stacks = [], [], []
+    with _stop_on_signals():
+        try:
+            for rank in range(nprocs):
+                reader, writer = mp_ctx.Pipe(duplex=False)
+                stack_reader, stack_writer = mp_ctx.Pipe(duplex=False)
+                p = mp_ctx.Process(target=rank_main, name=f"ops-transformer-rank{rank}",
+                                   daemon=True, args=(rank, nprocs, port, parent_pid, writer,
+                                                      stack_writer, fn, args, kwargs))
+                p.start()
+                writer.close()
+                stack_writer.close()
+                procs.append(p)
+                conns.append(reader)
+                stacks.append(stack_reader)
+            return _collect(procs, conns, stacks, nprocs, timeout)
+        finally:
+            _reap(procs)
+            for c in conns + stacks:
+                c.close()
+
+
+class _Stopped(BaseException):
+    """Raised in the launcher by SIGTERM or SIGHUP, so that ``launch`` reaps its ranks."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """While the ranks run, SIGTERM and SIGHUP raise :class:`_Stopped` in the launcher; once the
+    ranks are reaped, the signal is delivered again under the handler that was there before (by
+    default: the process ends). An ignored signal (``nohup``) stays ignored. Only the main thread
+    can install handlers; elsewhere the ranks still die with the process (PR_SET_PDEATHSIG)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopped: list[int] = []
+
+    def handler(signum, frame):
+        if not stopped:  # a second signal during the clean-up does not interrupt it
+            stopped.append(signum)
+            raise _Stopped(signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) not in (signal.SIG_IGN, None):
+            previous[sig] = signal.signal(sig, handler)
     try:
-        for rank in range(nprocs):
-            reader, writer = mp_ctx.Pipe(duplex=False)
-            stack_file = os.path.join(stack_dir, f"rank{rank}.txt")
-            p = mp_ctx.Process(target=_child, name=f"ops-transformer-rank{rank}", daemon=True,
-                               args=(rank, nprocs, port, writer, stack_file, fn, args, kwargs))
-            p.start()
-            writer.close()
-            procs.append(p)
-            conns.append(reader)
-        return _collect(procs, conns, nprocs, timeout, stack_dir)
+        yield
+    except _Stopped as stop:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        previous.clear()
+        os.kill(os.getpid(), stop.signum)  # the previous handler decides (default: exit)
+        raise RankError(f"launch was stopped by {signal.Signals(stop.signum).name}") from None
     finally:
-        _reap(procs)
-        for c in conns:
-            c.close()
-        _rmtree(stack_dir)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
-def _collect(procs, conns, nprocs, timeout, stack_dir) -> list:
+def _collect(procs, conns, stacks, nprocs, timeout) -> list:
     results: dict[int, object] = {}
-    errors: list[tuple[int, BaseException, str, float]] = []  # (rank, exception, traceback, time)
+    errors: list[tuple[int, BaseException, str, float, bool]] = []  # (..., time, died)
     pending = {conns[r]: r for r in range(nprocs)}
     sentinels = {procs[r].sentinel: r for r in range(nprocs)}
     deadline = time.monotonic() + timeout
@@ -160,66 +205,86 @@ def _collect(procs, conns, nprocs, timeout, stack_dir) -> list:
         limit = deadline if fail_deadline is None else min(deadline, fail_deadline)
         if now >= limit:
             break
-        ready = wait(list(pending) + list(sentinels), timeout=limit - now)
+        ready = wait(list(pending) + list(sentinels), timeout=min(limit - now, _POLL_S))
         for obj in ready:
             if obj in pending:
                 rank = pending.pop(obj)
                 sentinels = {s: r for s, r in sentinels.items() if r != rank}
-                try:
-                    status, value = pickle.loads(obj.recv_bytes())
-                except EOFError:  # the process ended without a word
-                    errors.append((rank, _died(procs[rank], rank), "", time.time()))
-                    continue
-                if status == "ok":
-                    results[rank] = value
-                else:
-                    errors.append((rank, *value))
+                errors += _receive(obj, procs[rank], rank, nprocs, results)
             elif obj in sentinels:
-                rank = sentinels.pop(obj)
-                conn = conns[rank]
-                if conn in pending and not conn.poll():
-                    pending.pop(conn)
-                    errors.append((rank, _died(procs[rank], rank), "", time.time()))
+                sentinels.pop(obj)
+        # A rank whose process ended with nothing to read died: its pipes may still be held open
+        # by a process it started, so its exit status is checked too, not only its sentinel.
+        for conn, rank in list(pending.items()):
+            if procs[rank].exitcode is not None and not conn.poll():
+                pending.pop(conn)
+                errors.append((rank, _died(procs[rank], rank), "", time.time(), True))
         if errors and fail_deadline is None:
             fail_deadline = time.monotonic() + _GRACE_S
     if errors:
-        errors.sort(key=lambda e: e[3])  # the first to fail is the cause; the others follow it
-        rank, exc, tb, _ = errors[0]
-        others = [e[0] for e in errors[1:]]
+        # A rank that died caused the failure: its peers' connection errors follow from it.
+        # Otherwise the first to fail is the cause and the others follow it.
+        errors.sort(key=lambda e: (not e[4], e[3]))
+        rank, exc, tb, _, _ = errors[0]
         err = _as_rank_error(exc, rank, nprocs, tb)
-        if others:
-            err.add_note(f"ranks {others} failed after it") if hasattr(err, "add_note") else None
+        others = [e[0] for e in errors[1:]]
+        if others and hasattr(err, "add_note"):
+            err.add_note(f"ranks {others} failed after it")
         raise err
     if pending:
         hung = sorted(pending.values())
-        stacks = _dump_stacks(procs, hung, stack_dir)
+        text = _dump_stacks(procs, stacks, hung)
         raise RankError(f"launch timed out after {timeout:.0f} s: ranks {hung} of {nprocs} did not "
                         f"finish (deadlock, a missing collective on some rank, or too little "
-                        f"time).{stacks}")
+                        f"time).{text}")
     return [results[r] for r in range(nprocs)]
 
 
-def _died(proc, rank: int) -> RuntimeError:
+def _receive(conn, proc, rank: int, nprocs: int, results: dict) -> list:
+    """Read rank ``rank``'s message: stores a result, or returns its error entry."""
+    try:
+        data = conn.recv_bytes()
+    except (EOFError, OSError):  # the process ended without a word
+        return [(rank, _died(proc, rank), "", time.time(), True)]
+    try:
+        status, value = pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001 - a result the caller cannot rebuild
+        return [(rank, RankError(f"the message of rank {rank} cannot be unpickled in the "
+                                 f"launcher: {type(exc).__name__}: {exc}"), "", time.time(), False)]
+    if status == "ok":
+        results[rank] = value
+        return []
+    return [(rank, *value, False)]
+
+
+def _died(proc, rank: int) -> RankError:
     proc.join(1.0)
     code = proc.exitcode
-    how = f" (killed by signal {-code})" if code is not None and code < 0 else ""
-    return RuntimeError(f"rank {rank} exited with code {code}{how} without reporting a result")
+    how = ""
+    if code is not None and code < 0:
+        try:
+            how = f" (killed by signal {-code}, {signal.Signals(-code).name})"
+        except ValueError:
+            how = f" (killed by signal {-code})"
+    return RankError(f"rank {rank} exited with code {code}{how} without reporting a result")
 
 
-def _dump_stacks(procs, ranks, stack_dir) -> str:
+def _dump_stacks(procs, stacks, ranks) -> str:
     if not hasattr(signal, "SIGUSR1"):
         return ""
     for r in ranks:
         if procs[r].is_alive():
             os.kill(procs[r].pid, signal.SIGUSR1)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 1.0
     parts = []
     for r in ranks:
-        try:
-            with open(os.path.join(stack_dir, f"rank{r}.txt")) as f:
-                text = f.read().strip()
-        except OSError:
-            text = ""
+        chunks = []
+        while stacks[r].poll(max(0.0, deadline - time.monotonic()) if not chunks else 0.1):
+            chunk = os.read(stacks[r].fileno(), 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        text = b"".join(chunks).decode(errors="replace").strip()
         if text:
             parts.append(f"\n--- rank {r} stack ---\n{text}")
     return "".join(parts)
@@ -235,9 +300,3 @@ def _reap(procs) -> None:
         if p.is_alive():
             p.kill()
             p.join(1.0)
-
-
-def _rmtree(path: str) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)

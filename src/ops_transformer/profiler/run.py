@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ..train import TrainConfig, setup_training
+from ..train import TrainConfig, join, setup_training
 from .diagnose import Diagnostic, diagnose
 from .dims import dimension_checks
 from .profile import profile_step
@@ -30,7 +30,12 @@ def output_files(out: Path, ranks: int) -> dict[str, Path]:
 
 def profile_worker(cfg: TrainConfig, steps: int, warmup: int) -> dict | None:
     """Run on every rank; the summary (with the files written) on rank 0, ``None`` elsewhere."""
-    state = setup_training(cfg)
+    with join(cfg) as ctx:
+        return _profile(setup_training(cfg, ctx), steps, warmup)
+
+
+def _profile(state, steps: int, warmup: int) -> dict | None:
+    cfg = state.cfg
     batches = iter([state.batch(i) for i in range(warmup + steps)])
     prof = profile_step(lambda: state.step(*next(batches)), state.ctx, steps=steps,
                         warmup=warmup)
@@ -54,11 +59,12 @@ def profile_worker(cfg: TrainConfig, steps: int, warmup: int) -> dict | None:
 
 def diagnose_worker(cfg: TrainConfig, steps: bool = True) -> list[dict] | None:
     """Run on every rank: diagnose the training step of ``cfg``; rank 0 returns the findings."""
-    state = setup_training(cfg)
-    batches = iter([state.batch(i) for i in range(1 + PROFILED_STEPS)])
-    step_fn = (lambda: state.step(*next(batches))) if steps else None
-    found = diagnose(state.model, state.ctx, step_fn)
-    return [d.to_dict() for d in found] if state.ctx.rank == 0 else None
+    with join(cfg) as ctx:
+        state = setup_training(cfg, ctx)
+        batches = iter([state.batch(i) for i in range(1 + PROFILED_STEPS)])
+        step_fn = (lambda: state.step(*next(batches))) if steps else None
+        found = diagnose(state.model, ctx, step_fn)
+        return [d.to_dict() for d in found] if ctx.rank == 0 else None
 
 
 def dense_diagnostics(cfg: TrainConfig, tp: int) -> list[dict]:

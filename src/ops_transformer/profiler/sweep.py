@@ -20,7 +20,7 @@ import statistics
 import time
 from dataclasses import fields, replace
 
-from ..train import TrainConfig, setup_training, validate
+from ..train import TrainConfig, join, setup_training, validate
 
 # flag -> how its values parse; the TrainConfig field is the flag with "_" for "-".
 AXES = {"tp": int, "dp": int, "attention": str, "sequence-parallel": "bool", "recompute": str,
@@ -73,9 +73,14 @@ def label(cfg: TrainConfig, axes: dict[str, list]) -> str:
 
 def sweep_worker(cfg: TrainConfig, warmup: int) -> dict | None:
     """One configuration on every rank: ``warmup`` + ``cfg.steps`` training steps, timed."""
+    with join(cfg) as ctx:
+        return _timed(setup_training(cfg, ctx), warmup)
+
+
+def _timed(state, warmup: int) -> dict | None:
     import ops_transformer
 
-    state = setup_training(cfg)
+    cfg = state.cfg
     times, ledger, report = [], None, None
     for i in range(warmup + cfg.steps):
         x, y = state.batch(i)

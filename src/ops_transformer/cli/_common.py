@@ -1,0 +1,134 @@
+"""Checks and output rules shared by the commands.
+
+- **Output locations are checked before any work**: :func:`check_out_dir` / :func:`check_out_file`
+  create what is missing and prove it writable, or raise a ``ValueError`` naming the flag.
+- **A result is printed once**: only the lead process (rank 0 of a ``torchrun`` job, or the process
+  that launches local ranks) writes to stdout (:func:`quiet_unless_lead`); with ``--json`` stdout
+  holds exactly one JSON document (:func:`print_json`); status lines go to stderr (:func:`status`).
+- **A user error is one line** (:func:`error_line`), exit code 2.
+
+Only this layer (the CLI) reads the ``torchrun`` environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank of a ``torchrun`` job (``RANK`` and ``WORLD_SIZE`` set)."""
+    return bool(os.environ.get("WORLD_SIZE")) and bool(os.environ.get("RANK"))
+
+
+def world_size() -> int:
+    """The ``torchrun`` job's world size, 1 outside ``torchrun``."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
+
+
+def is_lead() -> bool:
+    """Rank 0 of a ``torchrun`` job, or a process outside ``torchrun``: the one that prints."""
+    return not under_torchrun() or os.environ["RANK"] == "0"
+
+
+def status(message: str) -> None:
+    """A progress or status line: stderr (stdout is for the result), lead process only."""
+    if is_lead():
+        print(message, file=sys.stderr, flush=True)
+
+
+def print_json(obj) -> None:
+    """The result as one JSON document on stdout."""
+    print(json.dumps(obj, indent=2), flush=True)
+
+
+@contextlib.contextmanager
+def quiet_unless_lead():
+    """Send stdout to ``os.devnull`` on every rank but the lead while the block runs."""
+    if is_lead():
+        yield
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        yield
+
+
+def refuse_torchrun(command: str, why: str) -> None:
+    """A command that starts its own local ranks cannot run as one rank of a ``torchrun`` job."""
+    if under_torchrun():
+        raise ValueError(f"{command} {why}: run it with plain `ops-transformer {command}`, not "
+                         f"under torchrun")
+
+
+def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Create the output directory ``path`` (and its parents) and check that files can be written
+    in it; on ``torchrun`` ranks other than 0 (which write nothing) only the path is returned."""
+    out = Path(path)
+    if not is_lead():
+        return out
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is an existing file; name a directory (it is "
+                         f"created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {str(path)!r} cannot be created: {_reason(exc)}") from None
+    _check_writable(out, flag, path)
+    return out
+
+
+def check_out_file(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Check that the file ``path`` can be written (creating its parent directories): not an
+    existing directory, in a writable place."""
+    out = Path(path)
+    if not is_lead():
+        return out
+    if out.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a directory; name a file, e.g. "
+                         f"{str(out / 'profile.json')!r}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {str(path)!r}: its directory cannot be created: "
+                         f"{_reason(exc)}") from None
+    _check_writable(out.parent, flag, path)
+    return out
+
+
+def _check_writable(directory: Path, flag: str, path) -> None:
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {str(path)!r} is not writable: {_reason(exc)}") from None
+
+
+def _reason(exc: OSError) -> str:
+    return f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+
+
+def add_launch_timeout(parser, default: float = DEFAULT_LAUNCH_TIMEOUT) -> None:
+    """``--launch-timeout SECONDS``: how long local ranks may run; read it with
+    :func:`launch_timeout`."""
+    parser.add_argument("--launch-timeout", type=float, default=default, metavar="SECONDS",
+                        help=f"end the local ranks, showing their stacks, after this many "
+                        f"seconds (default {default:.0f})")
+
+
+def launch_timeout(args) -> float:
+    value = args.launch_timeout
+    if not value > 0:
+        raise ValueError(f"--launch-timeout must be a positive number of seconds, got {value}")
+    return value
+
+
+def error_line(command: str, exc: BaseException) -> str:
+    """``ops-transformer CMD: error: MESSAGE`` on one line (line breaks in the message become
+    spaces)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"ops-transformer {command}: error: {text}"

@@ -98,11 +98,12 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
 
 
 def run_training(cfg: TrainConfig, nproc: int | None,
-                 timeout: float = DEFAULT_LAUNCH_TIMEOUT, worker=train_worker,
+                 timeout: float = DEFAULT_LAUNCH_TIMEOUT, worker=None,
                  args: tuple = ()) -> dict | None:
     """Validate (the output directory included), then run ``worker(cfg, *args)`` (training by
     default) on ``nproc`` local ranks, on the ranks of this torchrun job, or in this one process
     (with the launcher's thread policy)."""
+    worker = worker or train_worker
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     validate(cfg, world_size() if nproc is None else nproc)

@@ -76,8 +76,8 @@ def write_breakdown_png(summary: dict, path) -> Path:
              "other ops": [1e3 * (r["other_compute_s"] - r["host_s"]) for r in ranks],
              "host (Python)": [1e3 * r["host_s"] for r in ranks],
              "exposed comm": [1e3 * r["exposed_comm_s"] for r in ranks],
-             "overlapped comm (beside compute)": [1e3 * r["overlapped_comm_s"] for r in ranks],
-             "idle": [1e3 * r["idle_s"] for r in ranks]}
+             "idle": [1e3 * r["idle_s"] for r in ranks],
+             "overlapped comm (beside compute)": [1e3 * r["overlapped_comm_s"] for r in ranks]}
     return write_stacked_bars_png(path, [f"rank {r['rank']}" for r in ranks], parts,
                                   title="Where a step's time goes", ylabel="ms per step (mean)")
 

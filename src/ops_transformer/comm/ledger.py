@@ -94,6 +94,11 @@ class CommLedger:
     def reset(self) -> None:
         self.records.clear()
 
+    def add(self, record: CommRecord, tensor: torch.Tensor) -> None:
+        """Keep ``record``; ``tensor`` is the collective's input, before the call runs (a
+        subclass may look at it: :mod:`ops_transformer.profiler.watch` fingerprints it)."""
+        self.records.append(record)
+
     def summary(self) -> dict[str, dict[str, int]]:
         """``{kind: {"calls", "elements", "bytes"}}`` for every kind that was called."""
         out: dict[str, dict[str, int]] = {}
@@ -150,4 +155,4 @@ def record(kind: str, tensor: torch.Tensor, elements: int, group_ranks: tuple[in
                      len(group_ranks), group_ranks, label)
     with _lock:
         for ledger in _open_ledgers:
-            ledger.records.append(rec)
+            ledger.add(rec, tensor)

@@ -51,8 +51,8 @@ def host_syncs(ranks: list[dict]) -> list[dict]:
 
 
 def _paired(rank: dict) -> list[tuple[list, list]] | None:
-    """The ledger's records with the dispatcher's collectives, in call order (``None`` when the
-    two do not line up, e.g. a collective that bypassed the ledger)."""
+    """The ledger's records with what the watch noted about each, in call order (``None`` if the
+    two do not line up, which they always do: both are filled by the same ledger call)."""
     if len(rank["records"]) != len(rank["collectives"]):
         return None
     return list(zip(rank["records"], rank["collectives"]))

@@ -10,9 +10,11 @@ reduces, and what runs between collectives.
   model only reads of accelerator tensors count: the optimizer's ``.item()`` on its CPU step
   counters is no synchronisation; nor are the library's CPU-only input checks
   (``check_token_range``, skipped on a GPU);
-- a ``TorchDispatchMode`` sees each ``c10d`` collective (in call order, as the ledger records
-  them), keeps for an all-reduce a fingerprint of its input (shape, dtype and two float64 sums;
-  zero tensors have none), and counts the matrix products since the previous collective;
+- a :class:`~ops_transformer.comm.CommLedger` of its own sees each collective of the package as
+  the ledger records it (one entry per logical collective, whatever algorithm runs it: flat,
+  hierarchical or point-to-point), keeps for an all-reduce a fingerprint of its input (shape,
+  dtype and two float64 sums; zero tensors have none), with the module or node that issued it;
+- a ``TorchDispatchMode`` counts the matrix products between collectives;
 - a forward pre-hook on the model keeps the shape of its first input (batch × sequence).
 
 A synchronisation nested in another (``print`` calls ``.item()``) counts once.
@@ -27,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..comm.ledger import CommLedger
 
 SYNC_METHODS = {"item": ".item()", "tolist": ".tolist()", "cpu": ".cpu()", "numpy": ".numpy()",
                 "__bool__": "bool(tensor)", "__float__": "float(tensor)", "__int__": "int(tensor)",
@@ -56,9 +60,6 @@ def _called_from(codes: frozenset, depth: int = 6) -> bool:
             return True
         frame = frame.f_back
     return False
-NOT_COLLECTIVES = ("barrier", "monitored_barrier", "wait", "_wrap")
-
-
 @dataclass
 class Sync:
     what: str
@@ -68,7 +69,7 @@ class Sync:
 
 @dataclass
 class Collective:
-    """One collective seen by the dispatcher: its op, the fingerprint of an all-reduce's input
+    """One collective as the ledger records it: its kind, the fingerprint of an all-reduce's input
     (``None`` for a zero tensor or another kind), the module or node that issued it, and the
     matrix products since the previous collective."""
 
@@ -141,24 +142,35 @@ class _SyncMode(TorchFunctionMode):
             self.depth -= 1
 
 
-class _CollectiveMode(TorchDispatchMode):
-    def __init__(self, where: _Where, out: list[Collective], syncs: _SyncMode):
+class _GemmCount(TorchDispatchMode):
+    """Counts the matrix products since the last collective."""
+
+    def __init__(self):
         super().__init__()
-        self.where, self.out, self.gemms, self.syncs = where, out, 0, syncs
+        self.gemms = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._opname if hasattr(func, "_opname") else str(func)
-        if func.namespace == "c10d" and not name.startswith(NOT_COLLECTIVES):
-            self.syncs.depth += 1  # the fingerprint's own reads are not the step's
-            try:
-                print_ = fingerprint(args[0][0]) if name.startswith("allreduce") else None
-            finally:
-                self.syncs.depth -= 1
-            self.out.append(Collective(name, print_, self.where(), self.gemms))
-            self.gemms = 0
-        elif func.namespace == "aten" and name in GEMMS:
+        if func.namespace == "aten" and getattr(func, "_opname", "") in GEMMS:
             self.gemms += 1
         return func(*args, **(kwargs or {}))
+
+
+class _CollectiveLedger(CommLedger):
+    """A ledger that also notes, for each collective, what :class:`Collective` holds."""
+
+    def __init__(self, where: _Where, out: list[Collective], gemms: _GemmCount, syncs: _SyncMode):
+        super().__init__()
+        self.where, self.out, self.count, self.syncs = where, out, gemms, syncs
+
+    def add(self, record, tensor) -> None:
+        super().add(record, tensor)
+        self.syncs.depth += 1  # the fingerprint's own reads are not the step's
+        try:
+            print_ = fingerprint(tensor) if record.kind == "all_reduce" else None
+        finally:
+            self.syncs.depth -= 1
+        self.out.append(Collective(record.kind, print_, self.where(), self.count.gemms))
+        self.count.gemms = 0
 
 
 @contextlib.contextmanager
@@ -192,7 +204,9 @@ class StepWatch:
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(_cuda_synchronize_watched(self._where, self.result.syncs))
         syncs = _SyncMode(self._where, self.result.syncs)
-        self._stack.enter_context(_CollectiveMode(self._where, self.result.collectives, syncs))
+        gemms = self._stack.enter_context(_GemmCount())
+        self._stack.enter_context(_CollectiveLedger(self._where, self.result.collectives, gemms,
+                                                    syncs))
         self._stack.enter_context(syncs)
         return self.result
 

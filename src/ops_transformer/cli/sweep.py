@@ -62,6 +62,7 @@ def table(result: dict) -> str:
                         "activations MB": _mb(r["activation_bytes"]) if r["activation_bytes"]
                         is not None else "n/a",
                         "comm MB/step": _mb(r["comm_bytes_per_step"]),
+                        "wire MB/step": _mb(r["comm_wire_bytes_per_step"]),
                         "predicted ms": None if pred is None else round(1e3 * pred, 2),
                         "pred/meas": None if pred is None else round(pred / r["step_s"], 2)})
         else:

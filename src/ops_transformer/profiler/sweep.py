@@ -89,13 +89,15 @@ def _timed(state, warmup: int) -> dict | None:
         times.append(time.perf_counter() - start)
     measure = getattr(ops_transformer, "activation_memory", None)
     x, y = state.batch(0)
-    activation = measure(state.model, x, y)["total_bytes"] if measure else None
+    with state.policy.autocast(state.ctx.device):  # the activations the step keeps
+        activation = measure(state.model, x, y)["total_bytes"] if measure else None
     if state.ctx.rank != 0:
         return None
     step = statistics.median(times[warmup:])
     plan = state.model.parallel_plan
     return {"step_s": step, "tokens_per_s": cfg.batch * cfg.seq / step,
             "activation_bytes": activation, "comm_bytes_per_step": ledger.total_bytes,
+            "comm_wire_bytes_per_step": ledger.wire_bytes(),
             "loss": report.metrics["loss"], "attention_used": plan.attention,
             "dp_used": state.ctx.dp_size}
 

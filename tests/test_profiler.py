@@ -121,6 +121,22 @@ def test_step_split_on_synthetic_events():
     assert T.subtract([(0, 10)], [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
 
 
+def test_multi_step_algorithms_count_once_under_their_kind():
+    """A point-to-point or hierarchical all-reduce: its steps nest in its call and wait ranges and
+    move data as other kinds (send/recv), so its latency is the outermost ranges."""
+    E = T.Event
+    events = [E("ops_transformer::all_reduce", 1, 10, 12),
+              E("ops_transformer::all_reduce.p2p", 1, 10, 11), E("gloo:send", 7, 10, 20),
+              E("ops_transformer::wait:all_reduce", 1, 15, 25),
+              E("ops_transformer::all_reduce.intra.reduce_scatter", 1, 30, 34),
+              E("ops_transformer::all_reduce", 1, 29, 40)]
+    assert T.comm_kind("ops_transformer::all_reduce.inter.all_reduce") == "all_reduce"
+    got = T.kind_latencies(events, [(0, 50)], transfers=False)
+    assert got == {"all_reduce": [pytest.approx(x * 1e-6) for x in (2, 10, 11)]}
+    s = T.split_step(events, 0, 50)
+    assert s.exposed_comm == pytest.approx(23e-6)  # 10..12, 15..25, 29..40
+
+
 def test_step_split_on_a_device_timeline():
     """On a GPU the kernels are the timeline: NCCL kernels not hidden behind compute kernels are
     exposed, and the device's gaps are idle."""

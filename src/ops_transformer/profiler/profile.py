@@ -115,11 +115,14 @@ def _rank_summary(prof, ledgers: list[CommLedger], walls: list[float], ctx) -> d
 
 def _collectives(events, steps, ledgers: list[CommLedger]) -> dict[str, dict]:
     """Per ledger kind: calls, elements and bytes per step (the ledger), mean latency (s), time
-    per step (s) and the achieved bus bandwidth (wire bytes / latency, bytes/s)."""
-    latencies = T.kind_latencies(events, steps)
-    out = {}
+    per step (s) and the achieved bus bandwidth (wire bytes / latency, bytes/s). The time is
+    gloo's or NCCL's transfers when every collective ran flat, else our call and wait ranges
+    (the steps of a hierarchical or point-to-point algorithm are transfers of other kinds)."""
     n = len(ledgers)
     records = [r for ledger in ledgers for r in ledger.records]
+    flat = all(getattr(r, "algorithm", "flat") == "flat" for r in records)
+    latencies = T.kind_latencies(events, steps, transfers=flat)
+    out = {}
     for kind in sorted({r.kind for r in records}):
         mine = [r for r in records if r.kind == kind]
         wire = sum(wire_elements(kind, r.elements, r.group_size) * r.bytes / max(r.elements, 1)
@@ -128,7 +131,7 @@ def _collectives(events, steps, ledgers: list[CommLedger]) -> dict[str, dict]:
         total = sum(times)
         out[kind] = {"calls": len(mine) / n, "elements": sum(r.elements for r in mine) / n,
                      "bytes": sum(r.bytes for r in mine) / n,
-                     "time_s": total / n, "mean_latency_s": total / len(times) if times else 0.0,
+                     "time_s": total / n, "mean_latency_s": total / len(mine) if times else 0.0,
                      "bus_bandwidth_Bps": wire / total if total else None,
                      "group_sizes": sorted({r.group_size for r in mine})}
     return out

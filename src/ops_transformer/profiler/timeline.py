@@ -127,7 +127,8 @@ def comm_kind(name: str) -> str | None:
     if name.startswith(WAIT_PREFIX):
         return name[len(WAIT_PREFIX):]
     if name.startswith(COMM_PREFIX) and not name.startswith(STEP_PREFIX):
-        return name[len(COMM_PREFIX):]
+        # a step of a multi-step algorithm is named <kind>.<where>.<step>: it belongs to <kind>
+        return name[len(COMM_PREFIX):].split(".", 1)[0]
     if name.startswith(GLOO_PREFIX):
         op = name[len(GLOO_PREFIX):].lower()
         return next((kind for key, kind in GLOO_KINDS if op.startswith(key)), "other")
@@ -202,18 +203,27 @@ def _is_gemm_kernel(name: str) -> bool:
                                   "ampere_", "hopper_", "cublas"))
 
 
-def kind_latencies(events: list[Event], steps: list[tuple[float, float]]) -> dict[str, list[float]]:
-    """Per ledger kind, the duration (s) of each collective in the steps: gloo's worker events or
-    NCCL's kernels (the transfer itself) when there are any, else our call ranges plus waits."""
+def kind_latencies(events: list[Event], steps: list[tuple[float, float]],
+                   transfers: bool = True) -> dict[str, list[float]]:
+    """Per ledger kind, the durations (s) of its collectives in the steps: gloo's worker events or
+    NCCL's kernels (the transfer itself) when ``transfers`` and there are any, else the
+    outermost of our call and wait ranges (a multi-step algorithm's steps nest in its call or its
+    wait, and their transfers are other kinds: pass ``transfers=False`` when any ran)."""
     inside = [e for e in events if any(e.start < b and e.end > a for a, b in steps)]
     transfer: dict[str, list[float]] = {}
     calls: dict[str, list[float]] = {}
-    for e in inside:
+    ends: dict[int, float] = {}  # per thread: the end of the last outermost call range
+    for e in sorted(inside, key=lambda e: (e.start, -e.end)):
         kind = comm_kind(e.name)
         if kind is None:
             continue
-        target = transfer if is_background_comm(e) else calls
-        target.setdefault(kind, []).append(e.dur * 1e-6)
+        if is_background_comm(e):
+            transfer.setdefault(kind, []).append(e.dur * 1e-6)
+        elif e.start >= ends.get(e.thread, float("-inf")):
+            calls.setdefault(kind, []).append(e.dur * 1e-6)
+            ends[e.thread] = e.end
+    if not transfers:
+        return calls
     return {kind: transfer.get(kind) or calls.get(kind, []) for kind in set(transfer) | set(calls)}
 
 

@@ -222,3 +222,34 @@ def test_reference_gpt_with_a_split_vocabulary_is_silent(run_ranks):
     """The embedding's token-range check reads a CPU tensor only on a CPU: no host sync."""
     found = run_ranks(_vocab_parallel_worker, 2)[0]
     assert {d["code"] for d in found} <= SILENT_ON_REFERENCE, found
+
+
+def test_a_sync_the_library_needs_is_info_with_its_reason():
+    from ops_transformer.profiler.steps import host_syncs
+
+    found = host_syncs([{"syncs": [[".item()", "Planted", None], [".item()", "Planted", None],
+                                   [".tolist()", "layers.0.mlp.experts", "counts size it"]]}])
+    assert [(d["severity"], d["where"], d["suggestion"]) for d in found][1] == \
+        ("info", "layers.0.mlp.experts", "counts size it")
+    assert found[0]["severity"] == "warning" and "(2× per step)" in found[0]["message"]
+
+
+def _moe_worker():
+    ctx = ot.init_parallel(ep=2)
+    torch.manual_seed(0)
+    model = ot.parallelize(GPT(preset("moe-tiny")), ctx)
+    x = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(ctx.rank))
+    # (each EP rank reads its own rows, as in training: equal rows would make the dense
+    # gradients' all-reduce a sum of replicas, which diagnose rightly reports)
+    step = lambda: model(x[:, :-1], x[:, 1:])[1].backward()  # noqa: E731
+    return [d.to_dict() for d in ot.diagnose(model, ctx, step)]
+
+
+@pytest.mark.slow
+def test_expert_parallel_moe_has_only_its_needed_syncs(run_ranks):
+    """The dropless all-to-all reads its token counts on the host: an info finding per MoE
+    layer, no warning beyond the machine's."""
+    found = run_ranks(_moe_worker, 2)[0]
+    syncs = [d for d in found if d["code"] == "host_sync"]
+    assert syncs and all(d["severity"] == "info" and "experts" in d["where"] for d in syncs)
+    assert {d["code"] for d in found} - {"host_sync"} <= SILENT_ON_REFERENCE, found

@@ -31,7 +31,7 @@ def _observe(model, ctx, step_fn) -> dict:
     tp_ranks = (dist.get_process_group_ranks(ctx.tp_group) if ctx.tp_group is not None
                 else [ctx.rank])
     return {"rank": ctx.rank, "tp_ranks": tp_ranks, "records": records,
-            "syncs": [[s.what, s.where] for s in seen.syncs
+            "syncs": [[s.what, s.where, s.needed] for s in seen.syncs
                       if s.on_device or s.where != OUTSIDE],
             "collectives": [[c.op, c.fingerprint, c.where, c.gemms_before]
                             for c in seen.collectives],
@@ -39,15 +39,16 @@ def _observe(model, ctx, step_fn) -> dict:
 
 
 def host_syncs(ranks: list[dict]) -> list[dict]:
-    counts: dict[tuple[str, str], int] = {}
+    """``warning`` per place that synchronises; ``info`` where the library needs the read."""
+    counts: dict[tuple, int] = {}
     for s in ranks[0]["syncs"]:  # every rank runs the same code; rank 0 speaks for them
         counts[tuple(s)] = counts.get(tuple(s), 0) + 1
-    return [_diag("host_sync", "warning", where,
+    return [_diag("host_sync", "info" if needed else "warning", where,
                   f"{what} in {where} ({n}× per step) makes the host wait for the device: the "
                   f"GPU's queue drains and kernels stop overlapping with Python",
-                  "keep the value on the device (torch.where, masks, a tensor accumulator) and "
-                  "read it outside the step, every N steps")
-            for (what, where), n in sorted(counts.items())]
+                  needed or "keep the value on the device (torch.where, masks, a tensor "
+                  "accumulator) and read it outside the step, every N steps")
+            for (what, where, needed), n in sorted(counts.items(), key=str)]
 
 
 def _paired(rank: dict) -> list[tuple[list, list]] | None:

@@ -9,7 +9,8 @@ reduces, and what runs between collectives.
   (forward hooks on every submodule) or to the autograd node running it (backward). Outside the
   model only reads of accelerator tensors count: the optimizer's ``.item()`` on its CPU step
   counters is no synchronisation; nor are the library's CPU-only input checks
-  (``check_token_range``, skipped on a GPU);
+  (``check_token_range``, skipped on a GPU). A read the library needs (the dropless MoE's token
+  counts, which size its all-to-all) is kept with the reason (:func:`_needed_codes`);
 - a :class:`~ops_transformer.comm.CommLedger` of its own sees each collective of the package as
   the ledger records it (one entry per logical collective, whatever algorithm runs it: flat,
   hierarchical or point-to-point), keeps for an all-reduce a fingerprint of its input (shape,
@@ -51,20 +52,36 @@ def _deliberate_codes() -> frozenset:
     return frozenset({check_token_range.__code__})
 
 
-def _called_from(codes: frozenset, depth: int = 6) -> bool:
+def _needed_codes() -> dict:
+    """Library code whose synchronisation is the price of what it does, with the reason: the
+    dropless expert-parallel all-to-all sizes its messages from the per-expert token counts, which
+    the host must read (Megatron-Core's dropless MoE reads them the same way)."""
+    from ..layers.moe import ParallelExperts
+
+    return {ParallelExperts._routes.__code__: (
+        "the dropless expert-parallel all-to-all needs the per-expert token counts on the host "
+        "to size its messages: one read per MoE layer and step is its price; a fixed-capacity "
+        "(padded) all-to-all would avoid it, at the cost of padding or dropped tokens")}
+
+
+def _caller_in(codes, depth: int = 6):
+    """The first of ``codes`` among the callers of the caller's caller (``None``: none)."""
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
-            return False
+            return None
         if frame.f_code in codes:
-            return True
+            return frame.f_code
         frame = frame.f_back
-    return False
+    return None
+
+
 @dataclass
 class Sync:
     what: str
     where: str
     on_device: bool  # the tensor lives on an accelerator (outside the model, only those count)
+    needed: str | None = None  # why the library's code that did it cannot avoid it
 
 
 @dataclass
@@ -128,13 +145,15 @@ class _SyncMode(TorchFunctionMode):
         super().__init__()
         self.where, self.out, self.depth = where, out, 0
         self.deliberate = _deliberate_codes()
+        self.needed = _needed_codes()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         what = SYNC_METHODS.get(getattr(func, "__name__", ""))
-        if what is None or self.depth or _called_from(self.deliberate):
+        if what is None or self.depth or _caller_in(self.deliberate):
             return func(*args, **(kwargs or {}))
         device = any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
-        self.out.append(Sync(what, self.where(), device))
+        self.out.append(Sync(what, self.where(), device,
+                             self.needed.get(_caller_in(self.needed))))
         self.depth += 1
         try:
             return func(*args, **(kwargs or {}))

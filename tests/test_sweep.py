@@ -81,3 +81,11 @@ def test_train_logs_tensorboard_scalars(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["train", "--steps", "1", "--tensorboard", str(tmp_path / "file")]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["profile", "diagnose"])
+def test_measuring_commands_refuse_training_only_flags(command, tmp_path, capsys):
+    assert main([command, "--tensorboard", str(tmp_path / "tb")]) == 2
+    err = capsys.readouterr().err
+    assert f"{command} measures train's step" in err and "drop --tensorboard" in err
+    assert not (tmp_path / "tb").exists()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..profiler.diagnose import SEVERITIES
-from ..profiler.run import dense_diagnostics, diagnose_worker
+from ..profiler.run import check_measuring_only, dense_diagnostics, diagnose_worker
 from ..utils.progress import format_table
 from . import train as train_cli
 from ._common import launch_timeout, print_json
@@ -30,6 +30,7 @@ def table(found: list[dict]) -> str:
 
 def run(args) -> int:
     cfg = train_cli.config_from_args(args, "diagnose")
+    check_measuring_only(cfg, "diagnose")
     found = dense_diagnostics(cfg, cfg.tp)
     if not args.static and not any(d["severity"] == "error" for d in found):
         found = train_cli.run_training(cfg, train_cli.launch_size(args, cfg),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..profiler.report import summary_text
-from ..profiler.run import profile_worker
+from ..profiler.run import check_measuring_only, profile_worker
 from . import train as train_cli
 from ._common import launch_timeout, print_json
 
@@ -22,6 +22,7 @@ def run(args) -> int:
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     cfg = train_cli.config_from_args(args, "profile")
+    check_measuring_only(cfg, "profile")
     summary = train_cli.run_training(cfg, train_cli.launch_size(args, cfg), launch_timeout(args),
                                      profile_worker, (args.steps, args.warmup))
     if summary is None:  # not rank 0 of a torchrun job

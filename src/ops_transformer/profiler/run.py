@@ -21,6 +21,21 @@ from .report import write_breakdown_png, write_timeline_of_step_png
 from .steps import PROFILED_STEPS
 
 
+# train's options that write or read what only a training run has: (field, flag, off value)
+TRAINING_ONLY = (("tensorboard", "--tensorboard", None), ("ckpt_dir", "--ckpt-dir", None),
+                 ("resume", "--resume", False), ("save_every", "--save-every", 0),
+                 ("max_restarts", "--max-restarts", 0))
+
+
+def check_measuring_only(cfg: TrainConfig, command: str) -> None:
+    """``profile`` and ``diagnose`` take train's options but only measure its step: a flag for the
+    run's logs or checkpoints would be silently ignored, so it is an error."""
+    given = [flag for name, flag, off in TRAINING_ONLY if getattr(cfg, name, off) != off]
+    if given:
+        raise ValueError(f"{command} measures train's step and writes no logs or checkpoints: "
+                         f"drop {', '.join(given)}")
+
+
 def output_files(out: Path, ranks: int) -> dict[str, Path]:
     files = {"profile": out / "profile.json", "breakdown": out / "breakdown.png",
              "timeline": out / "timeline.png"}

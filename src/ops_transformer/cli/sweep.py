@@ -66,9 +66,10 @@ def table(result: dict) -> str:
                         "predicted ms": None if pred is None else round(1e3 * pred, 2),
                         "pred/meas": None if pred is None else round(pred / r["step_s"], 2)})
         else:
-            row["step ms"] = r["error"][:90]
+            row["why"] = r["error"][:120]
         rows.append(row)
-    return format_table(rows)
+    columns = [c for c in dict.fromkeys(k for row in rows for k in row) if c != "why"]
+    return format_table(rows, columns + ["why"] * any("why" in row for row in rows))
 
 
 def chart(result: dict, path: Path) -> Path:

@@ -3,7 +3,8 @@
 - :func:`write_line_plot_png`: series against their index (the training loss);
 - :func:`write_stacked_bars_png`: one stacked bar per label (the profile's per-rank breakdown);
 - :func:`write_timeline_png`: one row of coloured segments per label (one step per rank);
-- :func:`write_bar_pairs_png`: measured and predicted values side by side per label (a sweep).
+- :func:`write_bar_pairs_png`: measured and predicted values side by side per label (a sweep),
+  one row per label.
 
 Non-finite values (a diverged loss) are left out of a line, which breaks there.
 """
@@ -101,19 +102,25 @@ def write_timeline_png(path, rows: list[tuple[str, list[tuple[float, float, str]
 
 def write_bar_pairs_png(path, labels: list[str], series: dict[str, list[float | None]], *,
                         title: str = "", ylabel: str = "", log: bool | None = None) -> Path:
-    """Grouped bars: for each label one bar per series (``None`` leaves a gap). The value axis is
-    logarithmic when ``log``, by default when the values span more than a factor of 20."""
+    """Grouped horizontal bars: for each label (one row, top to bottom) one bar per series
+    (``None`` leaves a gap); ``ylabel`` names the value axis. The value axis is logarithmic when
+    ``log``, by default when the values span more than a factor of 20."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(labels) + 3), 4.5))
-    width = 0.8 / max(len(series), 1)
+    longest = max((len(label) for label in labels), default=10)
+    fig, ax = plt.subplots(figsize=(6 + 0.065 * longest, 0.32 * len(labels) * max(len(series), 1)
+                                    / 2 + 1.8))
+    height = 0.8 / max(len(series), 1)
     for k, (name, values) in enumerate(series.items()):
-        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))]
-        ax.bar([x for x, v in zip(xs, values) if v is not None],
-               [v for v in values if v is not None], width, label=name)
+        ys = [i + (k - (len(series) - 1) / 2) * height for i in range(len(labels))]
+        ax.barh([y for y, v in zip(ys, values) if v is not None],
+                [v for v in values if v is not None], height, label=name)
     values = [v for vs in series.values() for v in vs if v is not None and v > 0]
     if log or (log is None and values and max(values) > 20 * min(values)):
-        ax.set_yscale("log")
-    ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right", fontsize=8)
-    ax.set(title=title, ylabel=ylabel)
-    ax.legend()
+        ax.set_xscale("log")
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_title(title, pad=22)
+    ax.set_xlabel(ylabel)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=len(series), frameon=False)
     return _save(fig, path)

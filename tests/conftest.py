@@ -15,8 +15,9 @@ import pytest
 from ops_transformer import launch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Cost-model choices use the calibrated profile of the machine when one exists; tests use the
-# built-in one so that they do not depend on what `ops-transformer calibrate` left behind.
+# The command line passes the machine's calibrated profile to the cost-model choices when one exists
+# (the library itself never looks for it); the commands run by the tests use the built-in one, so
+# that they do not depend on what `ops-transformer calibrate` left behind.
 os.environ["OPS_TRANSFORMER_PROFILE"] = os.path.join(os.path.dirname(__file__), "no-profile.json")
 RANK_TIMEOUT_S = 120.0
 

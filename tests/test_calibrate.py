@@ -13,7 +13,8 @@ from ops_transformer.cli.main import main
 from ops_transformer.comm.ledger import wire_elements
 from ops_transformer.profiler.calibrate import (KINDS, _fit_kinds, crossover, fit_alpha_beta,
                                                fit_rel_error, message_elements)
-from ops_transformer.planner.profile import CalibratedProfile, default_profile_path, load_profile
+from ops_transformer.cli._profile import profile_path
+from ops_transformer.planner.profile import CalibratedProfile, load_profile
 from ops_transformer.planner.hardware import HardwareProfile
 
 SIZES = [4 * 4 ** k for k in range(12)]  # 4 B … 16 MiB
@@ -171,15 +172,21 @@ def test_load_profile_errors(tmp_path):
     with pytest.raises(ValueError, match="run `ops-transformer calibrate` first"):
         load_profile(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    with pytest.raises(ValueError):
-        load_profile(bad)
-    bad.write_text(json.dumps({"name": "x", "collectives": {}}))
-    with pytest.raises(ValueError, match="not a calibration profile"):
-        load_profile(bad)
-    assert default_profile_path().name == "no-profile.json"  # conftest points it away
+    for text, needle in (("{not json", "is not a valid calibration profile"),
+                         (json.dumps({"name": "x", "collectives": {}}),
+                          "missing matmul_flops_best, collectives"),
+                         (json.dumps({"name": "x", "matmul_flops_best": 1,
+                                      "collectives": {"2": {"all_reduce": {}}}}), "'alpha_s'"),
+                         ("[1, 2]", "a JSON list, not an object")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=needle) as info:
+            load_profile(bad)
+        message = str(info.value)
+        assert str(bad) in message and "ops-transformer calibrate" in message
+        assert "\n" not in message
+    assert profile_path().name == "no-profile.json"  # conftest points it away
 
 
 def test_default_profile_path_without_override(monkeypatch):
     monkeypatch.delenv("OPS_TRANSFORMER_PROFILE")
-    assert default_profile_path().parts[-3:] == (".cache", "ops-transformer", "profile.json")
+    assert profile_path().parts[-3:] == (".cache", "ops-transformer", "profile.json")

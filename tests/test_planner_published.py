@@ -126,9 +126,7 @@ def test_calibrated_gpu_efficiency_is_used_for_that_card(tmp_path, monkeypatch, 
         "name": "gpu box", "matmul_flops_best": 1e13, "gpu": entry,
         "collectives": {"2": {"all_reduce": {"alpha_s": 1e-5, "bandwidth": 1e11}}}}))
     assert load_profile(profile).gpu_efficiency == {"h100-sxm": entry["matmul_efficiency"]}
-    import ops_transformer.planner.local as local
-
-    monkeypatch.setattr(local, "local_profile", lambda: load_profile(profile))
+    monkeypatch.setenv("OPS_TRANSFORMER_PROFILE", str(profile))  # where the command finds it
     argv = ["plan", "--model", "llama2-7b", "--gpu", "h100-sxm", "--tp", "1", "--dp", "8",
             "--batch", "8", "--json"]
     assert main(argv) == 0

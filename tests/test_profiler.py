@@ -253,3 +253,28 @@ def test_expert_parallel_moe_has_only_its_needed_syncs(run_ranks):
     syncs = [d for d in found if d["code"] == "host_sync"]
     assert syncs and all(d["severity"] == "info" and "experts" in d["where"] for d in syncs)
     assert {d["code"] for d in found} - {"host_sync"} <= SILENT_ON_REFERENCE, found
+
+
+def _p2p_worker():
+    """Every collective of the TP group as a point-to-point swap (a profile that measured swaps
+    faster at every size): one ledger entry each, send/recv on the wire."""
+    from ops_transformer.planner.profile import CalibratedProfile
+
+    swaps = CalibratedProfile("swaps at every size", 4.5e10, 2.2e-4, 0.94e9,
+                              p2p_threshold_bytes=None, p2p_small_messages="send_recv")
+    ctx = ot.init_parallel(tp=2, profile=swaps)
+    model = Planted(ctx, "dup")
+    step = _step(model, torch.randn(4, 8, 64))
+    with ot.CommLedger() as ledger:
+        step()
+    summary = ot.profile_step(step, ctx, steps=2, warmup=0).summary()
+    found = [d.to_dict() for d in ot.diagnose(model, ctx, step)]
+    return {r.algorithm for r in ledger.records}, summary["collectives"], found
+
+
+@pytest.mark.slow
+def test_point_to_point_collectives_are_profiled_and_diagnosed(run_ranks):
+    algorithms, collectives, found = run_ranks(_p2p_worker, 2)[0]
+    assert algorithms == {"p2p"}
+    assert sorted(collectives) == ["all_reduce"] and collectives["all_reduce"]["time_s"] > 0
+    assert "redundant_collective" in {d["code"] for d in found}, found

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ops_transformer.planner import topology as topo
-from ops_transformer.planner.topology import Topology, detect_topology, parse_nvidia_smi_topo
+from ops_transformer.comm import topology as topo
+from ops_transformer.comm.topology import Topology, detect_topology, parse_nvidia_smi_topo
 
 DATA = Path(__file__).parent / "data"
 

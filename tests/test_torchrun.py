@@ -58,7 +58,10 @@ LAUNCH_SCRIPT = textwrap.dedent("""
 
     if __name__ == "__main__":                # the pattern of the docs: works both ways
         results = ot.launch(main, 2, 10.0)   # under torchrun: this rank's result at its index
-        print("results", results, flush=True)
+        # one write per line: two ranks share torchrun's stdout pipe, and print() with several
+        # arguments writes piecewise when unbuffered (lines interleaved in CI)
+        import sys
+        sys.stdout.write(f"results {results}\\n"); sys.stdout.flush()
 """)
 
 

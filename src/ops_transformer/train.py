@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
@@ -50,6 +51,7 @@ class TrainConfig:
     sample_prompt: str = "def "
     progress: bool = True
     layers: int | None = None  # overrides the preset's n_layers
+    ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16: with a dynamic loss scaler)
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
     ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
@@ -76,6 +78,8 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, ep, tp = check_degrees(world_size, cfg.tp, cfg.dp, cfg.ep)
+    if cfg.ranks_per_node is not None:
+        NodeLayout(world_size, cfg.ranks_per_node)  # divides the number of processes
     model_cfg = cfg.model_config()
     check_train_ep(model_cfg, cfg.preset, ep)
     if model_cfg.vocab_size < VOCAB_SIZE:
@@ -148,10 +152,21 @@ class TrainState:
         return report, ledger
 
 
-def join(cfg: TrainConfig):
+def train_worker(cfg: TrainConfig, profile=None) -> dict | None:
+    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere. The process
+    groups it starts are torn down before it returns.
+
+    ``profile``: the hardware profile (or its path) for the automatic choices and the collective
+    algorithms; rank 0's is used by every rank (``init_parallel``). ``None``: the built-in one."""
+    with join(cfg, profile) as ctx:
+        return _train(cfg, ctx)
+
+
+def join(cfg: TrainConfig, profile=None):
     """This rank's :class:`ParallelContext` for ``cfg`` (``with join(cfg) as ctx:`` tears its
-    process groups down at the end)."""
-    return init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep)
+    process groups down at the end); ``profile``: see :func:`train_worker`."""
+    return init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, ranks_per_node=cfg.ranks_per_node,
+                         profile=profile)
 
 
 def setup_training(cfg: TrainConfig, ctx) -> TrainState:
@@ -160,20 +175,14 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
     plan = gpt_plan(model_cfg, ctx.tp_size, cfg.attention, batch=cfg.batch // ctx.dp_ep_size,
-                    seq=cfg.seq)  # `auto` ranks the strategies for this run's shapes
+                    seq=cfg.seq, profile=ctx.profile)  # `auto`: for this run's shapes, on the
+    #                                                     profile every rank agreed on
     policy = precision_policy(cfg.precision)
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan,
                         grad_reduce_dtype=policy.grad_reduce_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
     return TrainState(cfg, ctx, model, opt, data, policy, scaler)
-
-
-def train_worker(cfg: TrainConfig) -> dict | None:
-    """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere. The process
-    groups it starts are torn down before it returns."""
-    with join(cfg) as ctx:
-        return _train(cfg, ctx)
 
 
 def _train(cfg: TrainConfig, ctx) -> dict | None:
@@ -279,6 +288,8 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
             model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_ep_size,
             cfg.seq, model.parallel_plan.vocab),
         "params": _dense_param_count(model.cfg),
+        "ranks_per_node": ctx.ranks_per_node,
+        "comm_by_level": ledger.by_level(),  # what ran inside a node and across nodes
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
         "plan": model.parallel_plan.to_dict(), **(extra or {}),
     }

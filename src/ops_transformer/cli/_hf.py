@@ -21,6 +21,7 @@ from ..parallel import init_parallel, launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallelize import parallelize
 from ._common import under_torchrun
+from ._profile import command_profile
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -161,7 +162,7 @@ def load_parallel(root: Path, auto_class: str, tp: int):
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.logging.disable_progress_bar()
-    ctx = init_parallel(tp=tp)
+    ctx = init_parallel(tp=tp, profile=command_profile(None))  # rank 0 reads it, then broadcasts
     try:
         model = getattr(transformers, auto_class).from_pretrained(root).eval()
     except (OSError, ValueError) as exc:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..profiler.calibrate import calibrate
-from ..planner.profile import default_profile_path, save_profile
+from ..planner.profile import save_profile
+from ._profile import ENV_VAR, profile_path
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_file, launch_timeout, print_json,
                       refuse_torchrun)
@@ -13,7 +14,8 @@ HELP = ("measure matmul FLOP/s, collective latency and bandwidth, and the point-
 
 
 def add_parser(p) -> None:
-    p.add_argument("--out", help=f"where to write the profile (default {default_profile_path()})")
+    p.add_argument("--out", help=f"where to write the profile (default: ${ENV_VAR} if set, else "
+                   f"~/.cache/ops-transformer/profile.json)")
     p.add_argument("--world-sizes", help="comma-separated numbers of local ranks for the "
                    "collectives (default 2,4; 2 with --quick)")
     p.add_argument("--quick", action="store_true", help="few sizes and runs: seconds, rough")
@@ -70,7 +72,7 @@ def run(args) -> int:
     refuse_torchrun("calibrate", "launches its own local ranks")
     sizes = parse_world_sizes(args.world_sizes) if args.world_sizes else \
         ((2,) if args.quick else (2, 4))
-    out = check_out_file(args.out or default_profile_path())
+    out = check_out_file(args.out or profile_path())
     profile = calibrate(sizes, quick=args.quick, progress=not args.no_progress,
                         timeout=launch_timeout(args))
     path = save_profile(profile, out)

@@ -16,6 +16,7 @@ from ..parallel import launch
 from ..train import TrainConfig, train_worker, validate, write_outputs
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       refuse_torchrun, status)
+from ._profile import command_profile
 from .train import summary
 
 HELP = "train the tiny GPT at tp=2 on 2 local ranks and check it against tp=1"
@@ -47,14 +48,15 @@ def run(args) -> int:
     cfg = TrainConfig(preset="tiny", tp=args.tp, steps=args.steps, batch=16, seq=64, lr=3e-3)
     validate(cfg, args.tp)
     timeout = launch_timeout(args)
+    profile = command_profile("the demo's automatic attention choice")
     check_out_dir(out)
     check = dataclasses.replace(cfg, tp=1, steps=min(CHECK_STEPS, cfg.steps), sample_tokens=0,
                                 progress=False)
     status(f"demo: GPT preset 'tiny' on {args.tp} local ranks (tp={args.tp}), {cfg.steps} steps "
            f"of {cfg.batch}×{cfg.seq} bytes of the Python standard library")
-    metrics = launch(train_worker, args.tp, cfg, timeout=timeout)[0]
+    metrics = launch(train_worker, args.tp, cfg, profile, timeout=timeout)[0]
     status(f"demo: re-running the first {check.steps} steps at tp=1 on one process ...")
-    reference = launch(train_worker, 1, check, timeout=timeout)[0]
+    reference = launch(train_worker, 1, check, profile, timeout=timeout)[0]
     pairs = list(zip(metrics["losses"], reference["losses"]))
     metrics["max_rel_loss_diff_vs_tp1"] = max(abs(a - b) / abs(b) for a, b in pairs)
     expected = metrics["expected_tp_comm_per_step"]

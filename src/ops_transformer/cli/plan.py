@@ -15,6 +15,7 @@ from ..planner.specs import ClusterSpec, ModelSpec
 from ..planner.strategies import ATTENTION_STRATEGIES
 from ..utils.progress import format_table
 from ._common import check_out_file
+from ._profile import command_profile
 
 HELP = "predict step time and memory of every dp × tp × ep layout and pick the best"
 LAYOUT_FLAGS = ("tp", "dp", "ep", "zero", "recompute", "sequence_parallel", "micro_batch",
@@ -89,7 +90,7 @@ def _cluster(args, gpus: int) -> ClusterSpec:
     if args.gpu == "local":
         from ..planner.local import local_cluster
 
-        return local_cluster(gpus)
+        return local_cluster(gpus, command_profile("--gpu local"))
     card = _named("--gpu", args.gpu, lambda: catalogue.gpu(args.gpu))
     for flag, name in (("--intra", args.intra), ("--inter", args.inter)):
         if name:
@@ -161,7 +162,7 @@ def _efficiency(args, cluster) -> tuple[float | None, str | None]:
     if args.stack is None and cluster.gpu.vendor != "cpu":
         from ..planner.local import local_profile
 
-        measured = getattr(local_profile(), "gpu_efficiency", {}) or {}
+        measured = getattr(local_profile(command_profile(None)), "gpu_efficiency", {}) or {}
         if cluster.gpu.name in measured:
             return measured[cluster.gpu.name], f"calibrated on this machine's {cluster.gpu.name}"
     return None, None
@@ -192,7 +193,7 @@ def run(args) -> int:
         from ..planner.local import local_profile
         from ..profiler.validate import run_validation
 
-        return run_validation(local_profile(), json_output=args.json)
+        return run_validation(local_profile(command_profile("--validate")), json_output=args.json)
     if args.published or args.fit:
         from ..planner.published import print_report
 

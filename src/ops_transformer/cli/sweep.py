@@ -15,6 +15,7 @@ from ..utils.plot import write_bar_pairs_png
 from ..utils.progress import Progress, format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       refuse_torchrun)
+from ._profile import command_profile
 
 HELP = ("run several training configurations (comma-separated values per option, every "
         "combination) and compare step time, tokens/s, activation memory, communication and the "
@@ -100,9 +101,11 @@ def run(args) -> int:
     for values in split_axes(axes)[0].values():
         count *= len(values)
     bar = Progress(count, desc="sweep", enabled=not args.no_progress)
+    auto = "auto" in axes.get("attention", [base.attention])
+    profile = command_profile("--attention auto" if auto else None)
     result = run_sweep(base, axes, nproc, args.warmup,
                        launch=functools.partial(launch, timeout=timeout),
-                       progress=lambda row: bar.update(config=row["config"]))
+                       progress=lambda row: bar.update(config=row["config"]), profile=profile)
     bar.close()
     result["fixed"] = fixed
     (out / "sweep.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -19,6 +19,7 @@ from ..train import TrainConfig, train_worker, validate
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       under_torchrun, world_size)
+from ._profile import command_profile
 
 HELP = "train the reference GPT with tensor (and data) parallelism"
 ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
@@ -40,6 +41,9 @@ def add_parser(p) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention", choices=ATTENTION, help="attention strategy (default auto)")
+    p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: torchrun's "
+                   "LOCAL_WORLD_SIZE, else all on one node); e.g. 2 with --nproc 4 simulates 2 "
+                   "nodes x 2 ranks")
     p.add_argument("--plan", help="a plan from 'ops-transformer plan --out FILE' (its best "
                    "layout) or a candidate from it: sets --tp, --dp and --attention")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
@@ -94,7 +98,8 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
                        progress=not args.no_progress, **layout,
                        precision=args.precision, clip_grad=args.clip_grad,
-                       tensorboard=getattr(args, "tensorboard", None))
+                       tensorboard=getattr(args, "tensorboard", None),
+                       ranks_per_node=getattr(args, "ranks_per_node", None))
 
 
 def run_training(cfg: TrainConfig, nproc: int | None,
@@ -102,21 +107,24 @@ def run_training(cfg: TrainConfig, nproc: int | None,
                  args: tuple = ()) -> dict | None:
     """Validate (the output directory included), then run ``worker(cfg, *args)`` (training by
     default) on ``nproc`` local ranks, on the ranks of this torchrun job, or in this one process
-    (with the launcher's thread policy)."""
+    (with the launcher's thread policy), with the calibrated profile if there is one (needed for
+    ``--attention auto``) as its ``profile=``."""
     worker = worker or train_worker
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     validate(cfg, world_size() if nproc is None else nproc)
+    profile = command_profile("--attention auto" if cfg.attention == "auto" else None)
     if cfg.out:
         check_out_dir(cfg.out)
+    extra = {} if profile is None else {"profile": profile}  # none: the built-in profile
     if nproc is not None:
-        return launch(worker, nproc, cfg, *args, timeout=timeout)[0]
+        return launch(worker, nproc, cfg, *args, timeout=timeout, **extra)[0]
     if under_torchrun():
-        return worker(cfg, *args)
+        return worker(cfg, *args, **extra)
     threads = torch.get_num_threads()
     set_rank_threads()
     try:
-        return worker(cfg, *args)
+        return worker(cfg, *args, **extra)
     finally:
         torch.set_num_threads(threads)
 

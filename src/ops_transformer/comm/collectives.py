@@ -7,6 +7,12 @@ attributable; the handle of an async call then times its ``wait()`` as
 ``ops_transformer::wait:<kind>`` (:mod:`ops_transformer.profiler` reads both). The autograd-aware
 pairs built on them live in :mod:`.primitives`.
 
+``all_reduce``, ``all_gather_into`` and ``reduce_scatter_into`` run with the algorithm the
+communication engine (:mod:`.engine`) chose for their group and message — flat, hierarchical across
+nodes or point-to-point in a group of two (:mod:`.algorithms`, built on the ``run_*`` calls below);
+the result is the flat collective's. An ``async_op`` handle of a multi-step algorithm finishes its
+remaining steps in ``wait()``.
+
 Compatibility: torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour
 of ``all_gather_single`` / ``reduce_scatter_single``; older releases (>= 2.4) only have the former.
 """
@@ -19,11 +25,14 @@ import torch
 import torch.distributed as dist
 from torch.autograd import _profiler_enabled
 
+from . import algorithms as _A
+from . import engine as _engine
 from . import ledger as _ledger
 
 ProcessGroup = dist.ProcessGroup
 ReduceOp = dist.ReduceOp
 
+_NO_RANGE = contextlib.nullcontext()  # reusable: no profiler range when the profiler is off
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -62,12 +71,26 @@ def _handle(work, kind: str):
     return _ProfiledWork(work, kind) if work is not None and _profiler_enabled() else work
 
 
-def _recorded(kind: str, tensor: torch.Tensor, elements: int, group: ProcessGroup, label: str):
+def _recorded(kind: str, tensor: torch.Tensor, elements: int, group: ProcessGroup, label: str,
+              *, algorithm: str = "flat", level: str | None = None, steps=()):
     if _ledger.ledger_active():
-        _ledger.record(kind, tensor, elements, _ranks(group), label)
+        if level is None:
+            found = _engine.lookup(group)
+            level = found.level if found is not None else ""
+        _ledger.record(kind, tensor, elements, _ranks(group), label, algorithm=algorithm,
+                       level=level, steps=steps)
     if _profiler_enabled():
         return torch.profiler.record_function(f"ops_transformer::{kind}")
-    return contextlib.nullcontext()
+    return _NO_RANGE
+
+
+def _algorithm(group: ProcessGroup, kind: str, tensor: torch.Tensor, elements: int, op):
+    """``(name, GroupAlgorithms)`` the engine runs this collective with; ``("flat", …)`` for a
+    group it does not know, for empty tensors and for reductions other than sum / max / min."""
+    found = _engine.lookup(group)
+    if found is None or elements == 0 or op not in _A.REDUCE_OPS:
+        return "flat", found
+    return found.choose(kind, elements, tensor.dtype), found
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, op=ReduceOp.SUM,
@@ -75,6 +98,10 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, op=ReduceOp.
     """In-place all-reduce of ``tensor``. Returns a work handle when ``async_op``."""
     if group_size(group) == 1:
         return None
+    algorithm, found = _algorithm(group, "all_reduce", tensor, tensor.numel(), op)
+    if algorithm != "flat":
+        pending = _A.run(algorithm, "all_reduce", found, tensor, None, op, async_op, label)
+        return _handle(pending, "all_reduce")
     with _recorded("all_reduce", tensor, tensor.numel(), group, label):
         work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         return _handle(work, "all_reduce")
@@ -86,6 +113,10 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGro
     if group_size(group) == 1:
         output.copy_(input.reshape(output.shape))
         return None
+    algorithm, found = _algorithm(group, "all_gather", output, output.numel(), ReduceOp.SUM)
+    if algorithm != "flat":
+        pending = _A.run(algorithm, "all_gather", found, output, input, None, async_op, label)
+        return _handle(pending, "all_gather")
     with _recorded("all_gather", output, output.numel(), group, label):
         work = _all_gather_single(output, input, group=group, async_op=async_op)
         return _handle(work, "all_gather")
@@ -97,9 +128,47 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: Proces
     if group_size(group) == 1:
         output.copy_(input.reshape(output.shape))
         return None
+    algorithm, found = _algorithm(group, "reduce_scatter", input, input.numel(), op)
+    if algorithm != "flat":
+        pending = _A.run(algorithm, "reduce_scatter", found, output, input, op, async_op, label)
+        return _handle(pending, "reduce_scatter")
     with _recorded("reduce_scatter", input, input.numel(), group, label):
         work = _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
         return _handle(work, "reduce_scatter")
+
+
+# The steps of multi-step algorithms (:mod:`.algorithms`): one torch.distributed call each, not
+# recorded on their own (the algorithm records the whole collective once, with its steps), each in
+# a profiler range of its own.
+
+def _step_range(name: str):
+    if _profiler_enabled():
+        return torch.profiler.record_function(f"ops_transformer::{name}")
+    return _NO_RANGE
+
+
+def run_all_reduce(tensor: torch.Tensor, group: ProcessGroup, op, name: str):
+    with _step_range(name):
+        return dist.all_reduce(tensor, op=op, group=group)
+
+
+def run_all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, name: str,
+                   async_op: bool = False):
+    with _step_range(name):
+        return _all_gather_single(output, input, group=group, async_op=async_op)
+
+
+def run_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, op,
+                       name: str, async_op: bool = False):
+    with _step_range(name):
+        return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+
+
+def run_swap(send: torch.Tensor, recv: torch.Tensor, peer: int, group: ProcessGroup, name: str):
+    """Post a send of ``send`` to and a receive into ``recv`` from global rank ``peer``; returns
+    both work handles."""
+    with _step_range(name):
+        return dist.isend(send, dst=peer, group=group), dist.irecv(recv, src=peer, group=group)
 
 
 def all_to_all_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, *,
@@ -135,6 +204,18 @@ def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None, *, label: s
     """Point-to-point receive from global rank ``src``; returns a work handle (``irecv``)."""
     with _recorded("recv", tensor, tensor.numel(), group, label):
         return _handle(dist.irecv(tensor, src=src, group=group), "recv")
+
+
+def broadcast_object(obj, src: int, group: ProcessGroup | None, *, label: str = ""):
+    """``obj`` of global rank ``src`` on every rank of the group (pickled). Every rank passes
+    something (ignored except on ``src``). Not recorded: a set-up exchange of Python objects (the
+    agreed profile and layout, a plan), not a tensor collective of the computation."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    with _step_range("broadcast_object"):
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
 
 
 def barrier(group: ProcessGroup | None) -> None:

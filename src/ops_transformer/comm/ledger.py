@@ -22,6 +22,14 @@ With this convention a sequence-parallel reduce-scatter + all-gather pair report
 the all-reduce it replaces (``b·s·h`` each), as Korthikanti et al. (2022) count it. The bytes that a
 ring algorithm actually moves per rank are given by :func:`wire_elements`.
 
+What ran: a collective that the communication engine (:mod:`.engine`) runs in several steps —
+hierarchically across nodes, or as a point-to-point exchange in a group of two — is still **one**
+record of its logical kind, group and elements (so :meth:`CommLedger.summary` and the cost formulas
+keep counting logical collectives), with ``algorithm`` naming how it ran and ``steps`` listing each
+step: its kind, elements, sub-group and level (``"intra"`` inside a node, ``"inter"`` across nodes).
+:meth:`CommLedger.executed`, :meth:`CommLedger.by_level` and :meth:`CommLedger.by_algorithm` read
+them; a flat record is its own single step.
+
 The registry of open ledgers is the one piece of process-wide state in the package: collectives in
 backward run on autograd's threads, where a context variable would not be visible. When no ledger is
 open, recording is a single truthiness test.
@@ -42,8 +50,24 @@ _lock = threading.Lock()
 
 
 @dataclass(frozen=True)
+class CommStep:
+    """One collective that actually ran, as part of a :class:`CommRecord`: its kind, the elements
+    (same convention as the record), the sub-group's global ranks and its level (``"intra"``: all
+    on one node, ``"inter"``: across nodes, ``""``: unknown, the group was not made by a
+    ``ParallelContext``)."""
+
+    kind: str
+    elements: int
+    bytes: int
+    group_ranks: tuple[int, ...]
+    level: str = ""
+
+
+@dataclass(frozen=True)
 class CommRecord:
-    """One collective call as seen by this rank."""
+    """One collective call as seen by this rank: its logical kind, group and size, the algorithm
+    the communication engine ran it with (``"flat"``, ``"hierarchical"`` or ``"p2p"``), the level
+    of its group, and, for a multi-step algorithm, the steps that ran."""
 
     kind: str
     elements: int
@@ -52,6 +76,14 @@ class CommRecord:
     group_size: int
     group_ranks: tuple[int, ...]
     label: str = ""
+    algorithm: str = "flat"
+    level: str = ""
+    steps: tuple[CommStep, ...] = ()
+
+    def executed(self) -> tuple[CommStep, ...]:
+        """The collectives that ran: the steps, or the record itself when it ran flat."""
+        return self.steps or (CommStep(self.kind, self.elements, self.bytes, self.group_ranks,
+                                       self.level),)
 
 
 def wire_elements(kind: str, elements: int, group_size: int) -> float:
@@ -116,6 +148,29 @@ class CommLedger:
             grouped[r.group_ranks].records.append(r)
         return {ranks: ledger.summary() for ranks, ledger in grouped.items()}
 
+    def executed(self) -> list[CommStep]:
+        """Every collective that ran, in order, steps of multi-step algorithms expanded."""
+        return [step for r in self.records for step in r.executed()]
+
+    def by_level(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{level: {kind: {"calls", "elements", "bytes"}}}`` of what ran (steps expanded), with
+        ``"intra"`` for collectives inside a node and ``"inter"`` for those across nodes."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for step in self.executed():
+            entry = out.setdefault(step.level, {}).setdefault(
+                step.kind, {"calls": 0, "elements": 0, "bytes": 0})
+            entry["calls"] += 1
+            entry["elements"] += step.elements
+            entry["bytes"] += step.bytes
+        return out
+
+    def by_algorithm(self) -> dict[str, dict[str, dict[str, int]]]:
+        """The summary of logical collectives split by the algorithm that ran them."""
+        grouped: dict[str, CommLedger] = defaultdict(CommLedger)
+        for r in self.records:
+            grouped[r.algorithm].records.append(r)
+        return {algorithm: ledger.summary() for algorithm, ledger in grouped.items()}
+
     def by_dtype(self) -> dict[str, dict[str, int]]:
         """Calls and bytes per dtype (e.g. to check that gradients travel in fp32)."""
         out: dict[str, dict[str, int]] = {}
@@ -149,10 +204,11 @@ def ledger_active() -> bool:
 
 
 def record(kind: str, tensor: torch.Tensor, elements: int, group_ranks: tuple[int, ...],
-           label: str = "") -> None:
+           label: str = "", *, algorithm: str = "flat", level: str = "",
+           steps: tuple[CommStep, ...] = ()) -> None:
     """Report one collective to every open ledger (call only when :func:`ledger_active`)."""
     rec = CommRecord(kind, int(elements), int(elements) * tensor.element_size(), tensor.dtype,
-                     len(group_ranks), group_ranks, label)
+                     len(group_ranks), group_ranks, label, algorithm, level, steps)
     with _lock:
         for ledger in _open_ledgers:
             ledger.add(rec, tensor)

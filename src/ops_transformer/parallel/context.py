@@ -1,9 +1,12 @@
 """The rank grid: a frozen :class:`ParallelContext` over a ``DeviceMesh`` with axes ``dp, ep, tp``.
 
 Ranks are laid out ``tp``-fastest: ranks ``0..tp-1`` form the first tensor-parallel group, so TP
-groups stay inside a node whenever ``tp`` divides the GPUs per node (as in Megatron-LM and
-torchtitan). The context owns the process groups and is handed down explicitly; nothing in the
-package keeps a process group in a global.
+groups stay inside a node whenever ``tp`` divides the ranks per node (as in Megatron-LM and
+torchtitan): nodes hold consecutive ranks (``torchrun`` numbers them so, and a declared
+``ranks_per_node`` means the same). The context owns the process groups and is handed down
+explicitly; nothing in the package keeps a process group in a global. It also carries what every
+rank agreed on at set-up (:mod:`.nodes`): the ranks per node and the hardware profile from which the
+communication engine and every automatic choice decide.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives as C
+from .nodes import agree_setup, build_engine, resolve_profile_source
 from .teardown import DEFAULT_TEARDOWN_TIMEOUT_S, destroy_process_groups
 
 MESH_AXES = ("dp", "ep", "tp")
@@ -49,6 +53,8 @@ class ParallelContext:
     device: torch.device = torch.device("cpu")
     backend: str | None = None
     owned_group: dist.ProcessGroup | None = field(default=None, repr=False)  # made by init_parallel
+    ranks_per_node: int | None = None  # None: every rank on one node
+    profile: object | None = field(default=None, repr=False)  # the agreed HardwareProfile
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelContext:
@@ -57,9 +63,11 @@ class ParallelContext:
                    device=torch.device(device))
 
     @classmethod
-    def from_mesh(cls, mesh, device: torch.device, backend: str | None = None) -> ParallelContext:
+    def from_mesh(cls, mesh, device: torch.device, backend: str | None = None, *,
+                  ranks_per_node: int | None = None, profile=None) -> ParallelContext:
         """Build the context from a ``DeviceMesh`` whose dimension names include ``tp`` and
-        optionally ``dp`` and ``ep``."""
+        optionally ``dp`` and ``ep``. (Built this way, its collectives all run flat: the engine's
+        algorithms are set up by :func:`init_parallel`.)"""
         names = tuple(mesh.mesh_dim_names or ())
         if "tp" not in names:
             raise ValueError(f"the device mesh needs a dimension named 'tp'; it has {names}")
@@ -80,7 +88,7 @@ class ParallelContext:
                    tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank,
                    ep_size=ep_size, ep_rank=ep_rank, tp_group=tp_group, dp_group=dp_group,
                    ep_group=ep_group, mesh=mesh, device=device, backend=backend,
-                   dp_ep_group=dp_ep_group)
+                   dp_ep_group=dp_ep_group, ranks_per_node=ranks_per_node, profile=profile)
 
     @property
     def dp_ep_size(self) -> int:
@@ -150,7 +158,8 @@ def _env_int(name: str) -> int | None:
 
 
 def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str | None = None,
-                  timeout: timedelta | float = DEFAULT_TIMEOUT) -> ParallelContext:
+                  timeout: timedelta | float = DEFAULT_TIMEOUT, ranks_per_node: int | None = None,
+                  profile=None) -> ParallelContext:
     """Set up the ``dp × ep × tp`` rank grid and return this rank's :class:`ParallelContext`.
 
     Reuses an initialised default process group, or initialises one from the ``torchrun``
@@ -159,6 +168,13 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
     ``nccl`` when CUDA is available, else ``gloo``. ``dp=None`` means ``world_size // (tp*ep)``.
     ``timeout`` (a ``timedelta`` or seconds) bounds every collective, so a dead peer ends in an
     error instead of a hang.
+
+    ``ranks_per_node``: ``None`` reads ``torchrun``'s ``LOCAL_WORLD_SIZE`` (all ranks on one node
+    without it); a number declares it, e.g. ``4`` ranks as 2 nodes × 2 on one machine. ``profile``:
+    the hardware profile (a :class:`~ops_transformer.planner.HardwareProfile`, or the path of one
+    written by ``ops-transformer calibrate``; ``None``: the built-in one) from which the
+    communication engine chooses each group's collective algorithms and ``parallelize`` its
+    strategies. Rank 0's ``ranks_per_node`` and ``profile`` are broadcast: all ranks decide alike.
     """
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
@@ -175,7 +191,9 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
                     f"tp ({tp}) × dp ({dp or 1}) × ep ({ep}) needs {tp * (dp or 1) * ep} "
                     f"processes, but this is a single process with no torchrun environment: start "
                     f"it with `torchrun --nproc-per-node N` or `ops_transformer.launch(fn, N)`")
-            return ParallelContext.single("cuda" if backend == "nccl" else "cpu")
+            single = ParallelContext.single("cuda" if backend == "nccl" else "cpu")
+            return dataclasses.replace(single, ranks_per_node=1,
+                                       profile=resolve_profile_source(profile, backend))
         rank = _env_int("RANK")
         if rank is None:
             raise ValueError("WORLD_SIZE is set but RANK is not: start the job with torchrun or "
@@ -186,12 +204,27 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
             torch.cuda.set_device(_local_rank(rank))
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     dp, ep, tp = check_degrees(world_size, tp, dp, ep)
+    rank = dist.get_rank()
+    declared = ranks_per_node is not None
+    if not declared:
+        ranks_per_node = _env_int("LOCAL_WORLD_SIZE")
+    try:
+        layout, agreed = agree_setup(rank, world_size, ranks_per_node, profile, backend,
+                                     declared=declared)
+    except ValueError:
+        if created:  # raised on every rank alike: leave no half-made job behind
+            destroy_process_groups()
+        raise
     device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
               else torch.device("cpu"))
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dp, ep, tp), mesh_dim_names=MESH_AXES)
-    ctx = ParallelContext.from_mesh(mesh, device, backend)  # may create more (flattened) groups
+    # from_mesh may create more (flattened) groups, build_engine the engine's sub-groups
+    ctx = ParallelContext.from_mesh(mesh, device, backend, ranks_per_node=layout.ranks_per_node,
+                                    profile=agreed)
+    build_engine(mesh, layout, agreed, rank, timeout,
+                 dp_ep_group=ctx.dp_ep_group if dp > 1 and ep > 1 else None)
     # No rank returns before every rank has connected its groups through the rendezvous store,
     # which rank 0 may host: a rank 0 that finished and exited would break the others' set-up.
     C.barrier(dist.group.WORLD)

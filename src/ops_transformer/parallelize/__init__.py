@@ -76,7 +76,8 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
     if plan != "auto":
         raise ValueError(f"plan must be 'auto', a Plan or a dict, got {plan!r}")
     if isinstance(model, GPT):
-        return gpt_plan(model.cfg, ctx.tp_size, attention, vocab=vocab)
+        return gpt_plan(model.cfg, ctx.tp_size, attention, vocab=vocab,
+                        profile=getattr(ctx, "profile", None))  # agreed by every rank
     if _is_hf(model):
         if attention not in ("auto", "heads"):
             raise ValueError(f"Hugging Face models support attention='heads' (or 'auto'), got "

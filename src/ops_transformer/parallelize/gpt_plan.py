@@ -85,7 +85,8 @@ def gpt_plan(cfg: GPTConfig, tp: int, attention: str = "auto", *, vocab: str = "
     """The plan for ``GPT(cfg)`` at ``tp`` ranks. ``auto`` (attention, and ``vocab``: split the
     embedding and LM head or keep them replicated) ranks the options by predicted time for a
     micro-batch of ``batch`` sequences of ``seq`` tokens (default ``cfg.max_seq_len``) on
-    ``profile`` (default: this machine's calibrated profile, else the built-in one)."""
+    ``profile`` (default: the built-in one; ``parallelize`` passes ``ctx.profile``, the profile every
+    rank agreed on at ``init_parallel``)."""
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
     if vocab not in ("auto",) + VOCAB_MODES:

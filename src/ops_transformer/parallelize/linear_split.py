@@ -90,8 +90,9 @@ def parallel_linear(linear: nn.Module, ctx, split: str = "auto", *,
                     tokens: int = 2048, profile: HardwareProfile | None = None) -> nn.Module:
     """The column- or row-parallel form of ``linear`` for the given input and output layouts.
 
-    ``split="auto"`` picks the cheaper one for ``tokens`` rows per call on ``profile``; the result
-    is exact either way. The returned module has ``split`` and ``predicted_s`` attributes.
+    ``split="auto"`` picks the cheaper one for ``tokens`` rows per call on ``profile`` (default
+    ``ctx.profile``, agreed by every rank); the result is exact either way. The returned module
+    has ``split`` and ``predicted_s`` attributes.
     """
     for name, layout in (("input_layout", input_layout), ("output_layout", output_layout)):
         if layout not in LAYOUTS:
@@ -100,7 +101,7 @@ def parallel_linear(linear: nn.Module, ctx, split: str = "auto", *,
         raise ValueError(f"split must be 'auto', 'column' or 'row', got {split!r}")
     out_features, in_features = dense_weight(linear)[0].shape
     chosen, times = choose_split(tokens, in_features, out_features, ctx.tp_size, input_layout,
-                                 output_layout, profile)
+                                 output_layout, profile if profile is not None else ctx.profile)
     split = chosen if split == "auto" else split
     group = ctx.tp_group
     if split == "column":

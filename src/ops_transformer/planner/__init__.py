@@ -15,7 +15,7 @@ from .timing import Execution, zero_comm
 from .specs import MODEL_PRESETS, ClusterSpec, ModelSpec
 from .strategies import (ATTENTION_STRATEGIES, VOCAB_MODES, LayerCost, attention_cost, ffn_cost,
                          layer_cost, model_comm_per_step, vocab_cost)
-from .topology import Topology, detect_topology
+from ..comm.topology import Topology, detect_topology
 from .strategies import moe_cost
 
 __all__ = [

@@ -6,17 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .hardware import HardwareProfile
+from .hardware import CPU_GLOO, HardwareProfile
 from .strategies import ATTENTION_STRATEGIES, VOCAB_MODES, attention_cost, vocab_cost
 
 
 def resolve_profile(profile: HardwareProfile | None) -> HardwareProfile:
-    """``profile``, or this machine's: the calibrated one if written, else the built-in one."""
-    if profile is not None:
-        return profile
-    from .local import local_profile
-
-    return local_profile()
+    """``profile``, or the built-in one. Nothing here reads a file: a calibrated profile reaches
+    the cost model as an argument, usually ``ctx.profile`` (agreed by every rank at
+    ``init_parallel``); the command line locates the file."""
+    return profile if profile is not None else CPU_GLOO
 
 
 def attention_problem(cfg, tp: int, strategy: str, seq: int | None = None) -> str | None:

@@ -2,7 +2,10 @@
 
 Collective time is the cost model's one formula (:func:`~.cost.collective_time`: Hockney's α–β
 model with the per-rank volumes of ring algorithms); a profile only says which α and β a collective
-of a given kind and group size gets. Compute time: ``FLOPs / achieved FLOP/s``.
+of a given kind and group size gets. Compute time: ``FLOPs / achieved FLOP/s``. Between nodes
+(:meth:`HardwareProfile.inter_alpha_beta`) a collective gets the slower of those figures and the
+profile's ``inter_node_alpha_s`` / ``inter_node_bandwidth`` (``None``: the same as inside a node,
+which is all a measurement on one machine can say).
 
 ``CPU_GLOO`` are rough figures of the development machine (2 shared cores, gloo over loopback, one
 thread per rank) from one early measurement (medians of 1-element and 4M-element all-reduces at 2
@@ -23,11 +26,23 @@ class HardwareProfile:
     matmul_flops: float  # achieved FLOP/s of one rank on large matmuls
     alpha_s: float  # latency of one collective, seconds
     bandwidth: float  # bytes/s one rank sends in a collective (bus bandwidth)
+    inter_node_alpha_s: float | None = None  # latency of a collective across nodes (None: as above)
+    inter_node_bandwidth: float | None = None  # bytes/s per rank across nodes (None: as above)
 
     def alpha_beta(self, kind: str, group_size: int) -> tuple[float, float]:
         """``(α, β)`` of a collective of ``kind`` over ``group_size`` ranks: the same for all here;
         a measured profile (:class:`~.profile.CalibratedProfile`) has one pair per kind."""
         return self.alpha_s, self.bandwidth
+
+    def inter_alpha_beta(self, kind: str, group_size: int) -> tuple[float, float]:
+        """``(α, β)`` of a collective whose ranks sit on different nodes: the slower of
+        :meth:`alpha_beta` and the inter-node figures (a ring runs at its slowest link)."""
+        alpha, beta = self.alpha_beta(kind, group_size)
+        if self.inter_node_alpha_s is not None:
+            alpha = max(alpha, self.inter_node_alpha_s)
+        if self.inter_node_bandwidth is not None:
+            beta = min(beta, self.inter_node_bandwidth)
+        return alpha, beta
 
     def collective_time(self, kind: str, elements: int, group_size: int,
                         bytes_per_element: int = 4) -> float:

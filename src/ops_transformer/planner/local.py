@@ -1,8 +1,9 @@
 """This machine as a "cluster" for the planner (``plan --gpu local``): its CPU ranks over loopback.
 
-Throughput and link figures come from the calibrated profile (``ops-transformer calibrate``) when one
-exists, else from the rough :data:`~ops_transformer.planner.hardware.CPU_GLOO`; memory is this
-machine's RAM shared by the ranks; the topology is what :func:`detect_topology` finds.
+Throughput and link figures come from the profile it is given (the command line passes the calibrated
+one, ``ops-transformer calibrate``, when it exists), else from the rough
+:data:`~ops_transformer.planner.hardware.CPU_GLOO`; memory is this machine's RAM shared by the
+ranks; the topology is what :func:`detect_topology` finds.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 from .catalogue import GPU, Link
 from .hardware import CPU_GLOO
 from .specs import ClusterSpec
-from .topology import detect_topology
+from ..comm.topology import detect_topology
 
 
 def _ram_bytes() -> int:
@@ -22,23 +23,19 @@ def _ram_bytes() -> int:
         return 8 << 30
 
 
-def local_profile():
-    """The calibrated profile if one was written (``ops-transformer calibrate``), else the rough
-    built-in :data:`CPU_GLOO`. The default of every cost-model choice (``attention="auto"``, the
-    vocabulary split, ``parallel_linear``)."""
-    from .profile import default_profile_path, load_profile
-
-    path = default_profile_path()
-    return load_profile(path) if path.exists() else CPU_GLOO
+def local_profile(profile=None):
+    """``profile`` (the command line passes the calibrated one when it exists), else the rough
+    built-in :data:`CPU_GLOO`."""
+    return profile if profile is not None else CPU_GLOO
 
 
-def local_cluster(ranks: int) -> ClusterSpec:
+def local_cluster(ranks: int, profile=None) -> ClusterSpec:
     """``ranks`` local processes: the detected topology's link (loopback on a CPU machine) with
     the profile's α and β, the profile's matmul rate, and the RAM shared by the ranks."""
     if ranks < 1:
         raise ValueError(f"--gpus must be at least 1, got {ranks}")
     topology = detect_topology()
-    profile = local_profile()
+    profile = local_profile(profile)
     flops = profile.matmul_flops
     device = GPU(f"local-{topology.kind} ({topology.source})", bf16_flops=flops, fp16_flops=flops, fp32_flops=flops,
                  memory_bytes=_ram_bytes() // ranks, memory_bandwidth=10e9, intra_link="loopback",

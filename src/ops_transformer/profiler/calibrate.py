@@ -45,8 +45,8 @@ from ..comm.ledger import wire_elements
 from ..parallel.context import init_parallel
 from ..parallel.launch import launch
 from ..utils.progress import Progress
+from ..comm.topology import detect_topology
 from ..planner.catalogue import GPUS, gpu_for_device
-from ..planner.topology import detect_topology
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 MATMUL_SIZES, QUICK_MATMUL_SIZES = (256, 512, 1024, 2048), (256, 512)

@@ -69,12 +69,13 @@ def diagnose(model: nn.Module, ctx, step_fn=None, *, profile: HardwareProfile | 
              small_run: int = 4) -> list[Diagnostic]:
     """Diagnose ``model`` (and one step of ``step_fn`` when given) on this rank of ``ctx``
     (module docstring). ``profile`` gives α, β and the small-message threshold (default: the
-    built-in CPU figures, or a calibrated profile passed by the caller); ``small_run`` is the
+    profile the ranks of ``ctx`` agreed on, else the built-in CPU figures); ``small_run`` is the
     number of back-to-back small collectives that counts as frequent."""
     found = [Diagnostic(**d) for d in dimension_checks(model, ctx.tp_size)]
     if step_fn is not None:
         found += [Diagnostic(**d) for d in comm_checks(
-            model, ctx, step_fn, profile or CPU_GLOO, exposed_threshold=exposed_threshold,
+            model, ctx, step_fn, profile or getattr(ctx, "profile", None) or CPU_GLOO,
+            exposed_threshold=exposed_threshold,
             imbalance_threshold=imbalance_threshold, small_run=small_run)]
     return sorted(found, key=lambda d: (SEVERITIES.index(d.severity),
                                         -(d.estimated_saving_s or 0.0), d.code, d.where))

@@ -43,9 +43,10 @@ def output_files(out: Path, ranks: int) -> dict[str, Path]:
     return files
 
 
-def profile_worker(cfg: TrainConfig, steps: int, warmup: int) -> dict | None:
-    """Run on every rank; the summary (with the files written) on rank 0, ``None`` elsewhere."""
-    with join(cfg) as ctx:
+def profile_worker(cfg: TrainConfig, steps: int, warmup: int, profile=None) -> dict | None:
+    """Run on every rank; the summary (with the files written) on rank 0, ``None`` elsewhere.
+    ``profile``: the hardware profile, as :func:`~ops_transformer.train.train_worker` takes it."""
+    with join(cfg, profile) as ctx:
         return _profile(setup_training(cfg, ctx), steps, warmup)
 
 
@@ -72,9 +73,10 @@ def _profile(state, steps: int, warmup: int) -> dict | None:
     return summary
 
 
-def diagnose_worker(cfg: TrainConfig, steps: bool = True) -> list[dict] | None:
-    """Run on every rank: diagnose the training step of ``cfg``; rank 0 returns the findings."""
-    with join(cfg) as ctx:
+def diagnose_worker(cfg: TrainConfig, steps: bool = True, profile=None) -> list[dict] | None:
+    """Run on every rank: diagnose the training step of ``cfg``; rank 0 returns the findings.
+    The small-message threshold and α come from the profile the ranks agreed on."""
+    with join(cfg, profile) as ctx:
         state = setup_training(cfg, ctx)
         batches = iter([state.batch(i) for i in range(1 + PROFILED_STEPS)])
         step_fn = (lambda: state.step(*next(batches))) if steps else None

@@ -71,9 +71,10 @@ def label(cfg: TrainConfig, axes: dict[str, list]) -> str:
     return " ".join(f"{k}={show(getattr(cfg, k))}" for k in axes)
 
 
-def sweep_worker(cfg: TrainConfig, warmup: int) -> dict | None:
-    """One configuration on every rank: ``warmup`` + ``cfg.steps`` training steps, timed."""
-    with join(cfg) as ctx:
+def sweep_worker(cfg: TrainConfig, warmup: int, profile=None) -> dict | None:
+    """One configuration on every rank: ``warmup`` + ``cfg.steps`` training steps, timed
+    (``profile``: as :func:`~ops_transformer.train.train_worker` takes it)."""
+    with join(cfg, profile) as ctx:
         return _timed(setup_training(cfg, ctx), warmup)
 
 
@@ -102,8 +103,10 @@ def _timed(state, warmup: int) -> dict | None:
             "dp_used": state.ctx.dp_size}
 
 
-def predicted_step_s(cfg: TrainConfig, nproc: int, attention: str, dp: int) -> float | None:
-    """The planner's step time for this layout on ``nproc`` local ranks (``plan --gpu local``)."""
+def predicted_step_s(cfg: TrainConfig, nproc: int, attention: str, dp: int,
+                     profile=None) -> float | None:
+    """The planner's step time for this layout on ``nproc`` local ranks (``plan --gpu local``,
+    with ``profile``: the calibrated one, else the built-in CPU figures)."""
     from ..planner.local import local_cluster
     from ..planner.search import Options, evaluate_layout, execution
     from ..planner.specs import ModelSpec
@@ -111,7 +114,7 @@ def predicted_step_s(cfg: TrainConfig, nproc: int, attention: str, dp: int) -> f
     model = ModelSpec.from_gpt_config(cfg.model_config(), seq=cfg.seq, global_batch=cfg.batch,
                                       micro_batch=cfg.batch // dp,
                                       dtype=getattr(cfg, "precision", "fp32"))
-    cluster = local_cluster(nproc)
+    cluster = local_cluster(nproc, profile)
     layout = Options(dp=dp, tp=cfg.tp, ep=getattr(cfg, "ep", 1), attention=attention,
                      sequence_parallel=getattr(cfg, "sequence_parallel", False),
                      recompute=getattr(cfg, "recompute", "none"),
@@ -122,29 +125,30 @@ def predicted_step_s(cfg: TrainConfig, nproc: int, attention: str, dp: int) -> f
         return None
 
 
-def run_one(cfg: TrainConfig, nproc: int, warmup: int, launch) -> dict:
+def run_one(cfg: TrainConfig, nproc: int, warmup: int, launch, profile=None) -> dict:
     """One row: ``status`` ``ok``, ``invalid`` (rejected before starting) or ``failed``."""
     try:
         dp, _ = validate(cfg, nproc)
     except ValueError as exc:
         return {"status": "invalid", "error": str(exc)}
     try:
-        got = launch(sweep_worker, nproc, cfg, warmup)[0]
+        got = launch(sweep_worker, nproc, cfg, warmup,
+                     **({} if profile is None else {"profile": profile}))[0]
     except Exception as exc:  # noqa: BLE001 - a failing configuration is a row, not the end
         return {"status": "failed", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
-    got["predicted_step_s"] = predicted_step_s(cfg, nproc, got["attention_used"], dp)
+    got["predicted_step_s"] = predicted_step_s(cfg, nproc, got["attention_used"], dp, profile)
     return {"status": "ok", **got}
 
 
 def run_sweep(base: TrainConfig, axes: dict[str, list], nproc: int, warmup: int, *, launch,
-              progress=None) -> dict:
+              progress=None, profile=None) -> dict:
     """Every combination of ``axes`` over ``base`` (module docstring); ``progress`` is called
-    with each finished row."""
+    with each finished row; ``profile``: the calibrated hardware profile (``None``: built-in)."""
     available, unavailable = split_axes(axes)
     rows = []
     for cfg in combinations(base, available):
         row = {"config": label(cfg, available), **{k: getattr(cfg, k) for k in available},
-               **run_one(cfg, nproc, warmup, launch)}
+               **run_one(cfg, nproc, warmup, launch, profile)}
         rows.append(row)
         if progress is not None:
             progress(row)

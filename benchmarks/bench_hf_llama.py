@@ -1,0 +1,300 @@
+"""Time a Hugging Face Llama training step at tp=2: ``parallelize`` vs DTensor, and against its floor.
+
+One step is the forward with ``labels`` (the loss), ``loss.backward()`` and dropping the gradients,
+fp32, on 2 local gloo ranks with one intra-op thread each. Methods, interleaved round by round (the
+order rotates each round):
+
+* ``ours``    — ``parallelize(model, ctx)``: the plan ``parallelize`` chooses for this model;
+* ``dtensor`` — ``parallelize_module(model, ctx.mesh["tp"], plan)`` with ``ColwiseParallel`` on
+  ``q/k/v_proj`` and ``gate/up_proj`` and ``RowwiseParallel`` on ``o_proj`` and ``down_proj`` of
+  every layer (embedding and LM head replicated), as torchtitan applies it;
+* ``nocomm``  — ``ours`` with its communication removed: every ``torch.distributed`` call of
+  :mod:`ops_transformer.comm.collectives` replaced by a local copy of the right shape (the values
+  are wrong, the compute and the library's own work are the same);
+* ``alone``   — the collectives ``ours`` issued in one step (from its ``CommLedger``), each issued
+  alone after a barrier, their times summed: the time the step's communication takes without
+  compute around it.
+
+Reported: ``ours / dtensor`` and the floor ratio ``ours / (nocomm + alone)`` (1 would mean the step
+costs exactly its compute plus its communication; below 1, communication overlapped compute), each
+as the median over rounds of the per-round ratio of medians. Targets (issue 15): ``ours/dtensor``
+≤ 0.5 at ``small`` and ≤ 0.8 at ``medium``; floor ≤ 1.1 at both.
+
+Before timing, every size is checked once: ``ours`` and ``dtensor`` losses and full-vocabulary
+logits against the dense model's, and one step's collectives (``CommLedger``).
+
+    python benchmarks/bench_hf_llama.py --rounds 10 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ops_transformer
+from ops_transformer import CommLedger, parallelize
+from ops_transformer.comm import collectives as C
+
+from _common import (OtherLoad, add_timing_args, check_counts, finish, format_paired, interleave,
+                     job_meta, method_stats, paired_ratio, rel_err, time_steps)
+
+METHODS = ("dtensor", "ours", "nocomm", "alone")  # the baseline first (method_stats)
+TP = 2
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq: int
+    batch: int
+    steps: int
+    warmup: int
+    target: float  # ours / dtensor must not exceed it
+
+
+SIZES = {
+    "small": Size("small", 128, 256, 4, 8, 8, 512, 64, 4, steps=20, warmup=3, target=0.5),
+    "medium": Size("medium", 512, 1536, 2, 8, 8, 512, 256, 4, steps=6, warmup=2, target=0.8),
+}
+FLOOR_TARGET = 1.1
+
+
+def dense_llama(size: Size) -> nn.Module:
+    """The dense model, from the same seed on every rank and for every method."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=size.hidden, intermediate_size=size.ffn,
+                         num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                         num_key_value_heads=size.kv_heads, vocab_size=size.vocab,
+                         max_position_embeddings=max(size.seq, 128), attn_implementation="sdpa")
+    torch.manual_seed(SEED)
+    return LlamaForCausalLM(config)
+
+
+def dtensor_llama(size: Size, tp_mesh) -> nn.Module:
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    model = dense_llama(size)
+    plan = {}
+    for i in range(size.layers):
+        p = f"model.layers.{i}."
+        plan.update({p + "self_attn.q_proj": ColwiseParallel(),
+                     p + "self_attn.k_proj": ColwiseParallel(),
+                     p + "self_attn.v_proj": ColwiseParallel(),
+                     p + "self_attn.o_proj": RowwiseParallel(),
+                     p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+                     p + "mlp.down_proj": RowwiseParallel()})
+    return parallelize_module(model, tp_mesh, plan)
+
+
+def train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Forward with labels, backward, drop the gradients; returns the detached loss."""
+    ids, labels = batch
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach()
+
+
+class _NoComm:
+    """``torch.distributed`` for :mod:`ops_transformer.comm.collectives`, minus the communication:
+    collectives fill their outputs locally (all-gather: the input in every slot; reduce-scatter:
+    this rank's block), point-to-point calls do nothing."""
+
+    class _Done:
+        def wait(self, timeout=None):
+            return True
+
+        def is_completed(self):
+            return True
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        return self._Done() if async_op else None
+
+    def broadcast(self, tensor, src=0, group=None, async_op=False):
+        return self._Done() if async_op else None
+
+    def isend(self, tensor, dst=None, group=None, tag=0):
+        return self._Done()
+
+    def irecv(self, tensor, src=None, group=None, tag=0):
+        return self._Done()
+
+    def all_to_all_single(self, output, input, *args, group=None, async_op=False):
+        output.copy_(input)
+        return self._Done() if async_op else None
+
+    def all_gather(self, output, input, group=None, async_op=False):
+        output.view(-1, input.numel()).copy_(input.reshape(1, -1))
+        return self._Done() if async_op else None
+
+    def reduce_scatter(self, output, input, op=None, group=None, async_op=False):
+        output.copy_(input.reshape(-1, output.numel())[group.rank()].view_as(output))
+        return self._Done() if async_op else None
+
+
+@contextlib.contextmanager
+def communication_removed():
+    fake = _NoComm()
+    saved = C.dist, C._all_gather_single, C._reduce_scatter_single
+    C.dist, C._all_gather_single, C._reduce_scatter_single = fake, fake.all_gather, \
+        fake.reduce_scatter
+    try:
+        yield
+    finally:
+        C.dist, C._all_gather_single, C._reduce_scatter_single = saved
+
+
+def replay(record, groups: dict) -> float:
+    """Seconds of one recorded collective issued alone (through the engine: same algorithm)."""
+    group, n = groups[record.group_ranks], record.elements
+    p = len(record.group_ranks)
+    full, shard = torch.ones(n, dtype=record.dtype), torch.ones(n // p, dtype=record.dtype)
+    ops = {"all_reduce": lambda: C.all_reduce(full, group),
+           "all_gather": lambda: C.all_gather_into(full, shard, group),
+           "reduce_scatter": lambda: C.reduce_scatter_into(shard, full, group)}
+    if record.kind not in ops:
+        raise ValueError(f"no replay for {record.kind}")
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    ops[record.kind]()
+    return time.perf_counter() - t0
+
+
+def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | None) -> dict:
+    from transformers import set_seed
+
+    set_seed(SEED)
+    models = {"ours": parallelize(dense_llama(size), ctx),
+              "dtensor": dtensor_llama(size, ctx.mesh["tp"])}
+    gen = torch.Generator().manual_seed(SEED)
+    batches = [(ids, ids.clone()) for ids in
+               (torch.randint(0, size.vocab, (size.batch, size.seq), generator=gen)
+                for _ in range(4))]
+    losses = {m: float(train_step(model, batches[0])) for m, model in models.items()}
+    dense = dense_llama(size)
+    losses["dense"] = float(train_step(dense, batches[0]))
+    with torch.no_grad():  # the full-vocabulary logits against the dense model's
+        ref = dense(input_ids=batches[0][0]).logits
+        logits_err = {m: rel_err(model(input_ids=batches[0][0]).logits, ref)
+                      for m, model in models.items()}
+    with CommLedger() as ledger:
+        train_step(models["ours"], batches[1])
+    records = list(ledger.records)
+    groups = {tuple(dist.get_process_group_ranks(ctx.tp_group)): ctx.tp_group}
+    steps, warmup = steps or size.steps, size.warmup if warmup is None else warmup
+    state = {"i": 0}
+
+    def next_batch():
+        state["i"] += 1
+        return batches[state["i"] % len(batches)]
+
+    def block(method: str) -> list[float]:
+        if method == "alone":
+            return [sum(replay(r, groups) for r in records) for _ in range(steps)]
+        model = models["dtensor" if method == "dtensor" else "ours"]
+        with communication_removed() if method == "nocomm" else contextlib.nullcontext():
+            return time_steps(lambda: train_step(model, next_batch()), warmup, steps)
+
+    times = interleave(METHODS, rounds, block)
+    return {"size": asdict(size), "losses": losses, "logits_rel_err": logits_err,
+            "steps": steps, "warmup": warmup,
+            "attention": models["ours"].parallel_plan.reason,
+            "ledger": ledger.summary(), "by_algorithm": ledger.by_algorithm(),
+            "collectives_per_step": len(records), "times": times}
+
+
+def rank_main(sizes, rounds, steps, warmup, profile):
+    ctx = ops_transformer.init_parallel(tp=TP, profile=profile)
+    return {"rank": ctx.rank, "backend": ctx.backend, "threads": torch.get_num_threads(),
+            "profile": ctx.profile.name,
+            "results": [bench_size(s, ctx, rounds, steps, warmup) for s in sizes]}
+
+
+def floor_ratios(times: dict) -> list[float]:
+    """Per round: ours / (nocomm + alone), each the round's median."""
+    med = {m: [statistics.median(block) for block in times[m]] for m in METHODS}
+    return [o / (n + a) for o, n, a in zip(med["ours"], med["nocomm"], med["alone"])]
+
+
+def report(per_rank: list[dict]) -> list[dict]:
+    rows = []
+    for i, res in enumerate(per_rank[0]["results"]):
+        s, times = res["size"], res["times"]
+        stats = method_stats([r["results"][i]["times"] for r in per_rank], METHODS, "dtensor")
+        floors = floor_ratios(times)
+        vs_dtensor = paired_ratio(times, "ours", "dtensor")
+        floor = {"median": statistics.median(floors), "min": min(floors), "max": max(floors)}
+        dense = res["losses"]["dense"]
+        print(f"\n[{s['name']}] Llama hidden {s['hidden']}, FFN {s['ffn']}, {s['layers']} layers, "
+              f"{s['heads']} heads / {s['kv_heads']} KV, vocab {s['vocab']}, batch {s['batch']} "
+              f"x seq {s['seq']}; {res['warmup']} untimed + {res['steps']} timed steps per block")
+        print(f"  vs dense: loss rel. diff ours {abs(res['losses']['ours'] - dense) / dense:.1e}, "
+              f"dtensor {abs(res['losses']['dtensor'] - dense) / dense:.1e}; logits max rel. "
+              f"err ours {res['logits_rel_err']['ours']:.1e}, dtensor "
+              f"{res['logits_rel_err']['dtensor']:.1e}")
+        print(f"  ours per step: {res['collectives_per_step']} collectives {res['ledger']} "
+              f"by algorithm {sorted(res['by_algorithm'])}")
+        print("  rank 0 median ms: " + ", ".join(f"{m} {stats['ms'][m]:.2f}" for m in METHODS))
+        print(f"  ours / dtensor  {format_paired(vs_dtensor)}   target <= {s['target']}: "
+              f"{'met' if vs_dtensor['median'] <= s['target'] else 'NOT met'}")
+        print(f"  floor ours / (nocomm + alone)  {format_paired(floor)}   target <= "
+              f"{FLOOR_TARGET}: {'met' if floor['median'] <= FLOOR_TARGET else 'NOT met'}")
+        rows.append({"size": s, "ms": stats["ms"], "ours/dtensor": vs_dtensor, "floor": floor,
+                     "losses": res["losses"], "logits_rel_err": res["logits_rel_err"],
+                     "ledger": res["ledger"],
+                     "by_algorithm": res["by_algorithm"]})
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="small,medium", help=f"from {', '.join(SIZES)}")
+    p.add_argument("--profile", help="hardware profile for our collective algorithms and plan "
+                   "(default: the calibrated one where the CLI finds it, else the built-in one; "
+                   "'builtin' forces the built-in one)")
+    add_timing_args(p, rounds=10, steps=None, warmup=None,
+                    steps_help="timed steps per method per round (default per size)")
+    args = p.parse_args(argv)
+    check_counts(p, args, SIZES)
+    if args.profile is None:
+        from ops_transformer.cli._profile import profile_path
+
+        args.profile = str(profile_path()) if profile_path().exists() else None
+    elif args.profile == "builtin":
+        args.profile = None
+    t0, other = time.perf_counter(), OtherLoad()
+    per_rank = ops_transformer.launch(rank_main, TP, [SIZES[s] for s in args.sizes.split(",")],
+                                      args.rounds, args.steps, args.warmup, args.profile,
+                                      timeout=3600)
+    other_cores = other.cores()
+    meta = job_meta(per_rank[0], args, profile=per_rank[0]["profile"],
+                    other_load_cores=other_cores)
+    print(f"ops_transformer {meta['ops_transformer']}, torch {meta['torch']}, {meta['backend']}, "
+          f"tp={TP}, {meta['threads_per_rank']} thread per rank, {meta['cpus']} CPUs, "
+          f"rounds={args.rounds}, profile: {meta['profile']}")
+    rows = report(per_rank)
+    finish(t0, args.json, {"meta": meta, "rows": rows, "raw": per_rank}, other_cores)
+
+
+if __name__ == "__main__":
+    main()

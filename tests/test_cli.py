@@ -64,3 +64,74 @@ def test_corpus_too_small_for_the_sequence(tmp_path, capsys):
     corpus.write_text("print('hello')\n")
     assert main(["train", "--data", str(corpus), "--seq", "64", "--steps", "1"]) == 2
     assert "corpus has 15 bytes" in capsys.readouterr().err
+
+
+def test_train_with_every_memory_technique(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--nproc", "4", "--tp", "2", "--steps", "2", "--batch", "4", "--seq",
+                 "32", "--sequence-parallel", "--recompute", "selective", "--activation-cache",
+                 "int8", "--zero", "2", "--out", str(out), "--no-progress", "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["config"]["sequence_parallel"] and metrics["config"]["zero"] == 2
+    measured = {k: {"calls": v["calls"], "elements": v["elements"]}
+                for k, v in metrics["tp_comm_per_step"].items()}
+    assert measured == metrics["expected_tp_comm_per_step"]  # SP's collectives, as modelled
+    assert measured["reduce_scatter"]["calls"] == 4 * 2  # 2 layers: 2 forward + 2 backward each
+    assert (out / "metrics.json").exists()
+
+
+@pytest.mark.slow
+def test_train_runs_the_plans_memory_options(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"best": {"tp": 2, "dp": 2, "ep": 1, "attention": "heads",
+                                         "sequence_parallel": True, "recompute": "full",
+                                         "zero_stage": 1}}))
+    assert main(["train", "--plan", str(plan), "--steps", "2", "--seq", "32", "--batch", "4",
+                 "--no-progress", "--out", str(tmp_path / "run"), "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    config = metrics["config"]
+    assert (config["sequence_parallel"], config["recompute"], config["zero"]) == (True, "full", 1)
+    measured = {k: {"calls": v["calls"], "elements": v["elements"]}
+                for k, v in metrics["tp_comm_per_step"].items()}
+    assert measured == metrics["expected_tp_comm_per_step"]  # with the recompute replays
+
+
+def test_memory_flags_that_contradict_the_plan_are_an_error(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"best": {"tp": 2, "dp": 2, "ep": 1, "attention": "heads",
+                                         "sequence_parallel": True, "recompute": "full",
+                                         "zero_stage": 1}}))
+    assert main(["train", "--plan", str(plan), "--recompute", "none", "--zero", "2",
+                 "--sequence-parallel", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--recompute none (the plan has full)" in err and "--zero 2 (the plan has 1)" in err
+    assert "--sequence-parallel" not in err.split("but also")[1]  # it agrees with the plan
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq", "33"],
+     "the sequence length s (33) must be divisible by tp (2)"),
+    (["train", "--nproc", "2", "--tp", "2", "--zero", "1"], "--zero 1 shards the optimizer over "
+     "data-parallel ranks, but dp is 1"),
+    (["train", "--sequence-parallel"], "but tp is 1"),
+    (["train", "--nproc", "2", "--tp", "2", "--sequence-parallel", "--attention", "kv_split"],
+     "--sequence-parallel needs --attention heads"),
+    (["memory", "--tp", "2", "--seq", "33", "--preset", "tiny"],
+     "the sequence length s (33) must be divisible by tp (2)"),
+    (["memory", "--preset", "huge"], "unknown preset 'huge'"),
+])
+def test_memory_flag_errors(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_memory_command_prints_the_trade_off_table(capsys):
+    assert main(["memory", "--preset", "tiny", "--tp", "2", "--seq", "32", "--batch", "2",
+                 "--layers", "1", "--steps", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["plain"]["step_ratio"] == 1.0
+    assert by_name["SP + full"]["bytes_per_layer"] == by_name["SP + full"][
+        "formula_bytes_per_layer"]  # the layer input's share: 2sbh/t (fp32)
+    assert by_name["sequence parallel"]["activation_bytes"] < by_name["plain"]["activation_bytes"]

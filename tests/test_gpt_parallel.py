@@ -44,12 +44,13 @@ def _optimizer(name, params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-3)
 
 
-def _train(config, opt_name, tp, attention, vocab="parallel"):
+def _train(config, opt_name, tp, attention, vocab="parallel", **options):
+    """``options``: more of ``parallelize``'s arguments (sequence parallelism, recompute)."""
     ctx = init_parallel(tp=tp)
     torch.manual_seed(0)
     model = GPT(CONFIGS[config])
-    if int(os.environ["WORLD_SIZE"]) > 1:
-        model = parallelize(model, ctx, attention=attention, vocab=vocab)
+    if int(os.environ["WORLD_SIZE"]) > 1 or options:
+        model = parallelize(model, ctx, attention=attention, vocab=vocab, **options)
     opt = _optimizer(opt_name, model.parameters())
     rows = slice(ctx.dp_rank * B // ctx.dp_size, (ctx.dp_rank + 1) * B // ctx.dp_size)
     losses = []

@@ -191,10 +191,10 @@ def test_each_planted_problem_is_diagnosed(run_ranks, problem, code):
     assert not others, found
 
 
-def _reference_worker():
+def _reference_worker(**memory):
     ctx = ot.init_parallel(tp=2)
     torch.manual_seed(0)
-    model = ot.parallelize(GPT(preset("tiny")), ctx)
+    model = ot.parallelize(GPT(preset("tiny")), ctx, **memory)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (8, 65))
 
@@ -208,6 +208,14 @@ def _reference_worker():
 
 def test_reference_gpt_is_silent_but_for_machine_dependent_findings(run_ranks):
     found = run_ranks(_reference_worker, 2)[0]
+    assert {d["code"] for d in found} <= SILENT_ON_REFERENCE, found
+
+
+@pytest.mark.slow
+def test_reference_gpt_with_sequence_parallelism_and_recompute_is_silent(run_ranks):
+    """Sequence parallelism's reduce-scatters and all-gathers and full recompute's replayed
+    forward collectives are the plan's, not redundant ones."""
+    found = run_ranks(_reference_worker, 2, sequence_parallel=True, recompute="full")[0]
     assert {d["code"] for d in found} <= SILENT_ON_REFERENCE, found
 
 

@@ -19,6 +19,7 @@ import torch
 
 from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
+from .memory.options import check_memory_flags, make_optimizer, partial_numel
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
 from .models.moe import moe_stats
@@ -56,6 +57,10 @@ class TrainConfig:
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
     ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
     tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
+    sequence_parallel: bool = False  # memory (SPEC F7): see ops_transformer.memory
+    recompute: str = "none"
+    activation_cache: str = "none"
+    zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -89,6 +94,7 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
         raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})" if ep == 1 else
                          f"--batch ({cfg.batch}) must be divisible by dp ({dp}) × ep ({ep}): "
                          f"each of the {dp * ep} ranks reads its own rows")
+    check_memory_flags(cfg, dp, tp)
     gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
     check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
@@ -106,11 +112,12 @@ def check_train_ep(model_cfg: GPTConfig, preset_name: str, ep: int) -> None:
 
 
 def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch: int,
-                           seq: int, vocab: str = "parallel") -> dict[str, dict[str, int]]:
+                           seq: int, vocab: str = "parallel",
+                           **memory) -> dict[str, dict[str, int]]:
     """The tensor-parallel collectives the cost model predicts for one training step on one rank
     (:func:`ops_transformer.planner.strategies.model_comm_per_step`, checked against the ledger by
-    the tests)."""
-    return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab)
+    the tests); ``memory``: its ``sequence_parallel``, ``recompute`` and ``partial_elements``."""
+    return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab, **memory)
 
 
 @dataclass
@@ -174,13 +181,16 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
-    plan = gpt_plan(model_cfg, ctx.tp_size, cfg.attention, batch=cfg.batch // ctx.dp_ep_size,
+    attention = "heads" if cfg.sequence_parallel and cfg.attention == "auto" else cfg.attention
+    plan = gpt_plan(model_cfg, ctx.tp_size, attention, batch=cfg.batch // ctx.dp_ep_size,
                     seq=cfg.seq, profile=ctx.profile)  # `auto`: for this run's shapes, on the
     #                                                     profile every rank agreed on
     policy = precision_policy(cfg.precision)
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan,
-                        grad_reduce_dtype=policy.grad_reduce_dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+                        grad_reduce_dtype=policy.grad_reduce_dtype,
+                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+                        activation_cache=cfg.activation_cache)
+    opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
     return TrainState(cfg, ctx, model, opt, data, policy, scaler)
 
@@ -286,7 +296,8 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
         "expected_tp_comm_per_step": expected_comm_per_step(
             model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_ep_size,
-            cfg.seq, model.parallel_plan.vocab),
+            cfg.seq, model.parallel_plan.vocab, sequence_parallel=cfg.sequence_parallel,
+            recompute=cfg.recompute, partial_elements=partial_numel(model, ctx.tp_group)),
         "params": _dense_param_count(model.cfg),
         "ranks_per_node": ctx.ranks_per_node,
         "comm_by_level": ledger.by_level(),  # what ran inside a node and across nodes

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -16,6 +15,9 @@ from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
 from ..train import TrainConfig, train_worker, validate
+from ..memory.layers import ACTIVATION_CACHES
+from ..memory.options import ZERO_STAGES, memory_from_plan, memory_summary
+from ..memory.recompute import RECOMPUTE
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       under_torchrun, world_size)
@@ -45,7 +47,18 @@ def add_parser(p) -> None:
                    "LOCAL_WORLD_SIZE, else all on one node); e.g. 2 with --nproc 4 simulates 2 "
                    "nodes x 2 ranks")
     p.add_argument("--plan", help="a plan from 'ops-transformer plan --out FILE' (its best "
-                   "layout) or a candidate from it: sets --tp, --dp and --attention")
+                   "layout) or a candidate from it: sets --tp, --dp, --attention and the plan's "
+                   "sequence parallelism, recompute and ZeRO stage")
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="keep each rank's slice of "
+                   "the sequence between tensor-parallel regions (needs --tp 2+, heads attention)")
+    p.add_argument("--recompute", choices=RECOMPUTE, help="recompute activations in backward: "
+                   "the attention core or every layer (default none)")
+    p.add_argument("--activation-cache", default="none", choices=ACTIVATION_CACHES,
+                   help="keep the layers' saved activations as int8 (one scale per 128 values)")
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES,
+                   help="ZeRO stage over the data-parallel ranks: 1 shards the optimizer state, 2 "
+                   "also the gradients (default 0: off)")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -60,7 +73,8 @@ def add_parser(p) -> None:
 
 
 def layout_from_plan(path: str) -> dict:
-    """``{"tp", "dp", "attention"}`` from a planner result (its ``best``) or one candidate."""
+    """``{"tp", "dp", "ep", "attention", "sequence_parallel", "recompute", "zero"}`` from a planner
+    result (its ``best``) or one candidate."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -69,37 +83,36 @@ def layout_from_plan(path: str) -> dict:
     if not isinstance(best, dict) or not {"tp", "dp", "attention"} <= set(best):
         raise ValueError(f"--plan {path!r} has no layout (its 'best' is null: nothing fits, or it "
                          f"is not a planner result)")
-    skipped = [f"{k}={best[k]}" for k, default in (("zero_stage", 0), ("recompute", "none"),
-                                                    ("sequence_parallel", False))
-               if best.get(k, default) != default]
-    if skipped:
-        warnings.warn(f"--plan: train runs the plan's layout but not yet {', '.join(skipped)} "
-                      f"(SPEC F7 is not implemented); memory use will be higher than planned",
-                      stacklevel=2)
     return {"tp": best["tp"], "dp": best["dp"], "ep": best.get("ep", 1),
-            "attention": best["attention"]}
+            "attention": best["attention"], **memory_from_plan(best, path)}
 
 
 def config_from_args(args, out_prefix: str) -> TrainConfig:
     out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
     given = {"tp": args.tp, "dp": args.dp, "ep": getattr(args, "ep", None),
-             "attention": args.attention}
+             "attention": args.attention,
+             "sequence_parallel": getattr(args, "sequence_parallel", None),
+             "recompute": getattr(args, "recompute", None), "zero": getattr(args, "zero", None)}
     layout = {"tp": 1 if args.tp is None else args.tp, "dp": args.dp,
               "ep": 1 if given["ep"] is None else given["ep"],
-              "attention": args.attention or "auto"}
+              "attention": args.attention or "auto",
+              "sequence_parallel": bool(given["sequence_parallel"]),
+              "recompute": given["recompute"] or "none", "zero": given["zero"] or 0}
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
-        conflicts = [f"--{k} {v} (the plan has {layout[k]})" for k, v in given.items()
-                     if v is not None and v != layout[k]]
+        conflicts = [f"--{k.replace('_', '-')} {v} (the plan has {layout[k]})"
+                     for k, v in given.items() if v is not None and v != layout[k]]
         if conflicts:
-            raise ValueError(f"--plan {args.plan!r} sets --tp, --dp, --ep and --attention, but "
-                             f"also {', '.join(conflicts)}: drop the flag or the plan")
+            raise ValueError(f"--plan {args.plan!r} sets --tp, --dp, --ep, --attention, "
+                             f"--sequence-parallel, --recompute and --zero, but also "
+                             f"{', '.join(conflicts)}: drop the flag or the plan")
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
                        progress=not args.no_progress, **layout,
                        precision=args.precision, clip_grad=args.clip_grad,
                        tensorboard=getattr(args, "tensorboard", None),
-                       ranks_per_node=getattr(args, "ranks_per_node", None))
+                       ranks_per_node=getattr(args, "ranks_per_node", None),
+                       activation_cache=getattr(args, "activation_cache", "none"))
 
 
 def run_training(cfg: TrainConfig, nproc: int | None,
@@ -151,6 +164,9 @@ def summary(metrics: dict) -> str:
         {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s']:,.0f}"},
         {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
     ]
+    memory = memory_summary(metrics["config"])
+    if memory:
+        rows.insert(2, {"": "memory", "value": memory})
     if "moe" in metrics:
         rows.append({"": "MoE aux loss / dropped (last)",
                      "value": f"{metrics['moe']['aux_loss'][-1]:.4f} / "

@@ -166,13 +166,17 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh·hd)
+        return self.wo(y)
+
+    def core(self, q, k, v):
+        """The attention core: scores, softmax, dropout, weighted sum (what selective recompute
+        replays). ``(B, nh, T, hd)`` queries, ``(B, nkv, T, hd)`` keys and values."""
         if k.shape[1] != q.shape[1]:  # GQA: each KV head serves a group of query heads
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh·hd)
-        return self.wo(y)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):

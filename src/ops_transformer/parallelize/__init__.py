@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.bucketing import GradSums, add_grad_reducer
+from ..memory.layers import apply_memory_options, check_memory_options
 from ..models.gpt import GPT
 from ..layers.moe import scale_expert_grads, split_expert_params
 from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, no_sync
@@ -17,6 +18,7 @@ from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
 from .moe_plan import check_expert_parallel
 from .plan import Plan, apply_plan
+from .sequence_parallel import check_partial_marked, sequence_parallel_plan
 
 log = logging.getLogger("ops_transformer")
 SUPPORTED = ("ops_transformer.models.GPT",) + tuple(f"Hugging Face {f}" for f in FAMILIES)
@@ -90,7 +92,8 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
 def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
                 vocab: str = "auto", loss_parallel: bool = False,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                grad_reduce_dtype: torch.dtype | None = None) -> nn.Module:
+                grad_reduce_dtype: torch.dtype | None = None, sequence_parallel: bool = False,
+                recompute: str = "none", activation_cache: str = "none") -> nn.Module:
     """Apply tensor parallelism over ``ctx.tp_group`` and data-parallel gradient averaging over
     ``ctx.dp_group`` to ``model`` (in place) and return it.
 
@@ -111,16 +114,29 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     projection), coalesced at the end of backward
     (:class:`~ops_transformer.comm.bucketing.GradSums`). Default: float32 when the parameters are
     16-bit, else the parameters' dtype.
+
+    Memory (SPEC F7, :mod:`ops_transformer.memory`): ``sequence_parallel=True`` keeps ``1/tp`` of
+    the activations between TP regions (reference GPT with ``attention="heads"``, Hugging Face
+    GPT-2/Llama/Mistral/Qwen2; the norms' partial gradients join the ``GradSums``);
+    ``recompute="selective"`` (attention core) or ``"full"`` (every layer) recomputes activations
+    in backward; ``activation_cache="int8"`` keeps each layer's saved activations as int8.
     """
     if getattr(model, "parallel_plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_plan is set)")
+    check_memory_options(recompute, activation_cache)
+    if sequence_parallel and attention == "auto":
+        attention = "heads"  # the one strategy with a sequence-parallel form
     resolved = resolve_plan(model, ctx, plan, attention, loss_parallel, vocab)
     if ctx.ep_size > 1:
         check_expert_parallel(model, resolved, ctx)
+    if sequence_parallel and ctx.tp_size > 1:
+        resolved = sequence_parallel_plan(resolved, model)
     if ctx.tp_size > 1:
         apply_plan(model, resolved, ctx, _Groups(model, ctx))
         if loss_parallel and _is_hf(model):
             model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
+        if sequence_parallel:
+            check_partial_marked(model)
     elif ctx.ep_size > 1:  # experts only
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items() if r["style"] == "moe"}),
                    ctx, _Groups(model, ctx))
@@ -139,6 +155,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     sums = GradSums.of_module(model, dtype=reduce_dtype, bucket_bytes=bucket_bytes)
     if sums is not None:
         add_grad_reducer(model, sums)
+    apply_memory_options(model, recompute=recompute, activation_cache=activation_cache)
     log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
              ctx.ep_size, resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model

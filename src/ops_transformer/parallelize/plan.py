@@ -48,10 +48,12 @@ from ..layers.attention import FeatureSplitAttention
 from ..layers.head import GatheredLMHead, VocabParallelLMHead
 from ..layers.linear import to_compute_dtype
 from ..layers.moe import to_expert_parallel
+from .sequence_parallel import SEQUENCE_STYLES
 
 STYLES = ("colwise", "rowwise", "gather_in", "region", "vocab", "vocab_head", "vocab_logits",
           "kv_split", "attrs")
 STYLES += ("moe",)  # mixture of experts (layers/moe.py)
+STYLES += tuple(SEQUENCE_STYLES)  # sequence parallelism: see .sequence_parallel
 
 
 @dataclass
@@ -179,6 +181,7 @@ _APPLY = {
     "attrs": _attrs,
     "moe": lambda m, ctx, groups: to_expert_parallel(m, ctx),
 }
+_APPLY.update(SEQUENCE_STYLES)
 
 
 def matches(name: str, pattern: str) -> bool:

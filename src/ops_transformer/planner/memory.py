@@ -124,3 +124,37 @@ def logits_bytes(tokens: int, vocab: int, vocab_split: int, bytes_per_element: i
         raise ValueError(f"loss_kernel must be one of {LOSS_KERNELS}, got {loss_kernel!r}")
     per_logit = 2 * bytes_per_element if loss_kernel == "fused" else bytes_per_element + 12
     return tokens * vocab / vocab_split * per_logit
+
+
+def fused_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, *,
+                                     sequence_parallel: bool = False, recompute: str = "none",
+                                     bytes_per_element: int = 2) -> float:
+    """What this library's reference layer keeps for backward, per layer and rank, byte for byte:
+    fused attention (``scaled_dot_product_attention`` keeps Q, K, V, its output and a log-sum-exp),
+    dropout 0 (no masks), LayerNorm + GELU with a ``4h`` FFN. Checked against
+    :func:`ops_transformer.memory.activation_memory`; derivation in ``docs/memory.md``. It differs
+    from :func:`activation_bytes_per_layer` (``attention_kernel="fused", dropout=False``) in three
+    places: LayerNorm's fp32 mean and 1/std (``4sb`` each) are counted; with sequence parallelism
+    the inputs of Q/K/V and of the first FFN matmul stay whole (``2sbh``: they are all-gathered in
+    forward and kept, so backward needs no second gather); and ``selective`` recomputes the
+    attention core only, which with a fused kernel drops just the log-sum-exp (the attention
+    output is also the output projection's saved input).
+
+    * replicated over TP (divided by ``t`` with sequence parallelism): the two LayerNorm inputs
+      (``2sbh``) and their statistics;
+    * whole: the two all-gathered matmul inputs (``2sbh``);
+    * split over TP: Q, K, V and the attention output (``4sbh``), the GELU input and output
+      (``8sbh``), the log-sum-exp (fp32, ``abs``).
+
+    ``recompute="full"`` keeps each layer's input (``sbh``, ``/t`` with sequence parallelism).
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    e, sbh, split = bytes_per_element, s * b * h, t if sequence_parallel else 1
+    if recompute == "full":
+        return e * sbh / split
+    norms = (2 * e * sbh + 2 * 2 * 4 * s * b) / split
+    gathered = 2 * e * sbh
+    sharded = (4 + 8) * e * sbh / t
+    lse = 0 if recompute == "selective" else LSE_BYTES * a * s * b / t
+    return norms + gathered + sharded + lse

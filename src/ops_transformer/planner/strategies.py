@@ -203,7 +203,8 @@ def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
 
 
 def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
-                        vocab: str = "parallel") -> Comm:
+                        vocab: str = "parallel", *, sequence_parallel: bool = False,
+                        recompute: str = "none", partial_elements: int = 0) -> Comm:
     """The tensor-parallel collectives of one training step of the reference decoder on one rank
     (``cfg``: a :class:`~ops_transformer.models.GPTConfig`, the model description the planner and
     the model share), for a micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` ×
@@ -211,14 +212,27 @@ def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
     coalesced call of strategy B's output-projection gradient sums (on the TP group; replicated
     KV heads sum on their replicas' smaller group). An MoE layer's FFN pair is counted on
     ``batch·seq·top_k`` routed slots (:func:`moe_cost`): exact in calls, in elements only for a
-    balanced routing."""
+    balanced routing.
+
+    With ``sequence_parallel`` each layer is :func:`sequence_parallel_cost`, and around the layers
+    come the entry's backward and the exit's forward all-gather (``b·s·h`` each) and the one
+    coalesced all-reduce of the ``partial_elements`` norm (and row-bias) gradients;
+    ``recompute="full"`` adds each layer's :func:`full_recompute_replay`."""
     if tp == 1:
         return Comm()
     swiglu = cfg.mlp == "swiglu"
-    layer = layer_cost(attention, batch, seq, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff,
-                       tp, bias=cfg.bias, swiglu=swiglu).total()
+    cost = layer_cost(attention, batch, seq, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff,
+                      tp, bias=cfg.bias, swiglu=swiglu)
+    cost = sequence_parallel_cost(cost) if sequence_parallel else cost
+    layer = cost.total()
+    if recompute == "full":
+        layer = layer + full_recompute_replay(cost, batch, seq, cfg.d_model)
     out = layer.scaled(cfg.n_layers) + vocab_cost(vocab, batch, seq, cfg.d_model,
                                                   cfg.vocab_size, tp).total()
+    if sequence_parallel:
+        bsh = batch * seq * cfg.d_model
+        out = out + Comm.of(("all_gather", bsh), ("all_gather", bsh),
+                            ("all_reduce", partial_elements))
     if attention == "kv_split":
         out.add("all_reduce", 0, grad_sum_calls_per_step(attention, cfg.n_kv_heads, tp))
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
@@ -228,6 +242,33 @@ def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
                           swiglu=swiglu).total()
         out = out.minus(dense.scaled(n_moe)) + routed.scaled(n_moe)
     return out
+
+
+def sequence_parallel_cost(cost: LayerCost) -> LayerCost:
+    """The same layer under sequence parallelism (Korthikanti et al. 2022, §4.2.2; SPEC F4): each
+    all-reduce on the TP group becomes a reduce-scatter plus an all-gather of the same elements;
+    those on a smaller group (replicated KV heads' gradient sums) stay."""
+
+    def convert(comm: Comm, keep: Comm) -> Comm:
+        moved = Comm({k: v for k, v in comm.items() if k == "all_reduce"}).minus(keep)
+        out = Comm({k: dict(v) for k, v in comm.items() if k != "all_reduce"})
+        out = out + Comm({k: v for k, v in comm.items() if k == "all_reduce"}).minus(moved)
+        for kind in ("reduce_scatter", "all_gather"):
+            for c in moved.values():
+                out.add(kind, c["elements"], c["calls"])
+        return out
+
+    keep = Comm({k: v for k, v in cost.subgroup.items() if k == "all_reduce"})
+    return LayerCost(convert(cost.fwd, Comm()), convert(cost.bwd, keep), cost.flops,
+                     cost.activation_bytes, cost.group_size, cost.subgroup, cost.subgroup_size)
+
+
+def full_recompute_replay(cost: LayerCost, b: int, s: int, h: int) -> Comm:
+    """The collectives full recompute replays in backward: the layer's forward ones up to the last
+    tensor backward needs (torch's checkpoint stops early) — all but the FFN's closing all-reduce
+    (reduce-scatter under sequence parallelism) of ``bsh``, whose output only feeds the residual."""
+    last = "reduce_scatter" if "reduce_scatter" in cost.fwd else "all_reduce"
+    return cost.fwd.minus(Comm.of((last, b * s * h))) if last in cost.fwd else Comm(cost.fwd)
 
 
 def moe_cost(b: int, s: int, h: int, ffn: int, experts: int, top_k: int, ep: int, tp: int,

@@ -31,15 +31,22 @@ from ..comm import collectives as C
 from ..parallel.sharding import shard_spec
 
 
-def _counted_here(param: torch.Tensor, ctx) -> bool:
-    """Whether this rank adds ``param``'s gradient to the dense norm (see the module docstring)."""
+def counted_on_tp_rank(param: torch.Tensor, ctx) -> bool:
+    """Whether this TP rank holds the copy of ``param``'s gradient that the dense norm counts: its
+    own shard (the first replica's, for replicated K/V heads), or a replicated parameter on TP
+    rank 0."""
     spec = shard_spec(param)
     if spec is not None and spec.tp_size > 1:
-        tp_owner = spec.tp_rank % spec.replicas == 0
-    else:
-        tp_owner = ctx.tp_rank == 0
+        return spec.tp_rank % spec.replicas == 0
+    return ctx.tp_rank == 0
+
+
+def _counted_here(param: torch.Tensor, ctx) -> bool:
+    """Whether this rank adds ``param``'s gradient to the dense norm (see the module docstring).
+    (ZeRO's sharded gradients differ across dp ranks and count on each:
+    :meth:`~ops_transformer.memory.zero.ZeroOptimizer.grad_norm_partial`.)"""
     expert = getattr(param, "expert_shard", None) is not None  # differs across EP ranks
-    return tp_owner and ctx.dp_rank == 0 and (expert or ctx.ep_rank == 0)
+    return counted_on_tp_rank(param, ctx) and ctx.dp_rank == 0 and (expert or ctx.ep_rank == 0)
 
 
 def _real_rows(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -51,6 +58,14 @@ def _real_rows(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     start = spec.shard_index * local
     real = max(0, min(local, spec.full_shape[spec.split_dim] - start))
     return grad.narrow(spec.split_dim, 0, real)
+
+
+def real_rows_mask(param: torch.Tensor) -> torch.Tensor:
+    """A boolean tensor shaped like ``param``: ``False`` on the padding rows of a padded split
+    dimension (see :func:`_real_rows`)."""
+    mask = torch.zeros(param.shape, dtype=torch.bool, device=param.device)
+    _real_rows(mask, param).fill_(True)
+    return mask
 
 
 def params_with_grad(model_or_params) -> list[torch.Tensor]:
@@ -68,12 +83,16 @@ def grad_norm_partial(params, ctx, norm_type: float = 2.0) -> torch.Tensor:
         if not _counted_here(p, ctx) and not math.isinf(norm_type):
             continue
         g = _real_rows(p.grad.detach(), p)
-        norm = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-        parts.append(norm if math.isinf(norm_type) else norm ** norm_type)
-    if not parts:
-        return torch.zeros(1, dtype=torch.float32, device=ctx.device)
-    stacked = torch.stack(parts)
-    return (stacked.max() if math.isinf(norm_type) else stacked.sum()).reshape(1)
+        parts.append(torch.linalg.vector_norm(g, norm_type, dtype=torch.float32))
+    return reduce_norm_parts(parts, norm_type, ctx.device)
+
+
+def reduce_norm_parts(norms: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+    """``Σ normᵖ`` (``max`` for ``inf``) of per-tensor norms, as a one-element float32 tensor."""
+    if not norms:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    stacked = torch.stack(norms)
+    return (stacked.max() if math.isinf(norm_type) else (stacked ** norm_type).sum()).reshape(1)
 
 
 def total_norm(reduced_partial: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:

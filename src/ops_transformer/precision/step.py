@@ -17,7 +17,9 @@ each metric         ``value / (dp·ep)`` on TP rank 0, else 0      the mean over
 
 (the overflow flag travels as a count because one all-reduce has one reduction op: a sum of 0/1
 flags is positive exactly when their maximum is 1). With one data shard and neither a loss scaler
-nor clipping there is nothing to agree on and nothing is communicated.
+nor clipping there is nothing to agree on and nothing is communicated. A ZeRO optimizer
+(:func:`~ops_transformer.zero_optimizer`) holds each rank's chunk of the gradients: the overflow
+flag, the norm share and the clipping are computed on those chunks.
 """
 
 from __future__ import annotations
@@ -58,11 +60,16 @@ def optimizer_step(model, optimizer, ctx, *, scaler: DynamicLossScaler | None = 
                for k, v in (metrics or {}).items()}
     shards = ctx.world_size // ctx.tp_size  # data shards: dp (× ep)
     values: list[torch.Tensor] = []
+    zero = hasattr(optimizer, "gather_grad_shards")  # ZeRO (memory.zero): the gradients that
+    if zero:  # unscale_, the norm, clipping and step see are this rank's chunks of them
+        optimizer.gather_grad_shards()
     if scaler is not None:
         values.append(scaler.unscale_(optimizer))
-    params = params_with_grad(model) if max_norm is not None else []
+    params = []
     if max_norm is not None:
-        values.append(grad_norm_partial(params, ctx))
+        params = params_with_grad([p for g in optimizer.param_groups for p in g["params"]]
+                                  if zero else model)
+        values.append(optimizer.grad_norm_partial() if zero else grad_norm_partial(params, ctx))
     if shards > 1:
         weight = 1.0 / shards if ctx.tp_rank == 0 else 0.0
         values += [v * weight for v in metrics.values()]

@@ -6,15 +6,23 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..comm.ledger import CommLedger
+from ..memory.layers import transformer_layers
+from ..memory.options import partial_numel
+from ..memory.recompute import checkpointed
 from ..planner.strategies import model_comm_per_step
 from .profile import gather_objects, profile_step, world_group
-from .watch import OUTSIDE, StepWatch
+from .watch import BACKWARD, OUTSIDE, StepWatch
 
 PROFILED_STEPS = 3
-OVERLAP_FIX = ("hide it behind compute: sequence parallelism (reduce-scatter + all-gather of the "
-               "same volume, which can overlap with the norms), async input-gradient all-reduces "
-               "(ColumnParallelLinear does this), a smaller tp (fewer, larger shards) or tp "
-               "inside one NVLink domain")
+
+
+def overlap_fix(sequence_parallel: bool) -> str:
+    """The options that hide exposed communication (sequence parallelism unless it is on)."""
+    sp = ("" if sequence_parallel else "sequence parallelism (--sequence-parallel: reduce-scatter "
+          "+ all-gather of the same volume, the norms and dropout on 1/tp of the tokens), ")
+    return ("hide it behind compute: " + sp + "async input-gradient all-reduces "
+            "(ColumnParallelLinear does this), a smaller tp (fewer, larger shards) or tp inside "
+            "one NVLink domain")
 
 
 def _diag(code, severity, where, message, suggestion, saving=None) -> dict:
@@ -59,14 +67,40 @@ def _paired(rank: dict) -> list[tuple[list, list]] | None:
     return list(zip(rank["records"], rank["collectives"]))
 
 
+def sequence_parallel_of(model) -> bool:
+    """Whether ``model``'s plan is sequence-parallel (its layers keep a slice of the tokens)."""
+    plan = getattr(model, "parallel_plan", None)
+    return plan is not None and any(r.get("style") == "sequence_scatter"
+                                    for r in plan.rules.values())
+
+
+def recompute_of(model) -> str:
+    """``"full"`` when every Transformer layer of ``model`` replays its forward in backward
+    (:func:`~ops_transformer.memory.apply_recompute`), else ``"none"`` (selective recompute replays
+    no collective)."""
+    try:
+        layers = transformer_layers(model)
+    except ValueError:
+        return "none"
+    replay = checkpointed(len).__code__  # every function checkpointed() wraps runs this code
+    wrapped = [getattr(getattr(b, "forward", None), "__code__", None) is replay for b in layers]
+    return "full" if wrapped and all(wrapped) else "none"
+
+
 def beyond_minimum(model, ctx, rank: dict, latency: dict) -> list[dict]:
-    """TP collectives beyond :func:`model_comm_per_step` for the reference GPT's plan."""
+    """TP collectives beyond :func:`model_comm_per_step` for the reference GPT's plan (with its
+    sequence parallelism and recompute)."""
     plan, cfg, shape = getattr(model, "parallel_plan", None), getattr(model, "cfg", None), \
         rank["input_shape"]
     if plan is None or not hasattr(cfg, "d_model") or shape is None or len(shape) != 2:
         return []
+    sp = sequence_parallel_of(model)
     expected = model_comm_per_step(cfg, ctx.tp_size, plan.attention, shape[0], shape[1],
-                                   plan.vocab)
+                                   plan.vocab, sequence_parallel=sp, recompute=recompute_of(model),
+                                   partial_elements=partial_numel(model, ctx.tp_group))
+    described = ", ".join([f"{plan.attention} attention", f"{plan.vocab} vocabulary"]
+                          + ["sequence parallel"] * sp
+                          + ["full recompute"] * (recompute_of(model) == "full"))
     calls: dict[str, int] = {}
     for kind, _, _, group, _ in rank["records"]:
         if group == rank["tp_ranks"]:
@@ -77,29 +111,34 @@ def beyond_minimum(model, ctx, rank: dict, latency: dict) -> list[dict]:
         if extra > 0:
             out.append(_diag(
                 "redundant_collective", "warning", f"{kind} on the TP group",
-                f"{n} {kind} calls per step where the plan ({plan.attention} attention, "
-                f"{plan.vocab} vocabulary) needs {n - extra}: {extra} more than the minimum",
+                f"{n} {kind} calls per step where the plan ({described}) needs {n - extra}: "
+                f"{extra} more than the minimum",
                 "remove the extra collectives (a second reduction of an already reduced "
                 "activation, a replicated module that is reduced anyway)",
                 extra * latency.get(kind, 0.0) or None))
     return out
 
 
-def duplicated(ranks: list[dict], latency: dict) -> list[dict]:
+def duplicated(ranks: list[dict], latency: dict, replays: bool = False) -> list[dict]:
     """The same input all-reduced twice on a rank, or an input identical on every rank of its
-    group."""
+    group. With ``replays`` (full recompute) a forward all-reduce repeated once in backward is the
+    layer's replay, not a duplicate."""
     seen_twice: dict[str, int] = {}
     replicated: dict[str, int] = {}
     pairs = [_paired(r) for r in ranks]
     for rank, pair in zip(ranks, pairs):
-        prints = set()
+        prints: dict[str, int] = {}  # fingerprint -> forward calls not replayed yet
         for record, (op, fp, where, _) in pair or []:
             if fp is None:
                 continue
             key = repr(fp)
+            backward = where.startswith(BACKWARD)
+            if replays and backward and prints.get(key, 0) > 0:
+                prints[key] -= 1  # the replay of a forward call
+                continue
             if key in prints:
                 seen_twice[where] = seen_twice.get(where, 0) + 1
-            prints.add(key)
+            prints[key] = prints.get(key, 0) + (not backward)
     if all(p is not None for p in pairs):
         order: dict[tuple, dict[int, list]] = {}  # group -> rank -> its all-reduces in order
         for rank, pair in zip(ranks, pairs):
@@ -167,7 +206,8 @@ def small_runs(rank: dict, profile, small_run: int) -> list[dict]:
     return out
 
 
-def balance(summary: dict, exposed_threshold: float, imbalance_threshold: float) -> list[dict]:
+def balance(summary: dict, exposed_threshold: float, imbalance_threshold: float,
+            sequence_parallel: bool = False) -> list[dict]:
     """Exposed communication and load imbalance from a profile summary."""
     ranks = summary["per_rank"]
     out = []
@@ -178,7 +218,7 @@ def balance(summary: dict, exposed_threshold: float, imbalance_threshold: float)
                          f"{100 * share:.0f}% of the step ({1e3 * worst['exposed_comm_s']:.2f} ms "
                          f"of {1e3 * worst['step_time_s']:.2f} ms) waits for communication that "
                          f"no computation hides (threshold {100 * exposed_threshold:.0f}%)",
-                         OVERLAP_FIX, worst["exposed_comm_s"]))
+                         overlap_fix(sequence_parallel), worst["exposed_comm_s"]))
     compute = [r["compute_s"] for r in ranks]
     if len(ranks) > 1 and max(compute) > 0:
         spread = (max(compute) - min(compute)) / max(compute)
@@ -202,5 +242,6 @@ def comm_checks(model, ctx, step_fn, profile, *, exposed_threshold: float,
     latency = {k: v["mean_latency_s"] for k, v in summary["collectives"].items()}
     me = next(r for r in ranks if r["rank"] == 0)
     return (host_syncs(ranks) + beyond_minimum(model, ctx, me, latency)
-            + duplicated(ranks, latency) + small_runs(me, profile, small_run)
-            + balance(summary, exposed_threshold, imbalance_threshold))
+            + duplicated(ranks, latency, replays=recompute_of(model) == "full")
+            + small_runs(me, profile, small_run)
+            + balance(summary, exposed_threshold, imbalance_threshold, sequence_parallel_of(model)))

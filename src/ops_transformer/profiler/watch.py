@@ -42,6 +42,7 @@ GEMMS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled
          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
          "_scaled_dot_product_flash_attention_for_cpu_backward", "convolution")
 OUTSIDE = "(outside the model)"
+BACKWARD = "backward: "  # what autograd's backward issued: "backward: <node>"
 
 
 def _deliberate_codes() -> frozenset:
@@ -132,7 +133,7 @@ class _Where:
     def __call__(self) -> str:
         node = torch._C._current_autograd_node()
         if node is not None:
-            return f"backward: {node.name()}"
+            return f"{BACKWARD}{node.name()}"
         return self.stack[-1] if self.stack else OUTSIDE
 
     def remove(self) -> None:

@@ -1,0 +1,13 @@
+"""Memory (SPEC F7): activation recompute, the 8-bit activation cache, TP-aware ZeRO and measured
+activation memory. Sequence parallelism lives with the layers
+(:mod:`ops_transformer.layers.sequence_parallel`) and plans
+(:mod:`ops_transformer.parallelize.sequence_parallel`)."""
+
+from .int8_cache import Int8ActivationCache
+from .layers import apply_memory_options, transformer_layers
+from .measure import activation_memory
+from .recompute import RECOMPUTE, apply_recompute, checkpointed
+from .zero import ZeroOptimizer, zero_optimizer
+
+__all__ = ["Int8ActivationCache", "activation_memory", "apply_memory_options", "apply_recompute",
+           "checkpointed", "transformer_layers", "RECOMPUTE", "ZeroOptimizer", "zero_optimizer"]

@@ -1,0 +1,168 @@
+"""Sequence parallelism as a transformation of a tensor-parallel plan (SPEC F4, F7).
+
+:func:`sequence_parallel_plan` turns a Megatron-layout plan (``attention="heads"``) into its
+sequence-parallel variant, rule by rule, for the reference GPT and Hugging Face GPT-2, Llama,
+Mistral and Qwen2 — the plans stay data, and the variant prints and serialises like any plan:
+
+================================ ==================================================================
+TP rule inside the layers        sequence-parallel rule
+================================ ==================================================================
+``region`` (Q/K/V, gate/up share ``sequence_region``: all-gather the sequence on entry (backward:
+one input)                       reduce-scatter), replacing the backward all-reduce
+``colwise`` reducing its own     ``colwise_sequence``: the same column layer behind an all-gather of
+input gradient (GPT-2's c_attn)  the sequence, no input-gradient all-reduce
+``rowwise``                      ``rowwise_sequence``: :class:`SequenceParallelRowLinear`
+                                 (reduce-scatter instead of all-reduce)
+(added) first layer              ``sequence_scatter``: keep this rank's slice of its input
+(added) norms in each layer      ``sequence_partial``: gradients summed over TP once per step
+(added) final norm               ``sequence_gather``: runs on the slice, output all-gathered for
+                                 the LM head
+================================ ==================================================================
+
+The embedding and LM head keep their TP rules. The styles are registered in
+:mod:`.plan` from :data:`SEQUENCE_STYLES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from ..layers.sequence_parallel import (SequenceParallelRowLinear, gather_sequence,
+                                        gather_sequence_region, is_partial, mark_partial,
+                                        scatter_sequence)
+from ..parallel.sharding import shard_spec
+
+HF_LAYOUTS = {"gpt2": ("h", "ln_f"), "llama": ("layers", "norm"), "mistral": ("layers", "norm"),
+              "qwen2": ("layers", "norm")}
+
+
+def _on_first_input(module: nn.Module, fn) -> None:
+    """A forward pre-hook applying ``fn`` to the first positional input or ``hidden_states``."""
+
+    def hook(m, args, kwargs):
+        if args:
+            return (fn(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+        raise ValueError(f"sequence parallelism: {type(m).__name__} was called without a "
+                         f"positional input or a hidden_states keyword")
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _scatter(module, ctx, groups):
+    _on_first_input(module, lambda x: scatter_sequence(x, ctx.tp_group))
+    return module
+
+
+def _region(module, ctx, groups, set=None):
+    from .plan import _attrs
+
+    _attrs(module, ctx, groups, set)
+    _on_first_input(module, lambda x: gather_sequence_region(x, ctx.tp_group))
+    return module
+
+
+def _colwise(module, ctx, groups, **options):
+    from .plan import _colwise as colwise
+
+    layer = colwise(module, ctx, groups, reduce_input_grad=False, **options)
+    _on_first_input(layer, lambda x: gather_sequence_region(x, ctx.tp_group))
+    return layer
+
+
+def _gather(module, ctx, groups):
+    mark_partial(module, ctx.tp_group)
+    module.register_forward_hook(lambda m, args, out: gather_sequence(out, ctx.tp_group))
+    return module
+
+
+def _partial(module, ctx, groups):
+    mark_partial(module, ctx.tp_group)
+    return module
+
+
+SEQUENCE_STYLES = {
+    "sequence_scatter": _scatter,
+    "sequence_region": _region,
+    "colwise_sequence": _colwise,
+    "rowwise_sequence": lambda m, ctx, groups: SequenceParallelRowLinear.from_dense(m, ctx),
+    "sequence_gather": _gather,
+    "sequence_partial": _partial,
+}
+
+
+def _prefix(model: nn.Module) -> str:
+    base = getattr(model, "base_model_prefix", "")
+    return f"{base}." if base and isinstance(getattr(model, base, None), nn.Module) else ""
+
+
+def sequence_parallel_layout(model: nn.Module) -> tuple[str, str]:
+    """``(layers, final norm)`` module names of a model sequence parallelism supports."""
+    from ..models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return "layers", "norm"
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in HF_LAYOUTS:
+        layers, norm = HF_LAYOUTS[model_type]
+        return _prefix(model) + layers, _prefix(model) + norm
+    raise ValueError(f"sequence_parallel=True supports the reference GPT and Hugging Face "
+                     f"{', '.join(HF_LAYOUTS)} models; got {type(model).__name__}"
+                     + (f" (model_type {model_type!r})" if model_type else ""))
+
+
+def _transform(pattern: str, rule: dict) -> dict:
+    style = rule["style"]
+    if style == "region":
+        return {**rule, "style": "sequence_region"}
+    if style == "rowwise":
+        return {**rule, "style": "rowwise_sequence"}
+    if style == "colwise" and rule.get("gather_output"):
+        raise ValueError(f"sequence parallelism cannot combine with the gathered output of plan "
+                         f"rule {pattern!r}")
+    if style == "colwise" and rule.get("reduce_input_grad", True):
+        options = {k: v for k, v in rule.items() if k != "reduce_input_grad"}
+        return {**options, "style": "colwise_sequence"}
+    if style in ("colwise", "attrs"):
+        return rule
+    raise ValueError(f"sequence parallelism has no variant of style {style!r} (plan rule "
+                     f"{pattern!r})")
+
+
+def sequence_parallel_plan(plan, model: nn.Module):
+    """The sequence-parallel variant of a tensor-parallel ``plan`` for ``model`` (see the module
+    docstring). The attention must be head-parallel with a row-parallel output (``heads``)."""
+    if plan.attention != "heads":
+        raise ValueError(f"sequence_parallel=True needs attention='heads' (head-parallel with a "
+                         f"row-parallel output projection); the plan has attention="
+                         f"{plan.attention!r}, whose collectives have no sequence-parallel form")
+    layers, final_norm = sequence_parallel_layout(model)
+    inside = layers + "."
+    rules = {pattern: (_transform(pattern, rule) if pattern.startswith(inside) else rule)
+             for pattern, rule in plan.rules.items()}
+    parts = [p[len(inside):].split(".", 1) for p in plan.rules if p.startswith(inside)]
+    targeted = {rest[1] for rest in parts if len(rest) == 2}  # names inside one layer
+    first = model.get_submodule(layers + ".0")
+    rules[layers + ".0"] = {"style": "sequence_scatter"}
+    for name, module in first.named_modules():
+        if name and name not in targeted and any(True for _ in module.parameters(recurse=False)):
+            rules[f"{layers}.*.{name}"] = {"style": "sequence_partial"}
+    rules[final_norm] = {"style": "sequence_gather"}
+    return dataclasses.replace(plan, rules=rules,
+                               reason=(plan.reason + "; " if plan.reason else "")
+                               + "sequence parallel")
+
+
+def check_partial_marked(model: nn.Module) -> None:
+    """After a sequence-parallel plan is applied: every replicated parameter inside the layers and
+    the final norm sees only this rank's tokens, so each must be marked for the TP sum (an internal
+    invariant: a plan rule missing would silently leave a partial gradient)."""
+    layers, final_norm = sequence_parallel_layout(model)
+    for name, p in model.named_parameters():
+        inside = name.startswith(layers + ".") or name.startswith(final_norm + ".")
+        if inside and shard_spec(p) is None and not is_partial(p):
+            raise AssertionError(f"sequence parallelism: replicated parameter {name} is used on "
+                                 f"a share of the tokens but its gradient is not summed over TP")

@@ -58,18 +58,19 @@ def test_vocab_parallel_embedding(run_ranks, tp, vocab, padding_idx, pad_vocab):
     assert fwd == expected and bwd == {}
 
 
-def _loss(reduction, smoothing, vocab, with_ignored):
+def _loss(reduction, smoothing, vocab, with_ignored, weighted=False):
     ctx = _ctx()
     tp, r = ctx.tp_size, ctx.tp_rank
     local = -(-vocab // tp)
     torch.manual_seed(0)
     logits = torch.randn(B, S, vocab) * 3
     target = torch.randint(0, vocab, (B, S))
+    weight = torch.rand(vocab) * 2 + 0.1 if weighted else None  # class weights
     if with_ignored:
         target[0, :3] = -100
     ref_logits = logits.clone().requires_grad_()
     ref = F.cross_entropy(ref_logits.flatten(0, 1), target.flatten(), reduction=reduction,
-                          label_smoothing=smoothing)
+                          label_smoothing=smoothing, weight=weight)
     ref = ref.view(B, S) if reduction == "none" else ref
     grad_out = torch.randn(B, S) if reduction == "none" else torch.tensor(1.7)
     ref.backward(grad_out)
@@ -78,7 +79,8 @@ def _loss(reduction, smoothing, vocab, with_ignored):
     shard = padded[..., r * local:(r + 1) * local].clone().requires_grad_()
     with CommLedger() as fwd:
         loss = vocab_parallel_cross_entropy(shard, target, ctx, reduction=reduction,
-                                            label_smoothing=smoothing, vocab_size=vocab)
+                                            label_smoothing=smoothing, vocab_size=vocab,
+                                            weight=weight)
     with CommLedger() as bwd:
         loss.backward(grad_out)
     assert_rel(loss, ref, what="loss")
@@ -102,6 +104,21 @@ def test_vocab_parallel_cross_entropy(run_ranks, tp, reduction, smoothing, vocab
     assert fwd == {"all_gather": {"calls": 1, "elements": tp * stats * n,
                                   "bytes": 4 * tp * stats * n}}  # one collective
     assert bwd == {}  # the backward is local: logits are never gathered
+
+
+@pytest.mark.parametrize("tp,reduction,smoothing,vocab", [
+    (2, "mean", 0.1, 10), (4, "mean", 0.1, 10), (2, "sum", 0.2, 16), (4, "sum", 0.2, 10),
+    (2, "none", 0.1, 10), (4, "none", 0.1, 16), (2, "mean", 0.0, 16), (1, "mean", 0.1, 10),
+])
+def test_weighted_vocab_parallel_cross_entropy(run_ranks, tp, reduction, smoothing, vocab):
+    """Class weights as F.cross_entropy(weight=...): with ignored targets, label smoothing and a
+    padded vocabulary (10 at tp 4); the same single collective."""
+    fwd, bwd = run_ranks(_loss, tp, reduction, smoothing, vocab, True, True)[0]
+    if tp > 1:
+        stats = 4 if smoothing else 3
+        assert fwd == {"all_gather": {"calls": 1, "elements": tp * stats * B * S,
+                                      "bytes": 4 * tp * stats * B * S}}
+        assert bwd == {}
 
 
 def _all_ignored():
@@ -140,6 +157,8 @@ def test_embedding_vocab_not_divisible():
     ({"reduction": "avg"}, "reduction must be one of"),
     ({"label_smoothing": 1.5}, r"label_smoothing must be in \[0, 1\]"),
     ({"vocab_size": 9}, r"vocab_size \(9\) must be in \(0, 8\]"),
+    ({"weight": torch.ones(7)}, r"weight must be a 1-D floating-point tensor of vocab_size \(8\)"),
+    ({"weight": torch.ones(8, dtype=torch.long)}, r"dtype torch.int64"),
 ])
 def test_loss_argument_errors(kwargs, needle):
     ctx = ParallelContext.single()

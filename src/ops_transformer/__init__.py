@@ -26,6 +26,11 @@ from .comm.bucketing import GradSums, all_reduce_coalesced, mark_partial_grad
 from .precision import DynamicLossScaler, clip_grad_norm_, optimizer_step, precision_policy
 __all__ += ["DynamicLossScaler", "clip_grad_norm_", "optimizer_step", "precision_policy",
             "GradSums", "all_reduce_coalesced", "mark_partial_grad"]
+from .layers.embedding import ColumnParallelEmbedding
+from .layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParallelLinear,
+                                     PaddedRowParallelLinear)
+__all__ += ["ColumnParallelEmbedding", "PackedRowParallelLinear", "PaddedColumnParallelLinear",
+            "PaddedRowParallelLinear"]
 from .layers.moe import ParallelExperts, ParallelMoE  # noqa: E402
 from .models.moe import MoE, moe_stats  # noqa: E402
 

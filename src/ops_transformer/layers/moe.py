@@ -105,7 +105,8 @@ class ParallelExperts(nn.Module):
 
     def __init__(self, w_in: torch.Tensor, w_out: torch.Tensor, ctx, *,
                  b_in: torch.Tensor | None = None, b_out: torch.Tensor | None = None,
-                 gated: bool, activation: Callable, dense_keys: dict[str, str] | None = None):
+                 gated: bool, activation: Callable, dense_keys: dict[str, str] | None = None,
+                 gate_fn: Callable | None = None, dense_transposed: bool = False):
         super().__init__()
         n_experts, width, d_model = w_in.shape
         d_ff = w_out.shape[2]
@@ -113,6 +114,9 @@ class ParallelExperts(nn.Module):
         divide(d_ff, ctx.tp_size, "ParallelExperts: the expert FFN width d_ff")
         self.n_experts, self.d_model, self.d_ff, self.gated = n_experts, d_model, d_ff, gated
         self.activation, self.dense_keys = activation, dense_keys
+        # gate_fn: an elementwise function of each (gate, up) pair, called on this rank's
+        # [gate | up] rows (a transformers experts module's own _apply_gate); None: act(gate) * up
+        self.gate_fn, self.dense_transposed = gate_fn, dense_transposed
         self.tp_group, self.tp_size, self.ep_group, self.ep_size = (ctx.tp_group, ctx.tp_size,
                                                                     ctx.ep_group, ctx.ep_size)
         shard = ExpertShard(n_experts, ctx.ep_rank, ctx.ep_size)
@@ -195,7 +199,9 @@ class ParallelExperts(nn.Module):
         partial = []
         for e, x_e in enumerate(rows.split(per_expert)):
             h = F.linear(x_e, self.w_in[e], None if self.b_in is None else self.b_in[e])
-            if self.gated:
+            if self.gated and self.gate_fn is not None:
+                h = self.gate_fn(h)  # [gate | up]: this rank's slice of each block
+            elif self.gated:
                 gate, up = h.chunk(2, dim=-1)  # this rank's slice of each block
                 h = self.activation(gate) * up
             else:
@@ -223,8 +229,10 @@ class ParallelExperts(nn.Module):
             out = local.new_empty((self.n_experts, *local.shape[1:]))
             C.all_gather_into(out, local, self.ep_group, label="gather_experts")
             full[name] = out
-        if self.dense_keys is not None:
-            return {self.dense_keys[name]: t for name, t in full.items()}
+        if self.dense_keys is not None:  # dense_transposed: stored [E, in, out] there
+            turn = (lambda t: t.transpose(1, 2).contiguous() if self.dense_transposed and
+                    t.dim() == 3 else t)
+            return {self.dense_keys[name]: turn(t) for name, t in full.items()}
         names = {"w_in": "w_in.weight", "b_in": "w_in.bias", "w_out": "w_out.weight",
                  "b_out": "w_out.bias"}
         return {f"{e}.{names[n]}": full[n][e].clone() for e in range(self.n_experts)
@@ -242,18 +250,36 @@ class ParallelExperts(nn.Module):
     @classmethod
     def from_stacked(cls, experts: nn.Module, ctx) -> ParallelExperts:
         """From a ``transformers`` experts module: 3-D ``gate_up_proj [E, 2F, h]`` (gate first)
-        and ``down_proj [E, h, F]``, ``act_fn`` (Mixtral, Qwen2/3-MoE, OLMoE)."""
-        if (getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True)
-                or not getattr(experts, "has_gate", True)):
-            raise ValueError(f"{type(experts).__name__}: only gated experts with [gate; up]-"
-                             f"concatenated, untransposed weights are supported")
-        keys = {"w_in": "gate_up_proj", "w_out": "down_proj"}
+        and ``down_proj [E, h, F]``, ``act_fn`` (Mixtral, Qwen2/3-MoE, OLMoE). The flags that
+        ``transformers``' ``use_experts_implementation`` sets are honoured: ``is_transposed``
+        (``[E, h, 2F]`` and ``[E, F, h]``), ``has_gate=False`` (``up_proj``, ``act(x wᵀ)``),
+        biases, and a class's own ``_apply_gate`` (clamped or softcapped SwiGLUs)."""
+        name = type(experts).__name__
+        if not getattr(experts, "is_concatenated", True):
+            raise ValueError(f"{name}: gate and up rows interleaved (is_concatenated=False) are "
+                             f"not supported; only [gate; up]-concatenated experts")
+        if getattr(experts, "has_post_expert_norm", False):
+            raise ValueError(f"{name}: a norm after each expert (has_post_expert_norm) is not "
+                             f"supported")
+        gated = getattr(experts, "has_gate", True)
+        first = "gate_up_proj" if gated else "up_proj"
+        keys = {"w_in": first, "w_out": "down_proj"}
         biases = {}
-        for name, key in (("b_in", "gate_up_proj_bias"), ("b_out", "down_proj_bias")):
+        for short, key in (("b_in", f"{first}_bias"), ("b_out", "down_proj_bias")):
             if getattr(experts, key, None) is not None:
-                biases[name], keys[name] = getattr(experts, key), key
-        return cls(experts.gate_up_proj, experts.down_proj, ctx, gated=True,
-                   activation=experts.act_fn, dense_keys=keys, **biases)
+                biases[short], keys[short] = getattr(experts, key), key
+        turn = getattr(experts, "is_transposed", False)
+        w_in, w_out = getattr(experts, first), experts.down_proj
+        if turn:
+            w_in, w_out = w_in.transpose(1, 2), w_out.transpose(1, 2)
+        own_gate = getattr(type(experts), "_apply_gate", None)
+        default = getattr(own_gate, "__module__", "") == "transformers.integrations.moe"
+        gate_fn = experts._apply_gate if gated and own_gate is not None and not default else None
+        activation = getattr(experts, "act_fn", None)  # a custom gate may apply its own
+        if activation is None and gate_fn is None:
+            raise ValueError(f"{name}: no act_fn and no _apply_gate of its own")
+        return cls(w_in, w_out, ctx, gated=gated, activation=activation, dense_keys=keys,
+                   gate_fn=gate_fn, dense_transposed=turn, **biases)
 
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_experts}, local_experts={self.local_experts} "

@@ -54,7 +54,10 @@ def _is_hf(model: nn.Module) -> bool:
 
 
 def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
-                 loss_parallel: bool = False, vocab: str = "auto") -> Plan:
+                 loss_parallel: bool = False, vocab: str = "auto", tp_plan=None) -> Plan:
+    if tp_plan is not None and not (plan == "auto" and _is_hf(model)):
+        raise ValueError("tp_plan (Hugging Face style names) applies to a Hugging Face model with "
+                         "plan='auto'")
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict) and "best" in plan and "candidates" in plan:  # a planner result
@@ -84,7 +87,8 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
         if attention not in ("auto", "heads"):
             raise ValueError(f"Hugging Face models support attention='heads' (or 'auto'), got "
                              f"{attention!r}")
-        return hf_plan(model, ctx.tp_size, loss_parallel)
+        return hf_plan(model, ctx.tp_size, loss_parallel, vocab=vocab, tp_plan=tp_plan,
+                       profile=getattr(ctx, "profile", None))  # agreed by every rank
     raise ValueError(f"no automatic plan for {type(model).__name__}; supported models: "
                      f"{', '.join(SUPPORTED)} (or pass plan= a Plan / dict)")
 
@@ -93,7 +97,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
                 vocab: str = "auto", loss_parallel: bool = False,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 grad_reduce_dtype: torch.dtype | None = None, sequence_parallel: bool = False,
-                recompute: str = "none", activation_cache: str = "none") -> nn.Module:
+                recompute: str = "none", activation_cache: str = "none",
+                tp_plan: dict | None = None) -> nn.Module:
     """Apply tensor parallelism over ``ctx.tp_group`` and data-parallel gradient averaging over
     ``ctx.dp_group`` to ``model`` (in place) and return it.
 
@@ -102,12 +107,15 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     correct for any ``dp × tp``, each data-parallel rank feeding its own rows of the global batch.
     The applied plan is ``model.parallel_plan``. For the reference GPT, ``attention`` and ``vocab``
     (``"parallel"``, ``"replicated"`` or ``"auto"``: embedding and LM head split over the
-    vocabulary or not) choose the strategy; ``auto`` asks the cost model.
+    vocabulary or not) choose the strategy; ``auto`` asks the cost model. ``vocab`` applies to
+    Hugging Face models too.
 
-    Hugging Face models (GPT-2, Llama, Mistral, Qwen2, BERT; others through their
+    Hugging Face models (GPT-2, Llama, Mistral, Qwen2, Qwen3, BERT; others through their
     ``base_model_tp_plan``) return what the unsharded model returns: full-vocabulary logits, so
-    ``generate`` works unchanged. With ``loss_parallel=True`` the logits stay sharded and the loss
-    (``labels=``) is the vocab-parallel cross-entropy — the full logits are never gathered.
+    ``generate`` works unchanged. With ``loss_parallel=True`` (and the vocabulary split) the
+    logits stay sharded and the loss (``labels=``) is the vocab-parallel cross-entropy — the full
+    logits are never gathered. ``tp_plan``, as in ``transformers`` (``{pattern: style}`` with
+    Hugging Face's style names), is merged over the model's own plan and translated.
 
     ``grad_reduce_dtype`` is the dtype of the gradient reductions — data-parallel averaging and the
     sums of replicated parameters' partial gradients (replicated KV heads, strategy B's output
@@ -126,15 +134,18 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     check_memory_options(recompute, activation_cache)
     if sequence_parallel and attention == "auto":
         attention = "heads"  # the one strategy with a sequence-parallel form
-    resolved = resolve_plan(model, ctx, plan, attention, loss_parallel, vocab)
+    resolved = resolve_plan(model, ctx, plan, attention, loss_parallel, vocab, tp_plan)
     if ctx.ep_size > 1:
         check_expert_parallel(model, resolved, ctx)
     if sequence_parallel and ctx.tp_size > 1:
         resolved = sequence_parallel_plan(resolved, model)
     if ctx.tp_size > 1:
         apply_plan(model, resolved, ctx, _Groups(model, ctx))
-        if loss_parallel and _is_hf(model):
+        if loss_parallel and _is_hf(model) and resolved.vocab == "parallel":
             model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
+        elif loss_parallel and _is_hf(model):
+            log.warning("parallelize: loss_parallel=True has no effect: the vocabulary is "
+                        "replicated (%s); pass vocab='parallel' to split it", resolved.reason)
         if sequence_parallel:
             check_partial_marked(model)
     elif ctx.ep_size > 1:  # experts only

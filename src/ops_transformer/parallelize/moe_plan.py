@@ -40,12 +40,12 @@ def check_expert_parallel(model: nn.Module, plan: Plan, ctx) -> None:
     check_experts_divide(n_experts, ctx.ep_size)
 
 
-def hf_moe_plan(model: nn.Module, tp: int, loss_parallel: bool = False) -> Plan:
+def hf_moe_plan(model: nn.Module, tp: int, loss_parallel: bool = False, **options) -> Plan:
     """Mixtral, Qwen2-MoE, Qwen3-MoE: the Llama plan's attention, embedding and head; per layer,
     the experts (``moe``), a shared expert or a dense MLP (column→row)."""
     from .hf_plans import _prefix, llama_plan
 
-    base, p = llama_plan(model, tp, loss_parallel), _prefix(model)
+    base, p = llama_plan(model, tp, loss_parallel, **options), _prefix(model)  # vocab=, profile=
     mlp = {k[len(p + "layers.*.mlp"):]: v for k, v in base.rules.items()
            if k.startswith(p + "layers.*.mlp")}  # "", ".gate_proj", ... → rule
     rules = {k: v for k, v in base.rules.items() if not k.startswith(p + "layers.*.mlp")}
@@ -65,6 +65,6 @@ def hf_moe_plan(model: nn.Module, tp: int, loss_parallel: bool = False) -> Plan:
         name = f"{p}layers.{'*' if uniform else i}.mlp"
         rules.update({name + k: v for k, v in layer_rules.items()})
     rules.update(head)
-    return Plan(rules=rules, attention="heads",
+    return Plan(rules=rules, attention="heads", vocab=base.vocab,
                 reason=f"Hugging Face {model.config.model_type} plan (experts over ep, "
-                       f"each column→row over tp)")
+                       f"each column→row over tp); {base.reason.split('; ', 1)[-1]}")

@@ -115,6 +115,8 @@ def sequence_parallel_layout(model: nn.Module) -> tuple[str, str]:
 
 
 def _transform(pattern: str, rule: dict) -> dict:
+    # no padded sequence-parallel layers: a width that does not divide by tp is refused by them
+    rule = {k: v for k, v in rule.items() if k != "pad"}
     style = rule["style"]
     if style == "region":
         return {**rule, "style": "sequence_region"}

@@ -97,15 +97,17 @@ def choose_attention(cfg, tp: int, *, batch: int, seq: int,
     return best.strategy, reason
 
 
-def choose_vocab(cfg, tp: int, *, batch: int, seq: int,
-                 profile: HardwareProfile | None = None) -> tuple[str, str]:
+def choose_vocab(cfg, tp: int, *, batch: int, seq: int, profile: HardwareProfile | None = None,
+                 head: str = "loss") -> tuple[str, str]:
     """``(mode, reason)``: shard the embedding and LM head over the vocabulary (3 collectives per
     step, ``1/tp`` of the head's FLOPs and logits) or keep them replicated (no collectives), by
-    predicted time. A large vocabulary is split; a byte-level one usually is not."""
+    predicted time. A large vocabulary is split; a byte-level one usually is not. ``head`` as in
+    :func:`~ops_transformer.planner.strategies.vocab_cost` (``cfg`` needs ``d_model`` and
+    ``vocab_size``)."""
     profile = resolve_profile(profile)
     times = {}
     for mode in VOCAB_MODES:
-        cost = vocab_cost(mode, batch, seq, cfg.d_model, cfg.vocab_size, tp)
+        cost = vocab_cost(mode, batch, seq, cfg.d_model, cfg.vocab_size, tp, head=head)
         times[mode] = (sum(profile.comm_time(comm, p) for p, comm in cost.priced())
                        + profile.compute_time(cost.flops))
     mode = min(times, key=times.get)

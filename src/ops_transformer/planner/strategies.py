@@ -177,10 +177,11 @@ def layer_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: int,
 
 
 VOCAB_MODES = ("parallel", "replicated")
+VOCAB_HEADS = ("loss", "logits", "none")  # what follows the embedding (see vocab_cost)
 
 
 def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
-               dtype=torch.float32) -> LayerCost:
+               dtype=torch.float32, head: str = "loss") -> LayerCost:
     """The embedding, LM head and loss of one step on one rank.
 
     * ``parallel``: vocab-parallel embedding (fwd all-reduce ``bsh``), vocab-parallel head and loss
@@ -189,16 +190,25 @@ def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
       divided by ``tp``, logits ``bs·V/tp``.
     * ``replicated``: embedding and head dense on every rank: no communication (their input and
       its gradient are already replicated), the head's full FLOPs and logits on every rank.
+
+    ``head`` is what follows the embedding: ``loss`` (the above), ``logits`` (a Hugging Face head
+    that returns the full logits: its all-gather moves ``N·V_padded`` elements instead of the
+    loss statistics) or ``none`` (a base model: the embedding alone, no head FLOPs).
     """
     if mode not in VOCAB_MODES:
         raise ValueError(f"vocab must be one of {VOCAB_MODES}, got {mode!r}")
+    if head not in VOCAB_HEADS:
+        raise ValueError(f"head must be one of {VOCAB_HEADS}, got {head!r}")
     bsh, tokens = b * s * h, b * s
     split = tp if mode == "parallel" else 1
-    flops = 3.0 * 2 * bsh * vocab / split
-    logits = _bytes(dtype) * tokens * vocab / split
+    flops = 3.0 * 2 * bsh * vocab / split if head != "none" else 0.0
+    logits = _bytes(dtype) * tokens * vocab / split if head != "none" else 0.0
     if mode == "replicated" or tp == 1:
         return LayerCost(flops=flops, activation_bytes=logits)
-    return LayerCost(Comm.of(("all_reduce", bsh), ("all_gather", tp * 3 * tokens)),
+    if head == "none":
+        return LayerCost(Comm.of(("all_reduce", bsh)), Comm(), flops, logits, tp)
+    gathered = tp * 3 * tokens if head == "loss" else tokens * -(-vocab // tp) * tp
+    return LayerCost(Comm.of(("all_reduce", bsh), ("all_gather", gathered)),
                      Comm.of(("all_reduce", bsh)), flops, logits, tp)
 
 

@@ -68,6 +68,8 @@ def add_parser(p) -> None:
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
     add_launch_timeout(p)
+    p.add_argument("--tensorboard", metavar="DIR", help="log loss, tokens/s, communication (and "
+                   "the loss scale, with one) as TensorBoard scalars in DIR")
 
 
 def layout_from_plan(path: str) -> dict:
@@ -107,34 +109,46 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
                        progress=not args.no_progress, **layout,
-                       precision=args.precision,
-                       clip_grad=args.clip_grad,
+                       precision=args.precision, clip_grad=args.clip_grad,
+                       tensorboard=getattr(args, "tensorboard", None),
                        ranks_per_node=getattr(args, "ranks_per_node", None),
                        activation_cache=getattr(args, "activation_cache", "none"))
 
 
 def run_training(cfg: TrainConfig, nproc: int | None,
-                 timeout: float = DEFAULT_LAUNCH_TIMEOUT) -> dict | None:
-    """Validate (the output directory included), then train on ``nproc`` local ranks, on the
-    ranks of this torchrun job, or in this one process (with the launcher's thread policy), with
-    the calibrated profile if there is one (needed for ``--attention auto``)."""
+                 timeout: float = DEFAULT_LAUNCH_TIMEOUT, worker=None,
+                 args: tuple = ()) -> dict | None:
+    """Validate (the output directory included), then run ``worker(cfg, *args)`` (training by
+    default) on ``nproc`` local ranks, on the ranks of this torchrun job, or in this one process
+    (with the launcher's thread policy), with the calibrated profile if there is one (needed for
+    ``--attention auto``) as its ``profile=``."""
+    worker = worker or train_worker
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     validate(cfg, world_size() if nproc is None else nproc)
     profile = command_profile("--attention auto" if cfg.attention == "auto" else None)
     if cfg.out:
         check_out_dir(cfg.out)
-    worker_args = (cfg,) if profile is None else (cfg, profile)  # None: the built-in profile
+    extra = {} if profile is None else {"profile": profile}  # none: the built-in profile
     if nproc is not None:
-        return launch(train_worker, nproc, *worker_args, timeout=timeout)[0]
+        return launch(worker, nproc, cfg, *args, timeout=timeout, **extra)[0]
     if under_torchrun():
-        return train_worker(*worker_args)
+        return worker(cfg, *args, **extra)
     threads = torch.get_num_threads()
     set_rank_threads()
     try:
-        return train_worker(*worker_args)
+        return worker(cfg, *args, **extra)
     finally:
         torch.set_num_threads(threads)
+
+
+def launch_size(args, cfg: TrainConfig) -> int | None:
+    """``--nproc``; without it and outside torchrun, the ranks of a fixed layout (a plan, or
+    degrees above 1), launched locally."""
+    size = cfg.tp * cfg.ep * (cfg.dp or 1)
+    if args.nproc is None and not under_torchrun() and (args.plan or size > 1):
+        return size
+    return args.nproc
 
 
 def summary(metrics: dict) -> str:
@@ -171,12 +185,7 @@ def _precision_line(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
-    timeout = launch_timeout(args)
-    nproc = args.nproc
-    size = cfg.tp * cfg.ep * (cfg.dp or 1)
-    if nproc is None and not under_torchrun() and (args.plan or size > 1):
-        nproc = size  # the layout is fixed (a plan, or degrees above 1): launch it locally
-    metrics = run_training(cfg, nproc, timeout)
+    metrics = run_training(cfg, launch_size(args, cfg), launch_timeout(args))
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:

@@ -8,66 +8,16 @@ import this module as ``_common``.
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
-
-def time_steps(step: Callable[[], object], warmup: int, steps: int) -> list[float]:
-    """Per-step wall times (s) of ``steps`` calls of ``step`` after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def interleave(methods: Sequence[str], rounds: int, block: Callable[[str], list[float]], *,
-               rank0_only: Sequence[str] = ()) -> dict[str, list[list[float]]]:
-    """Run ``block(method)`` for every method, round by round, rotating the order each round.
-
-    A barrier starts each block, so the ranks enter it together. Methods in ``rank0_only`` run on
-    rank 0 only; the other ranks wait at the barrier that starts the next block. Returns this
-    rank's per-step times by method: one list per round.
-    """
-    methods = tuple(methods)
-    rank = dist.get_rank()
-    times: dict[str, list[list[float]]] = {m: [] for m in methods}
-    for r in range(rounds):
-        order = methods[r % len(methods):] + methods[:r % len(methods)]
-        for method in order:
-            dist.barrier()  # start each block together
-            if method not in rank0_only or rank == 0:
-                times[method].append(block(method))
-    dist.barrier()
-    return times
-
-
-def median_ms(blocks: list[list[float]]) -> float | None:
-    """The median (ms) of all steps of all blocks, or ``None`` without any."""
-    flat = [t for block in blocks for t in block]
-    return 1e3 * statistics.median(flat) if flat else None
-
-
-def paired_ratio(times: dict[str, list], num: str, den: str) -> dict[str, float]:
-    """Median, min and max over rounds of ``num``'s round median over ``den``'s round median.
-
-    Blocks of one round run seconds apart, so pairing them cancels slow drifts of the machine.
-    """
-    ratios = [median_ms([a]) / median_ms([b]) for a, b in zip(times[num], times[den])]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-
-
-def format_paired(ratio: dict[str, float]) -> str:
-    """``median [min-max]`` of a :func:`paired_ratio`."""
-    return f"{ratio['median']:.2f} [{ratio['min']:.2f}-{ratio['max']:.2f}]"
+# The timing loop, interleaved rounds and paired ratios live in the package (``ops-transformer
+# bench`` uses them too); the scripts keep importing them from here.
+from ops_transformer.profiler.bench import (format_paired, interleave, median_ms,  # noqa: F401
+                                            paired_ratio, time_steps)
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -11,7 +11,7 @@ import pytest
 from ops_transformer.cli.calibrate import parse_world_sizes, summary
 from ops_transformer.cli.main import main
 from ops_transformer.comm.ledger import wire_elements
-from ops_transformer.planner.calibrate import (KINDS, _fit_kinds, crossover, fit_alpha_beta,
+from ops_transformer.profiler.calibrate import (KINDS, _fit_kinds, crossover, fit_alpha_beta,
                                                fit_rel_error, message_elements)
 from ops_transformer.cli._profile import profile_path
 from ops_transformer.planner.profile import CalibratedProfile, load_profile

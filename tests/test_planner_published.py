@@ -10,7 +10,7 @@ import pytest
 from ops_transformer.cli.main import main
 from ops_transformer.planner import efficiency as E
 from ops_transformer.planner import published as P
-from ops_transformer.planner.calibrate import gpu_efficiency
+from ops_transformer.profiler.calibrate import gpu_efficiency
 from ops_transformer.planner.profile import load_profile
 
 
@@ -172,7 +172,7 @@ def test_model_errors_name_the_flag(capsys):
 def test_bf16_matmul_measurement_runs_on_any_device():
     import torch
 
-    from ops_transformer.planner.calibrate import bf16_matmul_flops
+    from ops_transformer.profiler.calibrate import bf16_matmul_flops
 
     flops = bf16_matmul_flops(torch.device("cpu"), ((16, 32, 64), (8, 64, 32)), repeats=2)
     assert set(flops) == {"16x32x64", "8x64x32"} and min(flops.values()) > 0

@@ -35,9 +35,11 @@ from .layers.moe import ParallelExperts, ParallelMoE  # noqa: E402
 from .models.moe import MoE, moe_stats  # noqa: E402
 
 __all__ += ["ParallelExperts", "ParallelMoE", "MoE", "moe_stats"]
+from .profiler import Diagnostic, Profile, diagnose, profile_step
+__all__ += ["Diagnostic", "Profile", "diagnose", "profile_step"]
+from .memory import Int8ActivationCache, activation_memory, zero_optimizer  # noqa: E402
+__all__ += ["Int8ActivationCache", "activation_memory", "zero_optimizer"]
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 
 __all__ += ["save_checkpoint", "load_checkpoint", "CheckpointError"]
-from .memory import Int8ActivationCache, activation_memory, zero_optimizer  # noqa: E402
-__all__ += ["Int8ActivationCache", "activation_memory", "zero_optimizer"]

@@ -31,6 +31,7 @@ from .planner.strategies import model_comm_per_step
 from .precision import DynamicLossScaler, optimizer_step, precision_policy
 from .utils.plot import write_line_plot_png
 from .utils.progress import Progress
+from .utils.tensorboard import ScalarLog, check_log_dir
 
 
 @dataclass(frozen=True)
@@ -56,15 +57,16 @@ class TrainConfig:
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16: with a dynamic loss scaler)
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
     ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
+    tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
+    sequence_parallel: bool = False  # memory (SPEC F7): see ops_transformer.memory
+    recompute: str = "none"
+    activation_cache: str = "none"
+    zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
     ckpt_dir: str | None = None  # sharded checkpoints (docs/checkpoints.md)
     save_every: int = 0  # checkpoint every N steps (0: only after the last step)
     resume: bool = False  # continue from the latest checkpoint in ckpt_dir, if there is one
     max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
     keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
-    sequence_parallel: bool = False  # memory (SPEC F7): see ops_transformer.memory
-    recompute: str = "none"
-    activation_cache: str = "none"
-    zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -102,6 +104,7 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     check_memory_flags(cfg, dp, tp)
     gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
     check_corpus(load_corpus(cfg.data), cfg.seq)
+    check_log_dir(cfg.tensorboard)
     return dp, tp
 
 
@@ -124,18 +127,64 @@ def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch:
     return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab, **memory)
 
 
+@dataclass
+class TrainState:
+    """What one rank trains: the model :func:`parallelize` prepared, its optimizer, the precision
+    policy (and loss scaler) and the corpus. :meth:`step` is one training step, the unit that
+    ``train`` times and ``profile`` / ``sweep`` / ``diagnose`` measure."""
+
+    cfg: TrainConfig
+    ctx: object
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    data: object
+    policy: object
+    scaler: DynamicLossScaler | None
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the global batch of ``step`` (on the device): data-parallel and
+        expert-parallel ranks read their own."""
+        x, y = slice_for_rank(*get_batch(self.data, step, batch=self.cfg.batch, seq=self.cfg.seq,
+                                         seed=self.cfg.seed),
+                              self.ctx.dp_ep_rank, self.ctx.dp_ep_size)  # EP ranks: own rows
+        return x.to(self.ctx.device), y.to(self.ctx.device)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor):
+        """Forward, backward, clipping and the optimizer step: ``(report, ledger)``, the
+        optimizer's report (``report.metrics["loss"]``: the global-batch loss) and the step's
+        collectives."""
+        with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
+            with self.policy.autocast(self.ctx.device):
+                loss = self.model(x, y)[1]
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+            report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
+                                    max_norm=self.cfg.clip_grad,
+                                    metrics={"loss": loss, **_moe_metrics(self.model,
+                                                                          self.model.cfg)})
+            # (one all-reduce for what is small; the metrics averaged over dp × ep)
+        self.opt.zero_grad(set_to_none=True)
+        return report, ledger
+
+
 def train_worker(cfg: TrainConfig, profile=None) -> dict | None:
     """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere. The process
     groups it starts are torn down before it returns.
 
     ``profile``: the hardware profile (or its path) for the automatic choices and the collective
     algorithms; rank 0's is used by every rank (``init_parallel``). ``None``: the built-in one."""
-    with init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, ranks_per_node=cfg.ranks_per_node,
-                       profile=profile) as ctx:
+    with join(cfg, profile) as ctx:
         return _train(cfg, ctx)
 
 
-def _train(cfg: TrainConfig, ctx) -> dict | None:
+def join(cfg: TrainConfig, profile=None):
+    """This rank's :class:`ParallelContext` for ``cfg`` (``with join(cfg) as ctx:`` tears its
+    process groups down at the end); ``profile``: see :func:`train_worker`."""
+    return init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, ranks_per_node=cfg.ranks_per_node,
+                         profile=profile)
+
+
+def setup_training(cfg: TrainConfig, ctx) -> TrainState:
+    """Build the parallel model, its optimizer and loss scaler on this rank of ``ctx``."""
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
@@ -150,6 +199,12 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                         activation_cache=cfg.activation_cache)
     opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
+    return TrainState(cfg, ctx, model, opt, data, policy, scaler)
+
+
+def _train(cfg: TrainConfig, ctx) -> dict | None:
+    state = setup_training(cfg, ctx)
+    model, opt, scaler, model_cfg = state.model, state.opt, state.scaler, state.model.cfg
     lead = ctx.rank == 0
     position = data_position(cfg)
     first, saved = (ckpt.resume(cfg.ckpt_dir, model, opt, ctx, position, scaler=scaler)
@@ -157,22 +212,14 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
     losses, moe_history = list(saved.get("losses", [])), list(saved.get("moe", []))
     step_times, last, report = [], None, None
     bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)
+    board = ScalarLog(cfg.tensorboard if lead else None)
     if first:
         bar.write(f"resumed from step {first} of {cfg.ckpt_dir}")
         bar.update(first)
     for step in range(first, cfg.steps):
-        x, y = slice_for_rank(*get_batch(data, step, batch=cfg.batch, seq=cfg.seq, seed=cfg.seed),
-                              ctx.dp_ep_rank, ctx.dp_ep_size)  # EP ranks read their own rows
-        x, y = x.to(ctx.device), y.to(ctx.device)
+        x, y = state.batch(step)
         start = time.perf_counter()
-        with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
-            with policy.autocast(ctx.device):
-                loss = model(x, y)[1]
-            (loss if scaler is None else scaler.scale(loss)).backward()
-            report = optimizer_step(model, opt, ctx, scaler=scaler, max_norm=cfg.clip_grad,
-                                    metrics={"loss": loss, **_moe_metrics(model, model_cfg)})
-            # (one all-reduce for what is small; the metrics averaged over dp × ep)
-        opt.zero_grad(set_to_none=True)
+        report, ledger = state.step(x, y)
         step_times.append(time.perf_counter() - start)
         losses.append(report.metrics["loss"])
         last = ledger
@@ -192,7 +239,13 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                    **({"aux": moe_history[-1]["aux_loss"],
                        "dropped": f"{moe_history[-1]['dropped_fraction']:.1%}"}
                       if moe_history else {}))
+        board.log(step, loss=losses[-1], tokens_per_s=tokens_per_s,
+                  comm_bytes_per_step=ledger.total_bytes, comm_calls_per_step=ledger.calls,
+                  grad_norm=report.grad_norm,
+                  loss_scale=None if scaler is None else scaler.scale_value,
+                  moe_aux_loss=moe_history[-1]["aux_loss"] if moe_history else None)
     bar.close()
+    board.close()
     sample = _sample(model, cfg, ctx.device)
     if not lead:
         return None

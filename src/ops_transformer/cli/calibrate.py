@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..planner.calibrate import calibrate
+from ..profiler.calibrate import calibrate
 from ..planner.profile import save_profile
 from ._profile import ENV_VAR, profile_path
 from ..utils.progress import format_table

@@ -12,13 +12,14 @@ import sys
 
 from .. import __version__
 from . import calibrate, checkpoint, demo, embed, generate, plan, train
-from . import memory
+from . import bench, diagnose, memory, profile, sweep
 from ._common import error_line, quiet_unless_lead
 
 COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,
-            "calibrate": calibrate}
-COMMANDS["checkpoint"] = checkpoint
+            "calibrate": calibrate, "profile": profile, "diagnose": diagnose, "sweep": sweep,
+            "bench": bench}
 COMMANDS["memory"] = memory
+COMMANDS["checkpoint"] = checkpoint
 DEBUG_HELP = "show the traceback of an error instead of one line"
 
 

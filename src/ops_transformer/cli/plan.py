@@ -191,7 +191,7 @@ def _header(result: dict) -> str:
 def run(args) -> int:
     if args.validate:
         from ..planner.local import local_profile
-        from ..planner.validate import run_validation
+        from ..profiler.validate import run_validation
 
         return run_validation(local_profile(command_profile("--validate")), json_output=args.json)
     if args.published or args.fit:

@@ -71,6 +71,8 @@ def add_parser(p) -> None:
                    help="clip the gradients to this total norm (the dense model's)")
     add_checkpoint_arguments(p)
     add_launch_timeout(p)
+    p.add_argument("--tensorboard", metavar="DIR", help="log loss, tokens/s, communication (and "
+                   "the loss scale, with one) as TensorBoard scalars in DIR")
 
 
 def layout_from_plan(path: str) -> dict:
@@ -110,18 +112,21 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
                        progress=not args.no_progress, **layout,
-                       precision=args.precision,
-                       clip_grad=args.clip_grad,
+                       precision=args.precision, clip_grad=args.clip_grad,
+                       tensorboard=getattr(args, "tensorboard", None),
                        ranks_per_node=getattr(args, "ranks_per_node", None),
                        activation_cache=getattr(args, "activation_cache", "none"),
                        **checkpoint_settings(args))
 
 
 def run_training(cfg: TrainConfig, nproc: int | None,
-                 timeout: float = DEFAULT_LAUNCH_TIMEOUT) -> dict | None:
-    """Validate (the output directory included), then train on ``nproc`` local ranks, on the
-    ranks of this torchrun job, or in this one process (with the launcher's thread policy), with
-    the calibrated profile if there is one (needed for ``--attention auto``)."""
+                 timeout: float = DEFAULT_LAUNCH_TIMEOUT, worker=None,
+                 args: tuple = ()) -> dict | None:
+    """Validate (the output directory included), then run ``worker(cfg, *args)`` (training by
+    default) on ``nproc`` local ranks, on the ranks of this torchrun job, or in this one process
+    (with the launcher's thread policy), with the calibrated profile if there is one (needed for
+    ``--attention auto``) as its ``profile=``."""
+    worker = worker or train_worker
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     validate(cfg, world_size() if nproc is None else nproc)
@@ -130,22 +135,30 @@ def run_training(cfg: TrainConfig, nproc: int | None,
         check_out_dir(cfg.out)
     if cfg.ckpt_dir:
         check_out_dir(cfg.ckpt_dir, "--ckpt-dir")
-    worker_args = (cfg,) if profile is None else (cfg, profile)  # None: the built-in profile
+    extra = {} if profile is None else {"profile": profile}  # none: the built-in profile
     if nproc is not None:
-        return launch_with_restarts(train_worker, nproc, *worker_args,
-                                    max_restarts=cfg.max_restarts, launcher=launch,
-                                    timeout=timeout)[0]
+        return launch_with_restarts(worker, nproc, cfg, *args, max_restarts=cfg.max_restarts,
+                                    launcher=launch, timeout=timeout, **extra)[0]
     if cfg.max_restarts:
         raise ValueError("--max-restarts restarts local ranks (--nproc); under torchrun use "
                          "torchrun's own --max-restarts")
     if under_torchrun():
-        return train_worker(*worker_args)
+        return worker(cfg, *args, **extra)
     threads = torch.get_num_threads()
     set_rank_threads()
     try:
-        return train_worker(*worker_args)
+        return worker(cfg, *args, **extra)
     finally:
         torch.set_num_threads(threads)
+
+
+def launch_size(args, cfg: TrainConfig) -> int | None:
+    """``--nproc``; without it and outside torchrun, the ranks of a fixed layout (a plan, or
+    degrees above 1), launched locally."""
+    size = cfg.tp * cfg.ep * (cfg.dp or 1)
+    if args.nproc is None and not under_torchrun() and (args.plan or size > 1):
+        return size
+    return args.nproc
 
 
 def summary(metrics: dict) -> str:
@@ -182,12 +195,7 @@ def _precision_line(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
-    timeout = launch_timeout(args)
-    nproc = args.nproc
-    size = cfg.tp * cfg.ep * (cfg.dp or 1)
-    if nproc is None and not under_torchrun() and (args.plan or size > 1):
-        nproc = size  # the layout is fixed (a plan, or degrees above 1): launch it locally
-    metrics = run_training(cfg, nproc, timeout)
+    metrics = run_training(cfg, launch_size(args, cfg), launch_timeout(args))
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:

@@ -3,7 +3,9 @@
 Each function takes an explicit process group, does nothing on a group of one rank, reports the call
 to the :mod:`communication ledger <ops_transformer.comm.ledger>` and, while ``torch.profiler`` is
 recording, wraps it in a ``record_function("ops_transformer::<kind>")`` range so the time is
-attributable. The autograd-aware pairs built on them live in :mod:`.primitives`.
+attributable; the handle of an async call then times its ``wait()`` as
+``ops_transformer::wait:<kind>`` (:mod:`ops_transformer.profiler` reads both). The autograd-aware
+pairs built on them live in :mod:`.primitives`.
 
 ``all_reduce``, ``all_gather_into`` and ``reduce_scatter_into`` run with the algorithm the
 communication engine (:mod:`.engine`) chose for their group and message — flat, hierarchical across
@@ -48,6 +50,27 @@ def _ranks(group: ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
+class _ProfiledWork:
+    """An async work handle whose ``wait()`` is a ``record_function`` range named
+    ``ops_transformer::wait:<kind>``: a wait leaves no profiler event of its own, and it is where
+    communication is exposed."""
+
+    def __init__(self, work, kind: str):
+        self._work, self._kind = work, kind
+
+    def wait(self, *args, **kwargs):
+        with torch.profiler.record_function(f"ops_transformer::wait:{self._kind}"):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _handle(work, kind: str):
+    """``work`` (``None`` for a synchronous call), made visible to the profiler when it records."""
+    return _ProfiledWork(work, kind) if work is not None and _profiler_enabled() else work
+
+
 def _recorded(kind: str, tensor: torch.Tensor, elements: int, group: ProcessGroup, label: str,
               *, algorithm: str = "flat", level: str | None = None, steps=()):
     if _ledger.ledger_active():
@@ -77,9 +100,11 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, op=ReduceOp.
         return None
     algorithm, found = _algorithm(group, "all_reduce", tensor, tensor.numel(), op)
     if algorithm != "flat":
-        return _A.run(algorithm, "all_reduce", found, tensor, None, op, async_op, label)
+        pending = _A.run(algorithm, "all_reduce", found, tensor, None, op, async_op, label)
+        return _handle(pending, "all_reduce")
     with _recorded("all_reduce", tensor, tensor.numel(), group, label):
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return _handle(work, "all_reduce")
 
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, *,
@@ -90,9 +115,11 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGro
         return None
     algorithm, found = _algorithm(group, "all_gather", output, output.numel(), ReduceOp.SUM)
     if algorithm != "flat":
-        return _A.run(algorithm, "all_gather", found, output, input, None, async_op, label)
+        pending = _A.run(algorithm, "all_gather", found, output, input, None, async_op, label)
+        return _handle(pending, "all_gather")
     with _recorded("all_gather", output, output.numel(), group, label):
-        return _all_gather_single(output, input, group=group, async_op=async_op)
+        work = _all_gather_single(output, input, group=group, async_op=async_op)
+        return _handle(work, "all_gather")
 
 
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, *,
@@ -103,9 +130,11 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: Proces
         return None
     algorithm, found = _algorithm(group, "reduce_scatter", input, input.numel(), op)
     if algorithm != "flat":
-        return _A.run(algorithm, "reduce_scatter", found, output, input, op, async_op, label)
+        pending = _A.run(algorithm, "reduce_scatter", found, output, input, op, async_op, label)
+        return _handle(pending, "reduce_scatter")
     with _recorded("reduce_scatter", input, input.numel(), group, label):
-        return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        work = _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        return _handle(work, "reduce_scatter")
 
 
 # The steps of multi-step algorithms (:mod:`.algorithms`): one torch.distributed call each, not
@@ -151,8 +180,9 @@ def all_to_all_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGro
         output.copy_(input)
         return None
     with _recorded("all_to_all", input, input.numel(), group, label):
-        return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                      group=group, async_op=async_op)
+        return _handle(dist.all_to_all_single(output, input, output_split_sizes,
+                                              input_split_sizes, group=group, async_op=async_op),
+                       "all_to_all")
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, *,
@@ -161,19 +191,19 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, *,
     if group_size(group) == 1:
         return None
     with _recorded("broadcast", tensor, tensor.numel(), group, label):
-        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+        return _handle(dist.broadcast(tensor, src=src, group=group, async_op=async_op), "broadcast")
 
 
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None, *, label: str = ""):
     """Point-to-point send to global rank ``dst``; returns a work handle (``isend``)."""
     with _recorded("send", tensor, tensor.numel(), group, label):
-        return dist.isend(tensor, dst=dst, group=group)
+        return _handle(dist.isend(tensor, dst=dst, group=group), "send")
 
 
 def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None, *, label: str = ""):
     """Point-to-point receive from global rank ``src``; returns a work handle (``irecv``)."""
     with _recorded("recv", tensor, tensor.numel(), group, label):
-        return dist.irecv(tensor, src=src, group=group)
+        return _handle(dist.irecv(tensor, src=src, group=group), "recv")
 
 
 def broadcast_object(obj, src: int, group: ProcessGroup | None, *, label: str = ""):

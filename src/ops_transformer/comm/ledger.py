@@ -126,6 +126,11 @@ class CommLedger:
     def reset(self) -> None:
         self.records.clear()
 
+    def add(self, record: CommRecord, tensor: torch.Tensor) -> None:
+        """Keep ``record``; ``tensor`` is the collective's input, before the call runs (a
+        subclass may look at it: :mod:`ops_transformer.profiler.watch` fingerprints it)."""
+        self.records.append(record)
+
     def summary(self) -> dict[str, dict[str, int]]:
         """``{kind: {"calls", "elements", "bytes"}}`` for every kind that was called."""
         out: dict[str, dict[str, int]] = {}
@@ -206,4 +211,4 @@ def record(kind: str, tensor: torch.Tensor, elements: int, group_ranks: tuple[in
                      len(group_ranks), group_ranks, label, algorithm, level, steps)
     with _lock:
         for ledger in _open_ledgers:
-            ledger.records.append(rec)
+            ledger.add(rec, tensor)

@@ -1,5 +1,7 @@
 """The planner and cost model: what each strategy communicates and computes, hardware catalogue
-and profiles, memory, the layout search, calibration and topology."""
+and profiles, memory, the layout search, and topology. It is pure: it launches no rank and runs
+no training (measuring this machine and checking predictions against runs live in
+:mod:`ops_transformer.profiler`)."""
 
 from .catalogue import GPUS, LINKS, gpu, link
 from .choose import attention_options, attention_problem, choose_attention, choose_vocab

@@ -4,7 +4,7 @@ time and memory model — each with where it comes from.
 The efficiency is the fraction of the dense peak (:mod:`.catalogue`) that a training step's
 matmuls achieve. It is an input of the planner, not a constant: ``plan --efficiency 0.45``
 overrides it, a calibration on a GPU (``ops-transformer calibrate`` on a CUDA machine, see
-:mod:`.calibrate`) supplies a measured one for that card, and otherwise the defaults below apply:
+:mod:`ops_transformer.profiler.calibrate`) supplies a measured one for that card, and otherwise the defaults below apply:
 per GPU, and per ``(GPU, stack)`` when ``--stack`` names the software that will run the job.
 
 The defaults are **fitted** by :func:`ops_transformer.planner.published.fit` on the ``fit`` rows of

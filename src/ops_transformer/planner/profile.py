@@ -107,7 +107,7 @@ def _optional_float(value) -> float | None:
 
 
 def _gpu_efficiency(entry) -> dict:
-    """``{card: efficiency}`` from a profile's ``"gpu"`` entry (:func:`.calibrate.gpu_efficiency`)
+    """``{card: efficiency}`` from a profile's ``"gpu"`` entry (:func:`ops_transformer.profiler.calibrate.gpu_efficiency`)
     when the device is a catalogue card."""
     if not isinstance(entry, dict) or not entry.get("catalogue"):
         return {}

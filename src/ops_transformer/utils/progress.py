@@ -1,24 +1,22 @@
-"""A minimal progress bar for long jobs, and aligned plain-text tables.
+"""Progress bars for long jobs (tqdm), and aligned plain-text tables.
 
-:class:`Progress` renders one line such as::
+:class:`Progress` is a thin layer over ``tqdm`` (the ``profiler`` extra) that renders::
 
-    train  37/100 [=======>            ]  37% loss=2.341 tok/s=10.2k comm=1.3MB/step  eta 0:12
+    train:  37%|███▋      | 37/100 [00:12<00:21, 2.9it/s, loss=2.341 tok/s=10.2k comm=1.3MB/step]
 
-On a terminal the line is redrawn in place with ``\\r`` (at most every 0.1 s, plus the last). When
-the stream is not a terminal (CI logs, files) a plain line is printed at most every ``interval``
-seconds (2 s by default) plus the final state, so a log of a long job stays short.
+On a terminal the bar is redrawn in place at most every 0.1 s; on another stream (CI logs,
+files) at most every ``interval`` seconds (2 s by default), plus the final state, so a log of a long
+job stays short. Without tqdm installed, the final state is printed as one plain line.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-import time
 from typing import TextIO
 
 TTY_INTERVAL_S = 0.1
 LOG_INTERVAL_S = 2.0
-BAR_WIDTH = 20
 
 
 def format_number(value) -> str:
@@ -57,20 +55,26 @@ class Progress:
                  stream: TextIO | None = None, interval: float | None = None):
         if not isinstance(total, int) or total < 0:
             raise ValueError(f"total must be a non-negative integer, got {total!r}")
+        if interval is not None and interval < 0:
+            raise ValueError(f"interval must be >= 0 seconds, got {interval}")
         self.total, self.desc, self.enabled = total, desc, enabled
         self.stream = sys.stderr if stream is None else stream
         isatty = getattr(self.stream, "isatty", None)
-        self.tty = bool(isatty and isatty())
-        default = TTY_INTERVAL_S if self.tty else LOG_INTERVAL_S
-        self.interval = default if interval is None else interval
-        if self.interval < 0:
-            raise ValueError(f"interval must be >= 0 seconds, got {self.interval}")
+        tty = bool(isatty and isatty())
+        self.interval = (TTY_INTERVAL_S if tty else LOG_INTERVAL_S) if interval is None \
+            else interval
         self.n = 0
         self.postfix: dict[str, object] = {}
-        self._start = time.monotonic()
-        self._last_draw = -math.inf
-        self._drawn_n: int | None = None  # the count shown by the last line written
-        self._line_len = 0
+        self._bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self._bar = tqdm(total=total, desc=desc or None, file=self.stream,
+                                 mininterval=self.interval, maxinterval=max(self.interval, 10.0),
+                                 dynamic_ncols=tty, ncols=None if tty else 110, leave=True)
         self._closed = False
 
     def __enter__(self) -> Progress:
@@ -80,65 +84,44 @@ class Progress:
         self.close()
 
     def update(self, n: int = 1, **postfix) -> None:
-        """Advance by ``n`` units and record ``postfix``; draw if due."""
+        """Advance by ``n`` units and record ``postfix``; drawn when due."""
         self.n += n
-        self.postfix.update(postfix)
-        now = time.monotonic()
-        if now - self._last_draw >= self.interval or self.n >= self.total:
-            self._draw(now)
+        if postfix:
+            self.postfix.update(postfix)
+            if self._bar is not None:
+                self._bar.set_postfix_str(self.postfix_text(), refresh=False)
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def render(self) -> str:
+        """The status line for the current state (what the bar shows)."""
+        if self._bar is not None:
+            return str(self._bar)
+        return (f"{self.desc + ' ' if self.desc else ''}{self.n}/{self.total} "
+                f"{self.postfix_text()}").rstrip()
+
+    def postfix_text(self) -> str:
+        return " ".join(f"{k}={format_number(v)}" for k, v in self.postfix.items())
 
     def write(self, message: str) -> None:
         """Print ``message`` on its own line without garbling the bar."""
         if not self.enabled:
             return
-        if self.tty and self._line_len:
-            self.stream.write("\r" + " " * self._line_len + "\r")
-            self._line_len = 0
-            self._drawn_n = None
-        self.stream.write(message + "\n")
-        self.stream.flush()
+        if self._bar is not None:
+            self._bar.write(message, file=self.stream)
+        else:
+            self.stream.write(message + "\n")
 
     def close(self) -> None:
-        """Show the final state (if not shown yet) and end the line. Safe to call twice."""
+        """Show the final state and end the line. Safe to call twice."""
         if self._closed:
             return
-        if self._drawn_n != self.n or self.tty and not self._line_len:
-            self._draw(time.monotonic())
-        if self.enabled and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
         self._closed = True
-
-    def render(self, now: float | None = None) -> str:
-        """The status line for the current state."""
-        elapsed = (time.monotonic() if now is None else now) - self._start
-        frac = min(self.n / self.total, 1.0) if self.total else 1.0
-        filled = int(BAR_WIDTH * frac)
-        bar = "=" * filled
-        if filled < BAR_WIDTH:
-            bar += ">" + " " * (BAR_WIDTH - filled - 1)
-        width = len(str(self.total))
-        parts = [f"{self.desc}  " if self.desc else "",
-                 f"{self.n:>{width}}/{self.total} [{bar}] {int(100 * frac):3d}%"]
-        parts += [f" {k}={format_number(v)}" for k, v in self.postfix.items()]
-        if self.n >= self.total:
-            parts.append(f"  in {format_duration(elapsed)}")
-        elif self.n > 0:
-            parts.append(f"  eta {format_duration(elapsed * (self.total - self.n) / self.n)}")
-        return "".join(parts)
-
-    def _draw(self, now: float) -> None:
-        self._last_draw = now
-        self._drawn_n = self.n
-        if not self.enabled:
-            return
-        line = self.render(now)
-        if self.tty:  # redraw in place; pad to erase the tail of a longer previous line
-            self.stream.write("\r" + line + " " * max(self._line_len - len(line), 0))
-            self._line_len = len(line)
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:  # no tqdm: one plain line
+            self.stream.write(self.render() + "\n")
+            self.stream.flush()
 
 
 def _is_number(value) -> bool:

@@ -46,7 +46,7 @@ from ..parallel.context import init_parallel
 from ..parallel.launch import launch
 from ..utils.progress import Progress
 from ..comm.topology import detect_topology
-from .catalogue import GPUS, gpu_for_device
+from ..planner.catalogue import GPUS, gpu_for_device
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 MATMUL_SIZES, QUICK_MATMUL_SIZES = (256, 512, 1024, 2048), (256, 512)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from ..parallel.launch import launch
 from ..train import TrainConfig, train_worker
 from ..utils.progress import Progress, format_table
-from .cost import comm_time
-from .hardware import CPU_GLOO, HardwareProfile
-from .strategies import layer_cost, model_comm_per_step
+from ..planner.cost import comm_time
+from ..planner.hardware import CPU_GLOO, HardwareProfile
+from ..planner.strategies import layer_cost, model_comm_per_step
 
 RUNS = (  # preset, ranks, tp, attention, batch, seq
     ("tiny", 2, 2, "heads", 8, 64),

@@ -1,0 +1,69 @@
+"""``ops-transformer bench``: our TP against PyTorch DTensor TP and the plain model, one GPT
+training step, interleaved (:mod:`ops_transformer.profiler.bench`)."""
+
+from __future__ import annotations
+
+from ..models.gpt import preset
+from ..parallel import launch
+from ..profiler.bench import METHODS, RATIOS, TP, Size, _key, rank_main, summarise
+from ..utils.progress import format_table
+from ._common import add_launch_timeout, launch_timeout, print_json, refuse_torchrun, status
+
+HELP = ("time one GPT training step: ours (tp=2) vs PyTorch DTensor TP vs the plain model, "
+        "interleaved; medians and ratios")
+
+
+def add_parser(p) -> None:
+    p.add_argument("--preset", default="tiny", help="a GELU GPT preset (default tiny)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds (default 6)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per method per round "
+                   "(default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per block (default 2)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_launch_timeout(p, default=3600.0)
+
+
+def check(args) -> Size:
+    for name, least in (("batch", 1), ("seq", 1), ("rounds", 1), ("steps", 1), ("warmup", 0)):
+        if getattr(args, name) < least:
+            raise ValueError(f"--{name} must be at least {least}, got {getattr(args, name)}")
+    cfg = preset(args.preset)
+    if cfg.mlp != "gelu":
+        raise ValueError(f"--preset {args.preset!r} uses {cfg.mlp}: DTensor's ColwiseParallel "
+                         f"would split its fused gate/up weight by rows; choose a GELU preset")
+    if args.seq > cfg.max_seq_len:
+        raise ValueError(f"--seq ({args.seq}) exceeds the preset's max_seq_len "
+                         f"({cfg.max_seq_len})")
+    return Size(args.preset, args.preset, batch=args.batch, seq=args.seq, steps=args.steps,
+                warmup=args.warmup)
+
+
+def table(row: dict) -> str:
+    times = format_table([{"method": m, "rank 0 median ms": round(row["ms"][m], 3),
+                           "per-round ms (min-max)": f"{row['round_ms'][m][0]:.2f}-"
+                                                     f"{row['round_ms'][m][1]:.2f}"}
+                          for m in METHODS])
+    ratios = format_table([{"ratio": _key(n, d), "pooled": round(row["ratios"][_key(n, d)], 3),
+                            "paired median [min-max]": "{median:.2f} [{min:.2f}-{max:.2f}]".format(
+                                **row["paired"][_key(n, d)])} for n, d in RATIOS])
+    diffs = ", ".join(f"{m} {max(d):.1e}" for m, d in row["loss_rel_diff"].items())
+    return f"{times}\n\n{ratios}\n\nloss vs plain (2 steps, relative): {diffs}"
+
+
+def run(args) -> int:
+    refuse_torchrun("bench", "launches its own local ranks")
+    size = check(args)
+    timeout = launch_timeout(args)
+    status(f"bench: {args.preset}, batch {args.batch} × seq {args.seq}, tp={TP} on {TP} local "
+           f"ranks, {args.rounds} rounds × {len(METHODS)} methods × ({args.warmup} + "
+           f"{args.steps}) steps ...")
+    per_rank = launch(rank_main, TP, [size], args.rounds, args.steps, args.warmup,
+                      timeout=timeout)
+    row = summarise(per_rank)[0]
+    if args.json:
+        print_json({"row": row, "methods": METHODS})
+        return 0
+    print(table(row))
+    return 0

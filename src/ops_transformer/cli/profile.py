@@ -1,0 +1,35 @@
+"""``ops-transformer profile``: a few training steps under ``torch.profiler`` on every rank."""
+
+from __future__ import annotations
+
+from ..profiler.report import summary_text
+from ..profiler.run import check_measuring_only, profile_worker
+from . import train as train_cli
+from ._common import launch_timeout, print_json
+
+HELP = ("profile a few training steps (options as train): compute vs communication per rank, "
+        "collectives, top operators, critical path; Chrome traces, profile.json and pictures")
+
+
+def add_parser(p) -> None:
+    train_cli.add_parser(p)
+    p.add_argument("--model", dest="preset", help="the same as --preset")
+    p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (default 2)")
+    p.set_defaults(steps=5)  # the profiled steps
+
+
+def run(args) -> int:
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    cfg = train_cli.config_from_args(args, "profile")
+    check_measuring_only(cfg, "profile")
+    summary = train_cli.run_training(cfg, train_cli.launch_size(args, cfg), launch_timeout(args),
+                                     profile_worker, (args.steps, args.warmup))
+    if summary is None:  # not rank 0 of a torchrun job
+        return 0
+    if args.json:
+        print_json(summary)
+        return 0
+    print(summary_text(summary))
+    print("\nwrote " + ", ".join(summary["files"].values()))
+    return 0

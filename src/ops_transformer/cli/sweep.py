@@ -1,0 +1,124 @@
+"""``ops-transformer sweep``: every combination of the listed training options, side by side."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from ..parallel import launch
+from ..profiler.sweep import AXES, parse_values, run_sweep, split_axes
+from ..train import TrainConfig
+from ..utils.plot import write_bar_pairs_png
+from ..utils.progress import Progress, format_table
+from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
+                      refuse_torchrun)
+from ._profile import command_profile
+
+HELP = ("run several training configurations (comma-separated values per option, every "
+        "combination) and compare step time, tokens/s, activation memory, communication and the "
+        "planner's prediction")
+
+
+def add_parser(p) -> None:
+    for flag in AXES:
+        p.add_argument(f"--{flag}", metavar="V1,V2", help=f"values of --{flag} to sweep")
+    p.add_argument("--nproc", type=int, help="local ranks for every configuration (default: the "
+                   "largest --tp; dp fills the rest)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per configuration (default 6)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--data", help="training text (as train)")
+    p.add_argument("--out", help="output directory for sweep.json and sweep.png (default "
+                   "runs/sweep-<timestamp>)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_launch_timeout(p)
+
+
+def _axes(args) -> dict[str, list]:
+    axes = {}
+    for flag in AXES:
+        text = getattr(args, flag.replace("-", "_"))
+        if text is not None:
+            axes[flag.replace("-", "_")] = parse_values(flag, text)
+    return axes
+
+
+def _mb(n) -> float | None:
+    return None if n is None else round(n / 2**20, 3)
+
+
+def table(result: dict) -> str:
+    rows = []
+    for r in result["rows"]:
+        row = {"config": r["config"], "status": r["status"]}
+        if r["status"] == "ok":
+            pred = r["predicted_step_s"]
+            row.update({"dp": r["dp_used"], "attention": r["attention_used"],
+                        "step ms": round(1e3 * r["step_s"], 2),
+                        "tokens/s": round(r["tokens_per_s"]),
+                        "activations MB": _mb(r["activation_bytes"]) if r["activation_bytes"]
+                        is not None else "n/a",
+                        "comm MB/step": _mb(r["comm_bytes_per_step"]),
+                        "wire MB/step": _mb(r["comm_wire_bytes_per_step"]),
+                        "predicted ms": None if pred is None else round(1e3 * pred, 2),
+                        "pred/meas": None if pred is None else round(pred / r["step_s"], 2)})
+        else:
+            row["why"] = r["error"][:120]
+        rows.append(row)
+    columns = [c for c in dict.fromkeys(k for row in rows for k in row) if c != "why"]
+    return format_table(rows, columns + ["why"] * any("why" in row for row in rows))
+
+
+def chart(result: dict, path: Path) -> Path:
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    return write_bar_pairs_png(
+        path, [r["config"] for r in ok],
+        {"measured": [1e3 * r["step_s"] for r in ok],
+         "planner's prediction": [None if r["predicted_step_s"] is None
+                                  else 1e3 * r["predicted_step_s"] for r in ok]},
+        title=f"{result['preset']}, batch {result['batch']} × seq {result['seq']} on "
+              f"{result['nproc']} rank(s): median step time", ylabel="ms per step")
+
+
+def run(args) -> int:
+    refuse_torchrun("sweep", "launches its own local ranks for each configuration")
+    timeout = launch_timeout(args)
+    for name, least in (("steps", 1), ("warmup", 0)):
+        if getattr(args, name) < least:
+            raise ValueError(f"--{name} must be at least {least}, got {getattr(args, name)}")
+    axes = _axes(args)
+    have = {f.name for f in fields(TrainConfig)}
+    fixed = {k: axes.pop(k)[0] for k in list(axes) if len(axes[k]) == 1 and k in have}
+    base = TrainConfig(steps=args.steps, lr=args.lr, data=args.data, out=None, progress=False,
+                       sample_tokens=0, **fixed)
+    nproc = args.nproc or max([base.tp] + axes.get("tp", []))
+    out = check_out_dir(args.out or f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
+    count = 1
+    for values in split_axes(axes)[0].values():
+        count *= len(values)
+    bar = Progress(count, desc="sweep", enabled=not args.no_progress)
+    auto = "auto" in axes.get("attention", [base.attention])
+    profile = command_profile("--attention auto" if auto else None)
+    result = run_sweep(base, axes, nproc, args.warmup,
+                       launch=functools.partial(launch, timeout=timeout),
+                       progress=lambda row: bar.update(config=row["config"]), profile=profile)
+    bar.close()
+    result["fixed"] = fixed
+    (out / "sweep.json").write_text(json.dumps(result, indent=1) + "\n")
+    if any(r["status"] == "ok" for r in result["rows"]):
+        chart(result, out / "sweep.png")
+    if args.json:
+        print_json(result)
+        return 0
+    print(table(result))
+    for name, values in result["unavailable"].items():
+        shown = ",".join("on" if v is True else "off" if v is False else str(v) for v in values)
+        print(f"\n--{name.replace('_', '-')} {shown}: unavailable in this "
+              f"build (TrainConfig has no '{name}'); not swept")
+    print(f"\nwrote {out / 'sweep.json'}" + (f" and {out / 'sweep.png'}"
+                                             if (out / 'sweep.png').exists() else ""))
+    return 0

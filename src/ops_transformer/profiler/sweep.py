@@ -1,0 +1,157 @@
+"""``ops-transformer sweep``: training configurations side by side (SPEC F12).
+
+An axis is a :class:`~ops_transformer.train.TrainConfig` field with a list of values
+(``--tp 1,2 --attention heads,heads_allgather --sequence-parallel off,on``). The sweep runs every
+combination on the same number of local ranks (``--nproc``, default the largest ``tp``; ``dp``
+fills the rest), one job after the other, and reports for each: the median step time, tokens/s,
+the activation memory of one forward (``ops_transformer.activation_memory``, where this build has
+it), the communication bytes per step (ledger) and the planner's predicted step time for this
+machine (``plan --gpu local``). A combination that :func:`~ops_transformer.train.validate`
+rejects, or that fails while it runs, is reported in its row and the sweep goes on.
+
+An axis whose field this build's ``TrainConfig`` lacks (a feature not built yet) is not swept: it
+is listed under ``unavailable`` with its values, never faked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import fields, replace
+
+from ..train import TrainConfig, join, setup_training, validate
+
+# flag -> how its values parse; the TrainConfig field is the flag with "_" for "-".
+AXES = {"tp": int, "dp": int, "attention": str, "sequence-parallel": "bool", "recompute": str,
+        "activation-cache": str, "zero": int, "precision": str, "ep": int, "preset": str,
+        "batch": int, "seq": int, "layers": int}
+TRUE, FALSE = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
+
+
+def parse_values(flag: str, text: str) -> list:
+    kind = AXES[flag]
+    values = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        if kind == "bool":
+            if item.lower() not in TRUE + FALSE:
+                raise ValueError(f"--{flag} takes on/off values, got {item!r}")
+            values.append(item.lower() in TRUE)
+        elif kind is int:
+            try:
+                values.append(int(item))
+            except ValueError:
+                raise ValueError(f"--{flag} takes integers, got {item!r}") from None
+        else:
+            values.append(item)
+    if not values:
+        raise ValueError(f"--{flag} needs at least one value, got {text!r}")
+    return values
+
+
+def split_axes(axes: dict[str, list]) -> tuple[dict[str, list], dict[str, list]]:
+    """``(available, unavailable)``: by field name, whether this build's TrainConfig has it."""
+    have = {f.name for f in fields(TrainConfig)}
+    available = {k: v for k, v in axes.items() if k in have}
+    return available, {k: v for k, v in axes.items() if k not in have}
+
+
+def combinations(base: TrainConfig, axes: dict[str, list]) -> list[TrainConfig]:
+    names = list(axes)
+    return [replace(base, **dict(zip(names, values)))
+            for values in itertools.product(*(axes[n] for n in names))]
+
+
+def label(cfg: TrainConfig, axes: dict[str, list]) -> str:
+    def show(v):
+        return "on" if v is True else "off" if v is False else str(v)
+
+    return " ".join(f"{k}={show(getattr(cfg, k))}" for k in axes)
+
+
+def sweep_worker(cfg: TrainConfig, warmup: int, profile=None) -> dict | None:
+    """One configuration on every rank: ``warmup`` + ``cfg.steps`` training steps, timed
+    (``profile``: as :func:`~ops_transformer.train.train_worker` takes it)."""
+    with join(cfg, profile) as ctx:
+        return _timed(setup_training(cfg, ctx), warmup)
+
+
+def _timed(state, warmup: int) -> dict | None:
+    import ops_transformer
+
+    cfg = state.cfg
+    times, ledger, report = [], None, None
+    for i in range(warmup + cfg.steps):
+        x, y = state.batch(i)
+        start = time.perf_counter()
+        report, ledger = state.step(x, y)
+        times.append(time.perf_counter() - start)
+    measure = getattr(ops_transformer, "activation_memory", None)
+    x, y = state.batch(0)
+    with state.policy.autocast(state.ctx.device):  # the activations the step keeps
+        activation = measure(state.model, x, y)["total_bytes"] if measure else None
+    if state.ctx.rank != 0:
+        return None
+    step = statistics.median(times[warmup:])
+    plan = state.model.parallel_plan
+    return {"step_s": step, "tokens_per_s": cfg.batch * cfg.seq / step,
+            "activation_bytes": activation, "comm_bytes_per_step": ledger.total_bytes,
+            "comm_wire_bytes_per_step": ledger.wire_bytes(),
+            "loss": report.metrics["loss"], "attention_used": plan.attention,
+            "dp_used": state.ctx.dp_size}
+
+
+def predicted_step_s(cfg: TrainConfig, nproc: int, attention: str, dp: int,
+                     profile=None) -> float | None:
+    """The planner's step time for this layout on ``nproc`` local ranks (``plan --gpu local``,
+    with ``profile``: the calibrated one, else the built-in CPU figures)."""
+    from ..planner.local import local_cluster
+    from ..planner.search import Options, evaluate_layout, execution
+    from ..planner.specs import ModelSpec
+
+    model = ModelSpec.from_gpt_config(cfg.model_config(), seq=cfg.seq, global_batch=cfg.batch,
+                                      micro_batch=cfg.batch // dp,
+                                      dtype=getattr(cfg, "precision", "fp32"))
+    cluster = local_cluster(nproc, profile)
+    layout = Options(dp=dp, tp=cfg.tp, ep=getattr(cfg, "ep", 1), attention=attention,
+                     sequence_parallel=getattr(cfg, "sequence_parallel", False),
+                     recompute=getattr(cfg, "recompute", "none"),
+                     zero_stage=getattr(cfg, "zero", 0), micro_batch=cfg.batch // dp)
+    try:
+        return evaluate_layout(model, cluster, layout, execution(cluster)[0])["step_time_s"]
+    except ValueError:
+        return None
+
+
+def run_one(cfg: TrainConfig, nproc: int, warmup: int, launch, profile=None) -> dict:
+    """One row: ``status`` ``ok``, ``invalid`` (rejected before starting) or ``failed``."""
+    try:
+        dp, _ = validate(cfg, nproc)
+    except ValueError as exc:
+        return {"status": "invalid", "error": str(exc)}
+    try:
+        got = launch(sweep_worker, nproc, cfg, warmup,
+                     **({} if profile is None else {"profile": profile}))[0]
+    except Exception as exc:  # noqa: BLE001 - a failing configuration is a row, not the end
+        return {"status": "failed", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+    got["predicted_step_s"] = predicted_step_s(cfg, nproc, got["attention_used"], dp, profile)
+    return {"status": "ok", **got}
+
+
+def run_sweep(base: TrainConfig, axes: dict[str, list], nproc: int, warmup: int, *, launch,
+              progress=None, profile=None) -> dict:
+    """Every combination of ``axes`` over ``base`` (module docstring); ``progress`` is called
+    with each finished row; ``profile``: the calibrated hardware profile (``None``: built-in)."""
+    available, unavailable = split_axes(axes)
+    rows = []
+    for cfg in combinations(base, available):
+        row = {"config": label(cfg, available), **{k: getattr(cfg, k) for k in available},
+               **run_one(cfg, nproc, warmup, launch, profile)}
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return {"axes": available, "unavailable": unavailable, "nproc": nproc,
+            "steps": base.steps, "warmup": warmup, "preset": base.preset, "batch": base.batch,
+            "seq": base.seq, "rows": rows}

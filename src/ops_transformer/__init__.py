@@ -39,3 +39,7 @@ from .profiler import Diagnostic, Profile, diagnose, profile_step
 __all__ += ["Diagnostic", "Profile", "diagnose", "profile_step"]
 from .memory import Int8ActivationCache, activation_memory, zero_optimizer  # noqa: E402
 __all__ += ["Int8ActivationCache", "activation_memory", "zero_optimizer"]
+
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+
+__all__ += ["save_checkpoint", "load_checkpoint", "CheckpointError"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint as ckpt
 from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
 from .memory.options import check_memory_flags, make_optimizer, partial_numel
@@ -61,6 +62,11 @@ class TrainConfig:
     recompute: str = "none"
     activation_cache: str = "none"
     zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
+    ckpt_dir: str | None = None  # sharded checkpoints (docs/checkpoints.md)
+    save_every: int = 0  # checkpoint every N steps (0: only after the last step)
+    resume: bool = False  # continue from the latest checkpoint in ckpt_dir, if there is one
+    max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
+    keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -80,6 +86,7 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     precision_policy(cfg.precision)  # names the valid choices
     if cfg.clip_grad is not None and not cfg.clip_grad > 0:
         raise ValueError(f"--clip-grad must be positive, got {cfg.clip_grad}")
+    ckpt.check_options(cfg)
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, ep, tp = check_degrees(world_size, cfg.tp, cfg.dp, cfg.ep)
@@ -197,12 +204,19 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
 
 def _train(cfg: TrainConfig, ctx) -> dict | None:
     state = setup_training(cfg, ctx)
-    model, scaler, model_cfg = state.model, state.scaler, state.model.cfg
+    model, opt, scaler, model_cfg = state.model, state.opt, state.scaler, state.model.cfg
     lead = ctx.rank == 0
-    losses, step_times, last, moe_history = [], [], None, []
+    position = data_position(cfg)
+    first, saved = (ckpt.resume(cfg.ckpt_dir, model, opt, ctx, position, scaler=scaler)
+                    if cfg.resume else (0, {}))
+    losses, moe_history = list(saved.get("losses", [])), list(saved.get("moe", []))
+    step_times, last, report = [], None, None
     bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)
     board = ScalarLog(cfg.tensorboard if lead else None)
-    for step in range(cfg.steps):
+    if first:
+        bar.write(f"resumed from step {first} of {cfg.ckpt_dir}")
+        bar.update(first)
+    for step in range(first, cfg.steps):
         x, y = state.batch(step)
         start = time.perf_counter()
         report, ledger = state.step(x, y)
@@ -216,6 +230,9 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
         tokens_per_s = cfg.batch * cfg.seq / step_times[-1]
         if model_cfg.n_experts:
             moe_history.append(_moe_report(report.metrics))
+        if cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every):
+            ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
+                      keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history})
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
                                        "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"},
                    **_precision_stats(report, scaler),
@@ -232,9 +249,12 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
     sample = _sample(model, cfg, ctx.device)
     if not lead:
         return None
+    last = last or CommLedger()  # resumed from a checkpoint of the last step: no step ran here
     return _metrics(cfg, ctx, model, losses, step_times, last, sample,
                     {"precision": cfg.precision, "clip_grad": cfg.clip_grad,
-                     "grad_norm_last": report.grad_norm, "comm_by_dtype": last.by_dtype(),
+                     "grad_norm_last": report.grad_norm if report else None,
+                     "comm_by_dtype": last.by_dtype(),
+                     "resumed_from": first if cfg.resume else None,
                      **({} if scaler is None else {"loss_scale": scaler.scale_value,
                                                    "skipped_steps": scaler.skipped_steps}),
                      **({"moe": {k: [m[k] for m in moe_history]
@@ -260,6 +280,11 @@ def _moe_report(averaged: dict) -> dict:
             "dropped_fraction": averaged["moe_dropped"] / slots if slots else 0.0}
 
 
+def data_position(cfg: TrainConfig) -> dict:
+    """What the batch of a step depends on besides the step (:func:`get_batch`)."""
+    return {"seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq, "data": cfg.data}
+
+
 def _precision_stats(report, scaler) -> dict:
     """Progress-line fields: the gradient norm when clipping; the loss scale and the number of
     skipped steps with fp16's loss scaler."""
@@ -280,7 +305,7 @@ def _sample(model, cfg: TrainConfig, device) -> str:
 
 def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) -> dict:
     warm = step_times[min(2, len(step_times) - 1):]  # the first steps pay one-off costs
-    median_step = sorted(warm)[len(warm) // 2]
+    median_step = sorted(warm)[len(warm) // 2] if warm else None
     comm = ledger.summary()
     tp_ranks = tuple(range(ctx.rank, ctx.rank + ctx.tp_size))  # rank 0's TP group
     metrics = {
@@ -290,7 +315,8 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "attention": model.parallel_plan.attention, "vocab": model.parallel_plan.vocab,
         "attention_reason": model.parallel_plan.reason,
         "loss_first": losses[0], "loss_last": losses[-1], "losses": losses,
-        "median_step_s": median_step, "tokens_per_s": cfg.batch * cfg.seq / median_step,
+        "median_step_s": median_step,
+        "tokens_per_s": cfg.batch * cfg.seq / median_step if median_step else None,
         "comm_per_step": comm,
         "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()),
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),

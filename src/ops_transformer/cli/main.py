@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import calibrate, demo, embed, generate, plan, train
+from . import calibrate, checkpoint, demo, embed, generate, plan, train
 from . import bench, diagnose, memory, profile, sweep
 from ._common import error_line, quiet_unless_lead
 
@@ -19,6 +19,7 @@ COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, 
             "calibrate": calibrate, "profile": profile, "diagnose": diagnose, "sweep": sweep,
             "bench": bench}
 COMMANDS["memory"] = memory
+COMMANDS["checkpoint"] = checkpoint
 DEBUG_HELP = "show the traceback of an error instead of one line"
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..models.gpt import PRESETS
+from ..checkpoint import launch_with_restarts
 from ..parallel import launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallel.rank_process import set_rank_threads
@@ -22,6 +23,7 @@ from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       under_torchrun, world_size)
 from ._profile import command_profile
+from .checkpoint import add_checkpoint_arguments, checkpoint_settings
 
 HELP = "train the reference GPT with tensor (and data) parallelism"
 ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
@@ -67,6 +69,7 @@ def add_parser(p) -> None:
                    "(fp16 with a dynamic loss scaler); default fp32")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
+    add_checkpoint_arguments(p)
     add_launch_timeout(p)
     p.add_argument("--tensorboard", metavar="DIR", help="log loss, tokens/s, communication (and "
                    "the loss scale, with one) as TensorBoard scalars in DIR")
@@ -112,7 +115,8 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        precision=args.precision, clip_grad=args.clip_grad,
                        tensorboard=getattr(args, "tensorboard", None),
                        ranks_per_node=getattr(args, "ranks_per_node", None),
-                       activation_cache=getattr(args, "activation_cache", "none"))
+                       activation_cache=getattr(args, "activation_cache", "none"),
+                       **checkpoint_settings(args))
 
 
 def run_training(cfg: TrainConfig, nproc: int | None,
@@ -129,9 +133,15 @@ def run_training(cfg: TrainConfig, nproc: int | None,
     profile = command_profile("--attention auto" if cfg.attention == "auto" else None)
     if cfg.out:
         check_out_dir(cfg.out)
+    if cfg.ckpt_dir:
+        check_out_dir(cfg.ckpt_dir, "--ckpt-dir")
     extra = {} if profile is None else {"profile": profile}  # none: the built-in profile
     if nproc is not None:
-        return launch(worker, nproc, cfg, *args, timeout=timeout, **extra)[0]
+        return launch_with_restarts(worker, nproc, cfg, *args, max_restarts=cfg.max_restarts,
+                                    launcher=launch, timeout=timeout, **extra)[0]
+    if cfg.max_restarts:
+        raise ValueError("--max-restarts restarts local ranks (--nproc); under torchrun use "
+                         "torchrun's own --max-restarts")
     if under_torchrun():
         return worker(cfg, *args, **extra)
     threads = torch.get_num_threads()
@@ -161,7 +171,7 @@ def summary(metrics: dict) -> str:
         {"": "parameters", "value": f"{metrics['params']:,}"},
         {"": "loss first → last", "value": f"{metrics['loss_first']:.4f} → "
                                            f"{metrics['loss_last']:.4f}"},
-        {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s']:,.0f}"},
+        {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s'] or 0:,.0f}"},
         {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
     ]
     memory = memory_summary(metrics["config"])

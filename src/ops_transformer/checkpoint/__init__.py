@@ -1,0 +1,23 @@
+"""Sharded checkpoints and recovery (SPEC F13): atomic, verified, resumable bit-exactly,
+reshardable to another layout. See ``docs/checkpoints.md``."""
+
+from ..layers.moe import ParallelExperts
+from ..memory.zero import ZeroOptimizer
+from .api import load_checkpoint, save_checkpoint, verify
+from .contents import ModelTensors, register_module_entries
+from .experts import expert_entries
+from .errors import CheckpointError
+from .layout import Entry, Layout, Replicated, SpecLayout, layout_of
+from .training import check_options, resume, save, should_save
+from .optim import OptimizerAdapter, TorchOptimizerAdapter, register_optimizer_adapter
+from .restart import launch_with_restarts
+from .store import latest_step, list_steps
+from .zero import ZERO_ADAPTER, ZeroOptimizerAdapter
+
+register_module_entries(ParallelExperts, expert_entries)
+register_optimizer_adapter(ZeroOptimizer, ZERO_ADAPTER)
+
+__all__ = ["save_checkpoint", "load_checkpoint", "verify", "CheckpointError", "Layout",
+           "Replicated", "SpecLayout", "layout_of", "OptimizerAdapter", "TorchOptimizerAdapter",
+           "register_optimizer_adapter", "latest_step", "list_steps", "launch_with_restarts", "Entry",
+           "ModelTensors", "register_module_entries", "ZeroOptimizerAdapter"]

@@ -1,0 +1,96 @@
+"""Reading a checkpoint without a job: what it holds (``inspect``) and its dense weights
+(``export``), in one process — DCP assembles each dense tensor from the stored chunks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from . import store
+from .api import run_dcp, verify
+from .chunked import LoadPlanner
+from .contents import MODEL, OPTIM
+from .errors import CheckpointError
+
+
+def describe(path: Path, *, check: bool = True) -> dict:
+    """The manifest of the checkpoint at ``path`` with a ``status`` ("ok", "not verified" or the
+    problem) and, when its files are intact, what its tensors add up to."""
+    try:
+        manifest = store.read_manifest(path)
+    except CheckpointError as exc:
+        return {"path": str(path), "step": store.parse_step(path.name), "status": str(exc)}
+    info = {"path": str(path), **manifest, "status": "not verified"}
+    if check:
+        try:
+            verify(path, manifest)
+            info["status"] = "ok"
+        except CheckpointError as exc:
+            info["status"] = str(exc)
+            return info
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for part, prefix in (("model", MODEL), ("optimizer", OPTIM)):
+        tensors = {k: md for k, md in saved.items()
+                   if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+        info[f"{part}_tensors"] = len(tensors)
+        info[f"{part}_elements"] = sum(math.prod(md.size) for md in tensors.values())
+    return info
+
+
+def describe_root(root: Path, *, check: bool = True) -> dict:
+    """Every checkpoint under ``root`` (or the one checkpoint ``root`` is)."""
+    root = Path(root)
+    if (root / store.MANIFEST).exists() or store.parse_step(root.name) is not None:
+        return {"root": str(root.parent), "latest": None, "checkpoints": [describe(root, check=check)],
+                "incomplete": []}
+    if not root.is_dir():
+        raise CheckpointError(f"{str(root)!r} is not a checkpoint directory")
+    dirs = sorted((p for p in root.iterdir() if store.parse_step(p.name) is not None),
+                  key=lambda p: store.parse_step(p.name))
+    incomplete = sorted(p.name for p in root.iterdir() if p.name.startswith(store.TMP_PREFIX))
+    return {"root": str(root), "latest": store.latest_step(root),
+            "checkpoints": [describe(p, check=check) for p in dirs], "incomplete": incomplete}
+
+
+def dense_state_dict(root, step: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(name → dense tensor, manifest)``: the model's weights as the unparallelised model holds
+    them (tied weights once; ``manifest["model"]["aliases"]`` names the others). Verified first."""
+    path = store.resolve(root, step)
+    manifest = store.read_manifest(path)
+    verify(path, manifest)
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for k, md in saved.items() if k.startswith(MODEL)}
+    run_dcp(dcp.load, state, None, storage_reader=reader, planner=LoadPlanner())
+    return {k[len(MODEL):]: v for k, v in state.items()}, manifest
+
+
+def export_safetensors(state: dict[str, torch.Tensor], manifest: dict, out: Path) -> Path:
+    """One ``.safetensors`` file; ``safetensors.torch.load_model(model, out)`` loads it into the
+    unparallelised model (it re-ties shared weights)."""
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", "step": str(manifest["step"]),
+            "model": json.dumps({k: v for k, v in manifest["model"].items() if k != "tensors"})}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata=meta)
+    return out
+
+
+def export_huggingface(state: dict[str, torch.Tensor], manifest: dict, out: Path) -> Path:
+    """A ``save_pretrained`` directory of the checkpoint's Hugging Face model."""
+    import transformers
+
+    info = manifest["model"]
+    config = transformers.AutoConfig.for_model(**info["config"])
+    model = getattr(transformers, info["class"])(config)
+    aliases = {alias: state[name] for alias, name in info.get("aliases", {}).items()}
+    model.load_state_dict({**state, **aliases}, strict=True)
+    model.save_pretrained(out)
+    return out

@@ -1,0 +1,63 @@
+"""Periodic checkpoints and resumption for a training loop (used by ``train``).
+
+A resumed run is bit-identical to one that never stopped because everything a step depends on is
+restored: weights, optimizer state, every rank's RNG states, and the data position. Batches are a
+pure function of ``(seed, step)`` (:mod:`ops_transformer.data`), so the position is the step
+itself plus the settings that define the stream (seed, batch, sequence length, corpus), which are
+saved and compared on resume.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .api import load_checkpoint, save_checkpoint
+from .store import latest_step
+
+
+def check_options(cfg) -> None:
+    """The checkpoint settings of a ``TrainConfig`` (``ckpt_dir``, ``save_every``, ``resume``,
+    ``max_restarts``, ``keep_checkpoints``), named as the ``train`` flags."""
+    for name in ("save_every", "max_restarts"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got "
+                             f"{getattr(cfg, name)}")
+    if cfg.keep_checkpoints < 1:
+        raise ValueError(f"--keep-checkpoints must be at least 1, got {cfg.keep_checkpoints}")
+    if not cfg.ckpt_dir:
+        used = [flag for flag, on in (("--save-every", cfg.save_every), ("--resume", cfg.resume),
+                                      ("--max-restarts", cfg.max_restarts)) if on]
+        if used:
+            raise ValueError(f"{' and '.join(used)} need --ckpt-dir (where checkpoints go)")
+    elif cfg.max_restarts and not cfg.resume:
+        raise ValueError("--max-restarts needs --resume: a restarted job continues from the last "
+                         "checkpoint in --ckpt-dir")
+
+
+def should_save(step: int, total: int, every: int) -> bool:
+    """After ``step`` completed steps: every ``every`` steps (0: never) and after the last one."""
+    return step == total or (every > 0 and step % every == 0)
+
+
+def resume(ckpt_dir, model, optimizer, ctx, data_position: dict, **objects) -> tuple[int, dict]:
+    """``(step, extra)`` of the latest checkpoint in ``ckpt_dir``, loaded into the job; ``(0, {})``
+    when there is none yet (the first start of a job that will be restarted)."""
+    if latest_step(ckpt_dir) is None:
+        return 0, {}
+    info = load_checkpoint(ckpt_dir, model, optimizer, ctx, **objects)
+    extra = info["extra"] or {}
+    saved = extra.get("data_position")
+    if saved is not None and saved != data_position:
+        changed = ", ".join(f"{k}: {saved.get(k)!r} → {data_position.get(k)!r}"
+                            for k in sorted(set(saved) | set(data_position))
+                            if saved.get(k) != data_position.get(k))
+        warnings.warn(f"resuming from {info['path']} with a different data stream ({changed}): "
+                      f"the run will not be identical to one that never stopped", stacklevel=2)
+    return info["step"], extra
+
+
+def save(ckpt_dir, model, optimizer, ctx, step: int, data_position: dict, *, keep: int | None,
+         extra: dict | None = None, **objects):
+    """A checkpoint of ``step`` whose ``extra`` records the data position."""
+    return save_checkpoint(ckpt_dir, model, optimizer, ctx, step, keep=keep,
+                           extra={**(extra or {}), "data_position": data_position}, **objects)

@@ -1,0 +1,113 @@
+"""``ops-transformer checkpoint inspect|export``, and the checkpoint flags of ``train``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..checkpoint import export as ex
+from ..checkpoint import store
+from ..utils.progress import format_table
+from ._common import check_out_dir, check_out_file, print_json, refuse_torchrun
+
+HELP = "inspect a sharded checkpoint, or export its dense weights"
+
+
+def add_parser(p) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    inspect = sub.add_parser("inspect", help="steps, layout, sizes and verification status",
+                             description="steps, layout, sizes and verification status")
+    inspect.add_argument("dir", help="a checkpoint root (train --ckpt-dir) or one step-… directory")
+    inspect.add_argument("--no-verify", action="store_true", help="skip the SHA-256 checks")
+    inspect.add_argument("--json", action="store_true", help="print the result as JSON")
+    export = sub.add_parser("export", help="the dense weights: a .safetensors file, or a "
+                            "save_pretrained directory for Hugging Face models",
+                            description="the dense weights of one checkpoint")
+    export.add_argument("dir", help="a checkpoint root (train --ckpt-dir)")
+    export.add_argument("--step", type=int, help="which checkpoint (default: the latest)")
+    export.add_argument("--out", required=True, help="a .safetensors file; for a Hugging Face "
+                        "model a directory (save_pretrained) unless it ends in .safetensors")
+
+
+def add_checkpoint_arguments(p) -> None:
+    """The checkpoint flags of ``train``."""
+    p.add_argument("--ckpt-dir", help="write sharded checkpoints here (docs/checkpoints.md)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps "
+                   "(default 0: only after the last step)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in "
+                   "--ckpt-dir if there is one (the same command starts and restarts a job)")
+    p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: restart all ranks "
+                   "after a failure this many times (torchrun: use its own --max-restarts)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept "
+                   "(default 3)")
+
+
+def checkpoint_settings(args) -> dict:
+    """The ``TrainConfig`` fields of the checkpoint flags (absent flags: the defaults)."""
+    names = ("ckpt_dir", "save_every", "resume", "max_restarts", "keep_checkpoints")
+    return {n: getattr(args, n) for n in names if hasattr(args, n)}
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _rows(info: dict) -> list[dict]:
+    rows = []
+    for c in info["checkpoints"]:
+        layout = c.get("layout") or {}
+        rows.append({
+            "step": c.get("step"),
+            "latest": "*" if c.get("step") == info["latest"] else "",
+            "layout": (f"dp={layout['dp']} × tp={layout['tp']}"
+                       + (f" × ep={layout['ep']}" if layout.get("ep", 1) > 1 else "")
+                       if layout else "?"),
+            "model": c.get("model", {}).get("class", "?"),
+            "optimizer": c.get("optimizer") or "-",
+            "size": _size(c["total_bytes"]) if "total_bytes" in c else "?",
+            "files": len(c.get("files", {})),
+            "saved": (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["created_unix"]))
+                      if "created_unix" in c else "?"),
+            "status": c["status"],
+        })
+    return rows
+
+
+def _inspect(args) -> int:
+    info = ex.describe_root(Path(args.dir), check=not args.no_verify)
+    if args.json:
+        print_json(info)
+        return 0
+    if not info["checkpoints"]:
+        print(f"{info['root']}: no checkpoint")
+    else:
+        print(format_table(_rows(info)))
+    for name in info["incomplete"]:
+        print(f"incomplete (a save in progress or interrupted; ignored): {name}")
+    bad = [c for c in info["checkpoints"] if c["status"] not in ("ok", "not verified")]
+    return 1 if bad else 0
+
+
+def _export(args) -> int:
+    out = Path(args.out)
+    manifest = store.read_manifest(store.resolve(args.dir, args.step))  # small: no tensors read
+    huggingface = manifest["model"].get("kind") == "huggingface" and out.suffix != ".safetensors"
+    (check_out_dir if huggingface else check_out_file)(out, "--out")
+    state, manifest = ex.dense_state_dict(args.dir, args.step)
+    if huggingface:
+        ex.export_huggingface(state, manifest, out)
+        what = f"a save_pretrained directory ({manifest['model']['class']})"
+    else:
+        ex.export_safetensors(state, manifest, out)
+        what = "a safetensors file"
+    print(f"wrote {out}: {what}, {len(state)} tensors of step {manifest['step']}")
+    return 0
+
+
+def run(args) -> int:
+    refuse_torchrun("checkpoint", "reads and writes files in one process")
+    return _inspect(args) if args.action == "inspect" else _export(args)

@@ -132,3 +132,39 @@ def test_untranslated_experts_are_refused():
     with pytest.raises(ValueError, match=r"moe_tp_experts on Experts: its forward follows "
                                          r"neither transformers' experts contract"):
         HFExperts.from_dense(Experts(), init_parallel())
+
+
+# --- checkpoints: the Hugging Face module's own keys (an export loads in plain transformers) ----
+
+def _save_experts(model_type, tp, ep, root):
+    from ops_transformer import save_checkpoint
+    ctx = init_parallel(tp=tp, ep=ep)
+    save_checkpoint(root, HFExperts.from_dense(_dense(model_type), ctx), None, ctx, 1)
+
+
+def _load_into_dense(model_type, root):
+    from ops_transformer import load_checkpoint
+    ctx = init_parallel()
+    module = _dense(model_type)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+    load_checkpoint(root, module, None, ctx)
+    return module.state_dict()
+
+
+@pytest.mark.parametrize("model_type,tp,ep", [
+    ("deepseek_v3", 2, 1),
+    pytest.param("llama4_text", 1, 2, marks=pytest.mark.slow),  # stored [E, in, out]
+    pytest.param("deepseek_v3", 2, 2, marks=pytest.mark.slow),
+])
+def test_checkpoint_of_hf_experts_loads_into_the_dense_module(run_ranks, tmp_path, model_type,
+                                                              tp, ep):
+    if model_type not in CLASSES:
+        CLASSES[model_type] = _experts_class(model_type)
+    run_ranks(_save_experts, tp * ep, model_type, tp, ep, tmp_path)
+    got = run_ranks(_load_into_dense, 1, model_type, tmp_path)[0]
+    ref = _dense(model_type).state_dict()
+    assert set(got) == set(ref)  # gate_up_proj, not experts.gate_up_proj
+    for key, value in ref.items():
+        assert torch.equal(got[key], value), key

@@ -3,9 +3,10 @@ reshardable to another layout. See ``docs/checkpoints.md``."""
 
 from ..layers.moe import ParallelExperts
 from ..memory.zero import ZeroOptimizer
+from ..parallelize.hf_experts import HFExperts
 from .api import load_checkpoint, save_checkpoint, verify
 from .contents import ModelTensors, register_module_entries
-from .experts import expert_entries
+from .experts import expert_entries, hf_expert_entries
 from .errors import CheckpointError
 from .layout import Entry, Layout, Replicated, SpecLayout, layout_of
 from .training import check_options, resume, save, should_save
@@ -15,6 +16,7 @@ from .store import latest_step, list_steps
 from .zero import ZERO_ADAPTER, ZeroOptimizerAdapter
 
 register_module_entries(ParallelExperts, expert_entries)
+register_module_entries(HFExperts, hf_expert_entries)
 register_optimizer_adapter(ZeroOptimizer, ZERO_ADAPTER)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify", "CheckpointError", "Layout",

@@ -62,7 +62,8 @@ class ModelTensors:
             hook = next((f for cls, f in _MODULE_ENTRIES.items() if isinstance(module, cls)), None)
             if hook is not None:
                 prefix = f"{prefix}." if prefix else ""
-                special.update({prefix + k: v for k, v in hook(module, prefix).items()})
+                for k, v in hook(module, prefix).items():  # an outer module's hook wins
+                    special.setdefault(prefix + k, v)
         self.entries = {name: special.get(name) or [Entry(name, layout_of(t))]
                         for name, t in self.tensors.items()}
         self._by_id = {id(t): name for name, t in self.tensors.items()}

@@ -88,3 +88,12 @@ def expert_entries(module, prefix: str) -> dict[str, list[Entry]]:
             out[name] = [Entry(f"{prefix}{shard.first + j}.{MLP_NAMES[name]}", layout, _Expert(j))
                          for j in range(shard.local)]
     return out
+
+
+def hf_expert_entries(module, prefix: str) -> dict[str, list[Entry]]:
+    """:class:`HFExperts`: its inner experts' entries under the Hugging Face module's keys (the
+    inner module's own hook would name them ``<prefix>experts.gate_up_proj``)."""
+    if module.spare is not None:  # identity-expert rows: see the module docstring
+        return {}
+    return {f"experts.{name}": entries
+            for name, entries in expert_entries(module.experts, prefix).items()}

@@ -13,8 +13,8 @@ from ops_transformer.cli.main import main
 from ops_transformer.comm.ledger import wire_elements
 from ops_transformer.profiler.calibrate import (KINDS, _fit_kinds, crossover, fit_alpha_beta,
                                                fit_rel_error, message_elements)
-from ops_transformer.cli._profile import profile_path
-from ops_transformer.planner.profile import CalibratedProfile, load_profile
+from ops_transformer.cli._calibrated import profile_path
+from ops_transformer.planner.calibrated import CalibratedProfile, load_profile
 from ops_transformer.planner.hardware import HardwareProfile
 
 SIZES = [4 * 4 ** k for k in range(12)]  # 4 B … 16 MiB

@@ -8,7 +8,7 @@ import torch
 
 import ops_transformer as ot
 from ops_transformer.checkpoint import Entry, SpecLayout
-from ops_transformer.checkpoint.zero import entry_pieces, flat_view, range_boxes
+from ops_transformer.checkpoint.zero_adapter import entry_pieces, flat_view, range_boxes
 
 from ops_transformer.memory.zero import zero_optimizer
 from ops_transformer.memory.zero_state import consolidate_zero_state

@@ -19,7 +19,7 @@ from ops_transformer.comm.ledger import CommStep
 from ops_transformer.planner.collective_algorithms import (algorithm_times, choose_algorithm,
                                                            executed_time, p2p_faster, staged_time)
 from ops_transformer.planner.hardware import CPU_GLOO, HardwareProfile
-from ops_transformer.planner.profile import CalibratedProfile
+from ops_transformer.planner.calibrated import CalibratedProfile
 
 FP32_EXACT = 1e-6  # the bound: only the order of the sums differs from flat
 # Links between "nodes" so slow that every message but the tiniest goes hierarchical.

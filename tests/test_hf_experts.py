@@ -17,7 +17,7 @@ from ops_transformer import CommLedger, gather_full_state_dict, init_parallel
 
 tr = pytest.importorskip("transformers")
 tr.logging.set_verbosity_error()
-hf_zoo = pytest.importorskip("ops_transformer.parallelize.hf_zoo")
+hf_zoo = pytest.importorskip("ops_transformer.testing.zoo")
 from ops_transformer.parallelize.hf_experts import HFExperts  # noqa: E402
 
 FAMILIES = {  # model type -> the name of its experts module in the tiny model

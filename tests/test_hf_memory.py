@@ -156,7 +156,7 @@ def test_generation_is_unchanged(run_ranks):
 
 
 def test_bert_says_it_has_no_sequence_parallel_form():
-    from ops_transformer.parallelize.sequence_parallel import sequence_parallel_layout
+    from ops_transformer.parallelize.sequence_plan import sequence_parallel_layout
 
     model = tr.BertModel(tr.BertConfig(hidden_size=32, num_hidden_layers=1,
                                        num_attention_heads=2, intermediate_size=64))

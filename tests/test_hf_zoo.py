@@ -15,7 +15,7 @@ from ops_transformer import init_parallel
 
 tr = pytest.importorskip("transformers")
 tr.logging.set_verbosity_error()
-hf_zoo = pytest.importorskip("ops_transformer.parallelize.hf_zoo")
+hf_zoo = pytest.importorskip("ops_transformer.testing.zoo")
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "huggingface.md"
 # Translated styles the default suite meets in real models: olmo2 gathered columns and split-input

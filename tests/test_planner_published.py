@@ -11,7 +11,7 @@ from ops_transformer.cli.main import main
 from ops_transformer.planner import efficiency as E
 from ops_transformer.planner import published as P
 from ops_transformer.profiler.calibrate import gpu_efficiency
-from ops_transformer.planner.profile import load_profile
+from ops_transformer.planner.calibrated import load_profile
 
 
 @pytest.fixture(scope="module")

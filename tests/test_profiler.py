@@ -266,7 +266,7 @@ def test_expert_parallel_moe_has_only_its_needed_syncs(run_ranks):
 def _p2p_worker():
     """Every collective of the TP group as a point-to-point swap (a profile that measured swaps
     faster at every size): one ledger entry each, send/recv on the wire."""
-    from ops_transformer.planner.profile import CalibratedProfile
+    from ops_transformer.planner.calibrated import CalibratedProfile
 
     swaps = CalibratedProfile("swaps at every size", 4.5e10, 2.2e-4, 0.94e9,
                               p2p_threshold_bytes=None, p2p_small_messages="send_recv")

@@ -14,7 +14,7 @@ from ops_transformer.comm.engine import lookup
 from ops_transformer.models.gpt import preset
 from ops_transformer.planner.choose import choose_attention, choose_vocab
 from ops_transformer.planner.hardware import HardwareProfile
-from ops_transformer.planner.profile import CalibratedProfile
+from ops_transformer.planner.calibrated import CalibratedProfile
 
 CFG = preset("tiny")
 # Rank 0: latency-bound links, fast matmuls, a measured swap faster than any collective.

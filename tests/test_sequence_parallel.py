@@ -12,7 +12,7 @@ import torch
 from helpers import assert_rel
 from ops_transformer import GPT, CommLedger, init_parallel, parallelize
 from ops_transformer.parallelize import gpt_plan
-from ops_transformer.parallelize.sequence_parallel import sequence_parallel_plan
+from ops_transformer.parallelize.sequence_plan import sequence_parallel_plan
 from test_gpt_parallel import B, CONFIGS, T, _batches, _delta
 from test_gpt_parallel import _train as train_dense_or_parallel
 

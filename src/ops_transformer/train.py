@@ -20,7 +20,7 @@ import torch
 from . import checkpoint as ckpt
 from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
-from .memory.options import check_memory_flags, make_optimizer, partial_numel
+from .memory.train_flags import check_memory_flags, make_optimizer, partial_numel
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
 from .models.moe import moe_stats

@@ -15,7 +15,7 @@ from ..planner.specs import ClusterSpec, ModelSpec
 from ..planner.strategies import ATTENTION_STRATEGIES
 from ..utils.progress import format_table
 from ._common import check_out_file
-from ._profile import command_profile
+from ._calibrated import command_profile
 
 HELP = "predict step time and memory of every dp × tp × ep layout and pick the best"
 LAYOUT_FLAGS = ("tp", "dp", "ep", "zero", "recompute", "sequence_parallel", "micro_batch",

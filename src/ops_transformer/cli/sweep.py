@@ -15,7 +15,7 @@ from ..utils.plot import write_bar_pairs_png
 from ..utils.progress import Progress, format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       refuse_torchrun)
-from ._profile import command_profile
+from ._calibrated import command_profile
 
 HELP = ("run several training configurations (comma-separated values per option, every "
         "combination) and compare step time, tokens/s, activation memory, communication and the "

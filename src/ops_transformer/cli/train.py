@@ -10,19 +10,19 @@ from pathlib import Path
 import torch
 
 from ..models.gpt import PRESETS
-from ..checkpoint import launch_with_restarts
+from ..parallel.restart import launch_with_restarts
 from ..parallel import launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
 from ..train import TrainConfig, train_worker, validate
-from ..memory.layers import ACTIVATION_CACHES
-from ..memory.options import ZERO_STAGES, memory_from_plan, memory_summary
+from ..memory.apply import ACTIVATION_CACHES
+from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       under_torchrun, world_size)
-from ._profile import command_profile
+from ._calibrated import command_profile
 from .checkpoint import add_checkpoint_arguments, checkpoint_settings
 
 HELP = "train the reference GPT with tensor (and data) parallelism"

@@ -116,7 +116,7 @@ def activation_memory(model: nn.Module, idx: torch.Tensor,
     A storage saved by several layers counts in the first. On a parallel model this is a collective
     call (the forward communicates): every rank must make it; each gets its own bytes.
     """
-    from .layers import transformer_layers
+    from .apply import transformer_layers
 
     layers = transformer_layers(model)
     meter = ActivationMeter(exclude=list(model.parameters()) + list(model.buffers()))

@@ -43,7 +43,7 @@ def resolve_profile_source(profile, backend: str | None) -> HardwareProfile:
     if isinstance(profile, HardwareProfile):
         return profile
     if isinstance(profile, (str, os.PathLike)):
-        from ..planner.profile import load_profile
+        from ..planner.calibrated import load_profile
 
         return load_profile(Path(profile).expanduser())
     raise ValueError(f"profile must be a HardwareProfile, a path to a calibrated profile or None, "

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.bucketing import GradSums, add_grad_reducer
-from ..memory.layers import apply_memory_options, check_memory_options
+from ..memory.apply import apply_memory_options, check_memory_options
 from ..models.gpt import GPT
 from ..layers.moe import scale_expert_grads, split_expert_params
 from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, no_sync
@@ -18,7 +18,7 @@ from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
 from .moe_plan import check_expert_parallel
 from .plan import Plan, apply_plan
-from .sequence_parallel import check_partial_marked, sequence_parallel_plan
+from .sequence_plan import check_partial_marked, sequence_parallel_plan
 
 log = logging.getLogger("ops_transformer")
 SUPPORTED = ("ops_transformer.models.GPT",) + tuple(f"Hugging Face {f}" for f in FAMILIES)

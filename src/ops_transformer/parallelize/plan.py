@@ -90,13 +90,13 @@ from ..layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParal
 from ..layers.moe import to_expert_parallel
 from ..parallel.sharding import ShardSpec, set_shard_spec
 from .hf_experts import HFExperts
-from .sequence_parallel import SEQUENCE_STYLES
+from .sequence_plan import SEQUENCE_STYLES
 
 STYLES = ("colwise", "rowwise", "gather_in", "region", "vocab", "vocab_head", "vocab_logits",
           "kv_split", "attrs", "embed_colwise", "grad_allreduce", "reduce_out", "mla_kv_a",
           "shard_param")
 STYLES += ("moe",)  # mixture of experts (layers/moe.py)
-STYLES += tuple(SEQUENCE_STYLES)  # sequence parallelism: see .sequence_parallel
+STYLES += tuple(SEQUENCE_STYLES)  # sequence parallelism: see .sequence_plan
 PARAM_STYLES = ("shard_param",)  # their pattern names a parameter, not a module
 
 

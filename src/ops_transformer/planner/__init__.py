@@ -9,7 +9,7 @@ from .cost import Comm, collective_time, comm_time, hierarchical_time, ring_step
 from .efficiency import default_efficiency
 from .hardware import A100_NVLINK, CPU_GLOO, HardwareProfile
 from .memory import activation_bytes_per_layer, logits_bytes, model_state_bytes
-from .profile import CalibratedProfile, load_profile
+from .calibrated import CalibratedProfile, load_profile
 from .search import Options, evaluate_layout, execution, search
 from .timing import Execution, zero_comm
 from .specs import MODEL_PRESETS, ClusterSpec, ModelSpec

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..comm.ledger import CommLedger
-from ..memory.layers import transformer_layers
-from ..memory.options import partial_numel
+from ..memory.apply import transformer_layers
+from ..memory.train_flags import partial_numel
 from ..memory.recompute import checkpointed
 from ..planner.strategies import model_comm_per_step
 from .profile import gather_objects, profile_step, world_group

@@ -19,8 +19,8 @@ import torch
 from ..models.gpt import GPT, preset
 from ..parallel.context import init_parallel
 from ..planner.memory import activation_bytes_per_layer
-from .measure import activation_memory
-from .options import make_optimizer
+from ..memory.measure import activation_memory
+from ..memory.train_flags import make_optimizer
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..planner.profile import load_profile
+from ..planner.calibrated import load_profile
 from ._common import is_lead
 
 ENV_VAR = "OPS_TRANSFORMER_PROFILE"

@@ -3,7 +3,7 @@
 ``load_profile(path)`` returns a :class:`CalibratedProfile`, a :class:`~.hardware.HardwareProfile`
 whose collectives use the α and β measured for each kind at the nearest measured world size.
 
-Where the file lives is the command line's business (:mod:`ops_transformer.cli._profile`: the
+Where the file lives is the command line's business (:mod:`ops_transformer.cli._calibrated`: the
 ``OPS_TRANSFORMER_PROFILE`` variable, else ``~/.cache/ops-transformer/profile.json``); the library
 only reads the path it is given, and :func:`~ops_transformer.parallel.init_parallel` reads it on
 rank 0 alone and broadcasts the profile, so every rank decides from the same figures.

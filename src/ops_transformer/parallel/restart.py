@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from ..parallel.launch import RankError, launch
+from .launch import RankError, launch
 
 log = logging.getLogger("ops_transformer")
 

@@ -18,8 +18,10 @@ import inspect
 
 import torch
 
-from .hf_plans import has_family_plan
-from .hf_translate import check_styles, hf_tp_plan
+from ..parallel.sharding import gather_full_state_dict
+from ..parallelize import parallelize
+from ..parallelize.hf_plans import has_family_plan
+from ..parallelize.hf_translate import check_styles, hf_tp_plan
 
 SMALL = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -207,8 +209,6 @@ def _gradients(model, ctx) -> dict[str, torch.Tensor]:
     """The gradients under the dense model's state-dict keys: each parameter briefly holds its
     gradient while ``gather_full_state_dict`` (which knows every layer's sharding and renaming)
     gathers it."""
-    from ..parallel.sharding import gather_full_state_dict
-
     params = dict(model.named_parameters())
     data = {name: p.data for name, p in params.items()}
     try:
@@ -272,9 +272,6 @@ def check_family(model_type: str, ctx, **parallelize_options) -> dict[str, float
     gradient of the model, whichever is larger) and ``weights`` (each gathered parameter after
     one SGD step, relative to its largest entry); and ``split``, the number of plan rules beyond
     the embedding and LM head (0: the family's plan splits nothing else)."""
-    from ..parallel.sharding import gather_full_state_dict
-    from . import parallelize
-
     model = build(model_type)
     dense = copy.deepcopy(model)
     vocab = model.config.get_text_config().vocab_size

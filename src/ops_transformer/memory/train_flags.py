@@ -8,7 +8,7 @@ import warnings
 import torch
 from torch import nn
 
-from .layers import ACTIVATION_CACHES
+from .apply import ACTIVATION_CACHES
 from .recompute import RECOMPUTE
 
 ZERO_STAGES = (0, 1, 2)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..planner.strategies import kv_replicas
 from .hf_translate import translated_plan
 from .hf_vocab import vocab_rules
 from .plan import Plan
@@ -74,10 +75,7 @@ def llama_plan(model, tp: int, loss_parallel: bool = False, *, vocab: str = "aut
     c, p = model.config, _prefix(model)
     heads, kv = c.num_attention_heads, c.num_key_value_heads
     _divides("num_attention_heads", heads, tp, "; each rank needs whole query heads")
-    if kv % tp and tp % kv:
-        raise ValueError(f"num_key_value_heads ({kv}) and tp ({tp}): KV heads can be split when tp "
-                         f"divides them or replicated when they divide tp; neither holds")
-    local_q, local_kv = heads // tp, max(kv // tp, 1)
+    local_q, local_kv = heads // tp, kv * kv_replicas(kv, tp, "num_key_value_heads") // tp
     no_reduce = {"style": "colwise", "reduce_input_grad": False}
     kv_rule = {**no_reduce, "kv_heads": kv}
     ffn = {"style": "colwise", "reduce_input_grad": False, "pad": True}

@@ -4,7 +4,8 @@ activation memory. Sequence parallelism lives with the layers
 (:mod:`ops_transformer.parallelize.sequence_plan`)."""
 
 from .int8_cache import Int8ActivationCache
-from .apply import apply_memory_options, transformer_layers
+from ..models.hf import transformer_layers
+from .apply import apply_memory_options
 from .measure import activation_memory
 from .recompute import RECOMPUTE, apply_recompute, checkpointed
 from .zero import ZeroOptimizer, zero_optimizer

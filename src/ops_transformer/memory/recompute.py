@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .apply import is_hf, transformer_layers
+from ..models.hf import is_hf, transformer_layers
 
 RECOMPUTE = ("none", "selective", "full")
 

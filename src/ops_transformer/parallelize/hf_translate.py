@@ -53,6 +53,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..layers.linear import dense_weight
+from ..models.hf import base_prefix
 from ..planner.strategies import kv_replicas
 from .hf_vocab import module_name, text_config, tied_embeddings, vocab_rules
 from .plan import Plan, matches
@@ -109,8 +110,7 @@ PLAN_FIXES = {
 def hf_tp_plan(model) -> dict[str, str]:
     """The model's whole Hugging Face plan: ``model.tp_plan`` (transformers ≥ 5), else the
     config's ``base_model_tp_plan`` under the base model's prefix."""
-    base = getattr(model, "base_model_prefix", "")
-    prefix = f"{base}." if base and isinstance(getattr(model, base, None), nn.Module) else ""
+    prefix = base_prefix(model)
     plan = getattr(model, "tp_plan", None)
     if not (isinstance(plan, dict) and plan):
         plan = {prefix + k: v for k, v in (getattr(model.config, "base_model_tp_plan", None)

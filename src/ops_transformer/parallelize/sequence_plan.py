@@ -32,10 +32,9 @@ from torch import nn
 from ..layers.sequence_parallel import (SequenceParallelRowLinear, gather_sequence,
                                         gather_sequence_region, is_partial, mark_partial,
                                         scatter_sequence)
+from ..models.hf import DECODER_LAYOUTS, decoder_layout, model_type
 from ..parallel.sharding import shard_spec
 
-HF_LAYOUTS = {"gpt2": ("h", "ln_f"), "llama": ("layers", "norm"), "mistral": ("layers", "norm"),
-              "qwen2": ("layers", "norm")}
 
 
 def _on_first_input(module: nn.Module, fn) -> None:
@@ -94,24 +93,15 @@ SEQUENCE_STYLES = {
 }
 
 
-def _prefix(model: nn.Module) -> str:
-    base = getattr(model, "base_model_prefix", "")
-    return f"{base}." if base and isinstance(getattr(model, base, None), nn.Module) else ""
-
-
 def sequence_parallel_layout(model: nn.Module) -> tuple[str, str]:
     """``(layers, final norm)`` module names of a model sequence parallelism supports."""
-    from ..models.gpt import GPT
-
-    if isinstance(model, GPT):
-        return "layers", "norm"
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type in HF_LAYOUTS:
-        layers, norm = HF_LAYOUTS[model_type]
-        return _prefix(model) + layers, _prefix(model) + norm
-    raise ValueError(f"sequence_parallel=True supports the reference GPT and Hugging Face "
-                     f"{', '.join(HF_LAYOUTS)} models; got {type(model).__name__}"
-                     + (f" (model_type {model_type!r})" if model_type else ""))
+    layout = decoder_layout(model)
+    if layout is None:
+        kind = model_type(model)
+        raise ValueError(f"sequence_parallel=True supports the reference GPT and Hugging Face "
+                         f"{', '.join(DECODER_LAYOUTS)} models; got {type(model).__name__}"
+                         + (f" (model_type {kind!r})" if kind else ""))
+    return layout
 
 
 def _transform(pattern: str, rule: dict) -> dict:

@@ -14,7 +14,7 @@ from torch import nn
 
 from helpers import assert_rel
 from ops_transformer import CommLedger, ParallelContext, gather_full_state_dict, init_parallel
-from ops_transformer.comm.bucketing import attach_grad_sums
+from ops_transformer.parallel.state import attach_grad_sums
 from ops_transformer.layers.embedding import ColumnParallelEmbedding
 from ops_transformer.layers.linear_variants import (PackedRowParallelLinear,
                                                     PaddedColumnParallelLinear,

@@ -52,7 +52,7 @@ class FeatureSplitAttention(nn.Module):
     gradient covers its query rows only: it is marked as partial
     (:func:`~ops_transformer.comm.bucketing.mark_partial_grad`), and ``parallelize`` sums it over
     the TP group once per backward, coalesced with the other small sums
-    (:func:`~ops_transformer.comm.bucketing.attach_grad_sums` for a module built by hand)."""
+    (:func:`~ops_transformer.parallel.state.attach_grad_sums` for a module built by hand)."""
 
     def __init__(self, attn: nn.Module, ctx, *, rope: bool):
         super().__init__()

@@ -8,11 +8,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.bucketing import GradSums, add_grad_reducer
+from ..comm.bucketing import DEFAULT_BUCKET_BYTES
 from ..memory.apply import apply_memory_options, check_memory_options
 from ..models.gpt import GPT
 from ..layers.moe import scale_expert_grads, split_expert_params
-from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, no_sync
+from ..parallel.grad_reduce import GradReducers, GradSums, GradSync
+from ..parallel.state import ParallelState, no_sync
 from ..precision.policy import resolve_grad_reduce_dtype
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
@@ -120,7 +121,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     ``grad_reduce_dtype`` is the dtype of the gradient reductions — data-parallel averaging and the
     sums of replicated parameters' partial gradients (replicated KV heads, strategy B's output
     projection), coalesced at the end of backward
-    (:class:`~ops_transformer.comm.bucketing.GradSums`). Default: float32 when the parameters are
+    (:class:`~ops_transformer.parallel.grad_reduce.GradSums`). Default: float32 when the parameters are
     16-bit, else the parameters' dtype.
 
     Memory (SPEC F7, :mod:`ops_transformer.memory`): ``sequence_parallel=True`` keeps ``1/tp`` of
@@ -129,8 +130,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     ``recompute="selective"`` (attention core) or ``"full"`` (every layer) recomputes activations
     in backward; ``activation_cache="int8"`` keeps each layer's saved activations as int8.
     """
-    if getattr(model, "parallel_plan", None) is not None:
-        raise ValueError("this model is already parallelised (model.parallel_plan is set)")
+    if getattr(getattr(model, "parallel_state", None), "plan", None) is not None:
+        raise ValueError("this model is already parallelised (model.parallel_state is set)")
     check_memory_options(recompute, activation_cache)
     if sequence_parallel and attention == "auto":
         attention = "heads"  # the one strategy with a sequence-parallel form
@@ -151,21 +152,23 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     elif ctx.ep_size > 1:  # experts only
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items() if r["style"] == "moe"}),
                    ctx, _Groups(model, ctx))
-    model.parallel_plan = resolved
     reduce_dtype = resolve_grad_reduce_dtype(model, grad_reduce_dtype)
+    reducers = GradReducers()
     if ctx.dp_ep_size > 1:  # EP ranks read different micro-batches, like DP ranks
         dense, experts = split_expert_params(model.parameters())
         scale_expert_grads(experts, ctx.ep_size)
         group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
-        model._ops_transformer_grad_sync = GradSync(dense, group, bucket_bytes=bucket_bytes,
-                                                    reduce_dtype=reduce_dtype)
+        reducers.append(GradSync(dense, group, bucket_bytes=bucket_bytes,
+                                 reduce_dtype=reduce_dtype))
         if experts and ctx.dp_size > 1:
-            model._ops_transformer_expert_grad_sync = GradSync(
-                experts, ctx.dp_group, bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype)
-    # Built after the data-parallel averaging, so its end-of-backward sums run after it.
+            reducers.append(GradSync(experts, ctx.dp_group, bucket_bytes=bucket_bytes,
+                                     reduce_dtype=reduce_dtype, name="dp_experts"))
+    # After the data-parallel averaging in the chain, so its end-of-backward sums run after it.
     sums = GradSums.of_module(model, dtype=reduce_dtype, bucket_bytes=bucket_bytes)
     if sums is not None:
-        add_grad_reducer(model, sums)
+        reducers.append(sums)
+    model.parallel_state = ParallelState(resolved, None, reducers)
+    model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
     apply_memory_options(model, recompute=recompute, activation_cache=activation_cache)
     log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
              ctx.ep_size, resolved.attention, f" ({resolved.reason})" if resolved.reason else "")

@@ -20,7 +20,6 @@ from ops_transformer.layers.linear_variants import (PackedRowParallelLinear,
                                                     PaddedColumnParallelLinear,
                                                     PaddedRowParallelLinear)
 from ops_transformer.parallel.sharding import gather_full, shard_spec
-from ops_transformer.parallelize import _Groups
 from ops_transformer.parallelize.plan import Plan, apply_plan
 
 B, S, H = 2, 3, 8
@@ -184,7 +183,7 @@ def _case(name):
     y_ref = dense(x_ref)
     y_ref.backward(grad_out)
 
-    apply_plan(model, Plan(rules=rules), ctx, _Groups(model, ctx))
+    apply_plan(model, Plan(rules=rules), ctx)
     attach_grad_sums(model)  # the partial gradients grad_allreduce marks (parallelize does this)
     x_tp = x.clone().requires_grad_(x.is_floating_point())
     with CommLedger() as fwd:

@@ -6,6 +6,7 @@ import functools
 
 from torch import nn
 
+from ..layers.regions import wrap_own_forward
 from ..models.hf import transformer_layers
 from .int8_cache import Int8ActivationCache
 from .recompute import apply_recompute, check_recompute
@@ -25,8 +26,8 @@ def apply_activation_cache(model: nn.Module, activation_cache: str, block_size: 
     if activation_cache == "none":
         return
     cache = Int8ActivationCache(block_size=block_size)
-    for layer in transformer_layers(model):
-        layer.forward = _inside(cache, layer.forward)
+    for layer in transformer_layers(model):  # (a region's collectives stay outside the cache)
+        wrap_own_forward(layer, functools.partial(_inside, cache))
     model.activation_cache = cache  # its .stats count what it quantised
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..comm.bucketing import DEFAULT_BUCKET_BYTES
@@ -23,31 +22,6 @@ from .sequence_plan import check_partial_marked, sequence_parallel_plan
 
 log = logging.getLogger("ops_transformer")
 SUPPORTED = ("ops_transformer.models.GPT",) + tuple(f"Hugging Face {f}" for f in FAMILIES)
-
-
-class _Groups:
-    """What a style may need beyond the context: sibling modules and KV-replica groups."""
-
-    def __init__(self, model: nn.Module, ctx):
-        self.model, self.ctx, self._replica = model, ctx, {}
-
-    def module(self, name: str) -> nn.Module:
-        return self.model.get_submodule(name)
-
-    def replica_group(self, replicas: int):
-        """The group of the ``replicas`` consecutive TP ranks that hold the same KV heads. Every
-        rank creates every such group, in the same order (``new_group`` is collective)."""
-        if replicas not in self._replica:
-            tp = self.ctx.tp_size
-            mine = None
-            for tp_ranks in self.ctx.mesh.mesh.reshape(-1, tp).tolist():
-                for start in range(0, tp, replicas):
-                    ranks = tp_ranks[start:start + replicas]
-                    group = dist.new_group(ranks)
-                    if self.ctx.rank in ranks:
-                        mine = group
-            self._replica[replicas] = mine
-        return self._replica[replicas]
 
 
 def _is_hf(model: nn.Module) -> bool:
@@ -141,7 +115,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     if sequence_parallel and ctx.tp_size > 1:
         resolved = sequence_parallel_plan(resolved, model)
     if ctx.tp_size > 1:
-        apply_plan(model, resolved, ctx, _Groups(model, ctx))
+        apply_plan(model, resolved, ctx)
         if loss_parallel and _is_hf(model) and resolved.vocab == "parallel":
             model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
         elif loss_parallel and _is_hf(model):
@@ -151,7 +125,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
             check_partial_marked(model)
     elif ctx.ep_size > 1:  # experts only
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items() if r["style"] == "moe"}),
-                   ctx, _Groups(model, ctx))
+                   ctx)
     reduce_dtype = resolve_grad_reduce_dtype(model, grad_reduce_dtype)
     reducers = GradReducers()
     if ctx.dp_ep_size > 1:  # EP ranks read different micro-batches, like DP ranks

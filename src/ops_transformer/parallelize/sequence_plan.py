@@ -19,8 +19,8 @@ input gradient (GPT-2's c_attn)  the sequence, no input-gradient all-reduce
                                  the LM head
 ================================ ==================================================================
 
-The embedding and LM head keep their TP rules. The styles are registered in
-:mod:`.plan` from :data:`SEQUENCE_STYLES`.
+The embedding and LM head keep their TP rules. The styles are in :mod:`.styles`; their regions
+(:mod:`ops_transformer.layers.regions`) name their collectives in ``print(model)``.
 """
 
 from __future__ import annotations
@@ -29,68 +29,9 @@ import dataclasses
 
 from torch import nn
 
-from ..layers.sequence_parallel import (SequenceParallelRowLinear, gather_sequence,
-                                        gather_sequence_region, is_partial, mark_partial,
-                                        scatter_sequence)
+from ..layers.sequence_parallel import is_partial
 from ..models.hf import DECODER_LAYOUTS, decoder_layout, model_type
 from ..parallel.sharding import shard_spec
-
-
-
-def _on_first_input(module: nn.Module, fn) -> None:
-    """A forward pre-hook applying ``fn`` to the first positional input or ``hidden_states``."""
-
-    def hook(m, args, kwargs):
-        if args:
-            return (fn(args[0]), *args[1:]), kwargs
-        if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-        raise ValueError(f"sequence parallelism: {type(m).__name__} was called without a "
-                         f"positional input or a hidden_states keyword")
-
-    module.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def _scatter(module, ctx, groups):
-    _on_first_input(module, lambda x: scatter_sequence(x, ctx.tp_group))
-    return module
-
-
-def _region(module, ctx, groups, set=None):
-    from .plan import _attrs
-
-    _attrs(module, ctx, groups, set)
-    _on_first_input(module, lambda x: gather_sequence_region(x, ctx.tp_group))
-    return module
-
-
-def _colwise(module, ctx, groups, **options):
-    from .plan import _colwise as colwise
-
-    layer = colwise(module, ctx, groups, reduce_input_grad=False, **options)
-    _on_first_input(layer, lambda x: gather_sequence_region(x, ctx.tp_group))
-    return layer
-
-
-def _gather(module, ctx, groups):
-    mark_partial(module, ctx.tp_group)
-    module.register_forward_hook(lambda m, args, out: gather_sequence(out, ctx.tp_group))
-    return module
-
-
-def _partial(module, ctx, groups):
-    mark_partial(module, ctx.tp_group)
-    return module
-
-
-SEQUENCE_STYLES = {
-    "sequence_scatter": _scatter,
-    "sequence_region": _region,
-    "colwise_sequence": _colwise,
-    "rowwise_sequence": lambda m, ctx, groups: SequenceParallelRowLinear.from_dense(m, ctx),
-    "sequence_gather": _gather,
-    "sequence_partial": _partial,
-}
 
 
 def sequence_parallel_layout(model: nn.Module) -> tuple[str, str]:

@@ -7,7 +7,7 @@ from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbed
                      vocab_parallel_cross_entropy)
 from .models import GPT, GPTConfig
 from .parallel.state import no_sync
-from .parallelize import Plan, parallelize
+from .parallelize import ParallelOptions, Plan, parallelize
 from .parallelize.linear_split import parallel_linear
 from .parallel import (ParallelContext, RankError, ShardSpec, gather_full, gather_full_state_dict,
                        init_parallel, launch)
@@ -20,7 +20,7 @@ __all__ = [
     "gather_from_tp_region", "all_gather_along", "reduce_scatter_along", "all_to_all",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "ShardSpec", "gather_full", "gather_full_state_dict",
-    "GPT", "GPTConfig", "Plan", "parallelize", "no_sync", "parallel_linear",
+    "GPT", "GPTConfig", "Plan", "ParallelOptions", "parallelize", "no_sync", "parallel_linear",
 ]
 from .comm.bucketing import all_reduce_coalesced, mark_partial_grad
 from .parallel.grad_reduce import GradSums

@@ -12,7 +12,7 @@ from .parallelize.linear_split import parallel_linear
 from .parallel import (ParallelContext, RankError, ShardSpec, gather_full, gather_full_state_dict,
                        init_parallel, launch)
 
-from ._version import __version__  # noqa: E402
+from ._version import __version__  # noqa: E402, F401
 
 __all__ = [
     "ParallelContext", "init_parallel", "launch", "RankError",

@@ -102,9 +102,11 @@ class CopyToTPRegion(Region):
     autocast's dtype (so the all-reduce runs in it too)."""
 
     def forward(self, *args, **kwargs):
-        args, kwargs = _on_first_input(
-            self, args, kwargs, lambda x: copy_to_tp_region(to_compute_dtype(x), self.region_group))
+        args, kwargs = _on_first_input(self, args, kwargs, self._copy_to_region)
         return super().forward(*args, **kwargs)
+
+    def _copy_to_region(self, x):
+        return copy_to_tp_region(to_compute_dtype(x), self.region_group)
 
     def extra_repr(self) -> str:
         mine = (f"input: copy_to_tp_region {self._over()} (fwd identity, bwd "
@@ -174,9 +176,11 @@ class ScatterSequence(Region):
     """The first layer under sequence parallelism: keep this rank's share of its input's tokens."""
 
     def forward(self, *args, **kwargs):
-        args, kwargs = _on_first_input(self, args, kwargs,
-                                       lambda x: scatter_sequence(x, self.region_group))
+        args, kwargs = _on_first_input(self, args, kwargs, self._scatter)
         return super().forward(*args, **kwargs)
+
+    def _scatter(self, x):
+        return scatter_sequence(x, self.region_group)
 
     def extra_repr(self) -> str:
         mine = (f"input: scatter_sequence {self._over()} (fwd keeps this rank's "
@@ -189,9 +193,11 @@ class GatherSequenceRegion(Region):
     (backward: reduce-scatter of the column layers' partial input gradients)."""
 
     def forward(self, *args, **kwargs):
-        args, kwargs = _on_first_input(self, args, kwargs,
-                                       lambda x: gather_sequence_region(x, self.region_group))
+        args, kwargs = _on_first_input(self, args, kwargs, self._gather)
         return super().forward(*args, **kwargs)
+
+    def _gather(self, x):
+        return gather_sequence_region(x, self.region_group)
 
     def extra_repr(self) -> str:
         mine = (f"input: gather_sequence_region {self._over()} (fwd all-gather "

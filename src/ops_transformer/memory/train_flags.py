@@ -8,8 +8,10 @@ import warnings
 import torch
 from torch import nn
 
+from ..comm.bucketing import partial_grad_group
 from .apply import ACTIVATION_CACHES
 from .recompute import RECOMPUTE
+from .zero import zero_optimizer
 
 ZERO_STAGES = (0, 1, 2)
 
@@ -53,8 +55,6 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
 def make_optimizer(model: nn.Module, ctx, zero: int, **adamw_kwargs) -> torch.optim.Optimizer:
     """AdamW over ``model``'s parameters, sharded with ZeRO ``zero`` (1 or 2) when non-zero."""
     if zero:
-        from .zero import zero_optimizer
-
         return zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, **adamw_kwargs)
     return torch.optim.AdamW(model.parameters(), **adamw_kwargs)
 
@@ -89,8 +89,6 @@ def memory_from_plan(layout: dict, path: str) -> dict:
 def partial_numel(model: nn.Module, group) -> int:
     """Elements of the parameters whose partial gradients are summed over ``group`` (sequence
     parallelism's norms and row biases on the TP group)."""
-    from ..comm.bucketing import partial_grad_group
-
     return sum(p.numel() for p in dict.fromkeys(model.parameters())
                if group is not None and partial_grad_group(p) is group)
 

@@ -50,8 +50,6 @@ width that does not divide by tp, as do gathered-output columns and split-input 
 
 from __future__ import annotations
 
-from torch import nn
-
 from ..layers.linear import dense_weight
 from ..models.hf import base_prefix
 from ..planner.strategies import kv_replicas

@@ -21,6 +21,8 @@ from ..parallel.context import init_parallel
 from ..planner.memory import activation_bytes_per_layer
 from ..memory.measure import activation_memory
 from ..memory.train_flags import make_optimizer
+from ..parallelize import parallelize
+from ..parallelize.gpt_plan import check_tp_for_gpt
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,6 @@ def check_run(run: MemoryRun) -> None:
     if run.tp > 1 and run.sequence % run.tp:
         raise ValueError(f"sequence parallelism splits the sequence over tp ({run.tp}) ranks: the "
                          f"sequence length s ({run.sequence}) must be divisible by tp ({run.tp})")
-    from ..parallelize.gpt_plan import check_tp_for_gpt
-
     check_tp_for_gpt(run.model_config(), run.tp, "heads")
 
 
@@ -131,8 +131,6 @@ def _measure(run: MemoryRun, ctx) -> list[dict] | None:
     built = []
     for t in techniques_for(ctx.tp_size, ctx.dp_size):
         torch.manual_seed(run.seed)
-        from ..parallelize import parallelize
-
         model = parallelize(GPT(cfg).to(ctx.device), ctx, attention="heads",
                             sequence_parallel=t.sequence_parallel, recompute=t.recompute,
                             activation_cache=t.activation_cache)

@@ -6,9 +6,9 @@ recompute="selective")``: the keyword arguments build the options (or change the
 :meth:`ParallelOptions.of`). Every field is checked once, when the options are built; a bad value
 is a ``ValueError`` naming the field, the value and what is valid.
 
-To add an option: add a field with its default here, check it in :meth:`__post_init__`, read it
-where it takes effect (a style, a reducer, a memory option), and document it in the class
-docstring; ``parallelize``'s keyword arguments, ``TrainConfig`` (if ``train`` exposes it) and
+To add an option: add a field with its default here, its valid values to :data:`CHOICES` (or a
+check in :meth:`ParallelOptions.__post_init__`), read it where it takes effect (a style, a
+reducer, a memory option), and document it in the class docstring; ``parallelize``'s keyword arguments, ``TrainConfig`` (if ``train`` exposes it) and
 ``model.parallel_state.options`` follow without further change.
 """
 
@@ -65,13 +65,10 @@ class ParallelOptions:
     tp_plan: Mapping[str, str] | None = None
 
     def __post_init__(self):
-        for name, choices in (("attention", ATTENTION_CHOICES), ("vocab", VOCAB_CHOICES),
-                              ("recompute", RECOMPUTE), ("activation_cache", ACTIVATION_CACHES)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        for name in ("loss_parallel", "sequence_parallel"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if not any(value is c or (type(value) is type(c) and value == c) for c in choices):
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         check_grad_reduce_dtype(self.grad_reduce_dtype)
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) \
                 or self.bucket_bytes < 1:
@@ -101,3 +98,10 @@ class ParallelOptions:
         if not isinstance(options, cls):
             raise TypeError(f"options must be a ParallelOptions, got {type(options).__name__}")
         return dataclasses.replace(options, **changes) if changes else options
+
+
+# The fields with a fixed set of values (a new value of one, e.g. sequence_parallel="regather", is
+# one more entry here, and a field of that kind one more line).
+CHOICES = {"attention": ATTENTION_CHOICES, "vocab": VOCAB_CHOICES,
+           "loss_parallel": (False, True), "sequence_parallel": (False, True),
+           "recompute": RECOMPUTE, "activation_cache": ACTIVATION_CACHES}

@@ -2,23 +2,23 @@
 
 Every gradient collective that :func:`~ops_transformer.parallelize` and ZeRO set up runs here:
 
-=========================== ============== ================================================ ==========
-variant                     group          collective (when)                                label
-=========================== ============== ================================================ ==========
-:class:`GradSync`           ``dp``         all-reduce of ``grad / dp`` per bucket, started  dp_grads
-                            (``dp × ep``)  as soon as the bucket's gradients are complete
-:class:`GradSums`           each param's   all-reduce (sum) of what this backward added,    grad_sums
-                            (TP, KV        per bucket, at the end of backward
-                            replicas)
-:class:`ReduceScatterGradSync` ``dp``      reduce-scatter of ``grad / dp`` per ZeRO bucket, zero_grads
-                                           started as soon as it is complete (ZeRO-2)
-=========================== ============== ================================================ ==========
+================================ ========= ================================================
+variant (ledger label)           group     collective (when)
+================================ ========= ================================================
+:class:`GradSync`                ``dp``    all-reduce of ``grad / dp`` per bucket, started
+(``dp_grads``)                   (dp × ep) as soon as the bucket's gradients are complete
+:class:`GradSums`                its own   all-reduce (sum) of what this backward added, per
+(``grad_sums``)                  (TP, KV   bucket, at the end of backward
+                                 replicas)
+:class:`ReduceScatterGradSync`   ``dp``    reduce-scatter of ``grad / dp`` per ZeRO bucket,
+(``zero_grads``)                           started as soon as it is complete (ZeRO-2)
+================================ ========= ================================================
 
 All three share :class:`BucketedReducer`: ``post_accumulate_grad`` hooks on their parameters, an
 ``enabled`` flag (what :func:`no_sync` clears: the gradients then accumulate locally, and the next
 backward outside it reduces the sum) and ``finish()``, which completes the step's reduction at the
-end of backward. A model's reducers sit in order in one :class:`GradReducers` chain
-(``model.parallel_state.reducers``, see :mod:`.state`) which queues **one** end-of-backward callback
+end of backward. A model's reducers sit in order in one :class:`~.state.GradReducers` chain
+(``model.parallel_state.reducers``) which queues **one** end-of-backward callback
 and finishes them in chain order: data-parallel averaging first, then the partial sums (both are
 linear, so they commute; the sums must find gradients that the averaging will not overwrite).
 ZeRO-2 swaps the chain's averaging for its reduce-scatter in place; no hook is rebuilt.
@@ -58,8 +58,8 @@ def dp_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Pa
 
 class BucketedReducer:
     """What every gradient reducer shares (module docstring): hooks, ``enabled``, and the
-    end-of-backward ``finish()`` — run by its :class:`GradReducers` chain, or by a callback of its
-    own when it is used alone. ``name`` says which reducer of a chain it is."""
+    end-of-backward ``finish()``, run by its chain (:class:`~.state.GradReducers`) or by a
+    callback of its own when it is used alone. ``name`` says which reducer of a chain it is."""
 
     label = ""
 
@@ -97,54 +97,6 @@ class BucketedReducer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-class GradReducers:
-    """A model's reducers in the order they finish; one end-of-backward callback for all."""
-
-    def __init__(self, reducers=()):
-        self._reducers: list[BucketedReducer] = []
-        self._queued = False
-        for r in reducers:
-            self.append(r)
-
-    def append(self, reducer: BucketedReducer) -> None:
-        reducer.chain = self
-        self._reducers.append(reducer)
-
-    def get(self, name: str) -> BucketedReducer | None:
-        return next((r for r in self._reducers if r.name == name), None)
-
-    def insert(self, at: int, new: list[BucketedReducer]) -> None:
-        for r in new:
-            r.chain = self
-        self._reducers[at:at] = new
-
-    def replace(self, old: BucketedReducer, new: list[BucketedReducer]) -> None:
-        """Put ``new`` where ``old`` was (``old``'s hooks are removed)."""
-        at = self._reducers.index(old)
-        old.remove()
-        self._reducers.remove(old)
-        self.insert(at, new)
-
-    def __iter__(self):
-        return iter(list(self._reducers))
-
-    def __len__(self) -> int:
-        return len(self._reducers)
-
-    def schedule(self) -> None:
-        if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._queued = True
-
-    def _finish(self) -> None:
-        self._queued = False
-        for r in list(self._reducers):
-            r.finish_backward()
-
-    def __repr__(self) -> str:
-        return f"GradReducers({', '.join(repr(r) for r in self._reducers)})"
 
 
 class _DPBucket:
@@ -346,7 +298,8 @@ class ReduceScatterGradSync(BucketedReducer):
             if handle is not None:
                 with torch.profiler.record_function("ops_transformer::wait"):
                     handle.wait()
-            bucket.grad_shard = chunk if bucket.grad_shard is None else bucket.grad_shard.add_(chunk)
+            shard = bucket.grad_shard
+            bucket.grad_shard = chunk if shard is None else shard.add_(chunk)
             self._ready[id(bucket)] = set()
 
     def __repr__(self) -> str:

@@ -2,10 +2,10 @@
 
 :func:`~ops_transformer.parallelize` leaves one attribute on the model, a :class:`ParallelState`:
 the plan it applied, the options it ran with, and the ordered gradient reducers
-(:class:`~.grad_reduce.GradReducers`: data-parallel averaging, then the sums of partial
-gradients). ``model.parallel_plan`` is the same plan, kept for readers of the earlier attribute.
-ZeRO (:mod:`ops_transformer.memory.zero`) swaps the averaging in this chain for its
-reduce-scatter, and :func:`no_sync` pauses every reducer in it.
+(:class:`GradReducers`: data-parallel averaging, then the sums of partial gradients; the reducers
+themselves are in :mod:`.grad_reduce`). ``model.parallel_plan`` is the same plan, kept for readers
+of the earlier attribute. ZeRO (:mod:`ops_transformer.memory.zero`) swaps the averaging in the
+chain for its reduce-scatter, and :func:`no_sync` pauses every reducer in it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,55 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .grad_reduce import BucketedReducer, GradReducers, GradSums
+from .grad_reduce import BucketedReducer, GradSums
+
+
+class GradReducers:
+    """A model's reducers in the order they finish; one end-of-backward callback for all."""
+
+    def __init__(self, reducers=()):
+        self._reducers: list[BucketedReducer] = []
+        self._queued = False
+        for r in reducers:
+            self.append(r)
+
+    def append(self, reducer: BucketedReducer) -> None:
+        reducer.chain = self
+        self._reducers.append(reducer)
+
+    def get(self, name: str) -> BucketedReducer | None:
+        return next((r for r in self._reducers if r.name == name), None)
+
+    def insert(self, at: int, new: list[BucketedReducer]) -> None:
+        for r in new:
+            r.chain = self
+        self._reducers[at:at] = new
+
+    def replace(self, old: BucketedReducer, new: list[BucketedReducer]) -> None:
+        """Put ``new`` where ``old`` was (``old``'s hooks are removed)."""
+        at = self._reducers.index(old)
+        old.remove()
+        self._reducers.remove(old)
+        self.insert(at, new)
+
+    def __iter__(self):
+        return iter(list(self._reducers))
+
+    def __len__(self) -> int:
+        return len(self._reducers)
+
+    def schedule(self) -> None:
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+
+    def _finish(self) -> None:
+        self._queued = False
+        for r in list(self._reducers):
+            r.finish_backward()
+
+    def __repr__(self) -> str:
+        return f"GradReducers({', '.join(repr(r) for r in self._reducers)})"
 
 
 @dataclass

@@ -11,8 +11,8 @@ from ..layers.moe import scale_expert_grads, split_expert_params
 from ..memory.apply import apply_memory_options
 from ..models.gpt import GPT
 from ..models.hf import is_hf
-from ..parallel.grad_reduce import GradReducers, GradSums, GradSync
-from ..parallel.state import ParallelState, no_sync
+from ..parallel.grad_reduce import GradSums, GradSync
+from ..parallel.state import GradReducers, ParallelState, no_sync
 from ..planner.search import chosen_layout, is_planner_output
 from ..precision.policy import resolve_grad_reduce_dtype
 from .gpt_plan import gpt_plan

@@ -3,7 +3,7 @@
 Pure functions of the shapes — ``b`` micro-batch, ``s`` sequence, ``h`` hidden, ``heads``,
 ``kv_heads``, ``ffn`` (the FFN width), ``tp`` — that count exactly what the layers in this package
 issue, in the communication ledger's convention (``all_reduce``: the tensor; ``all_gather``: the
-gathered output; ``reduce_scatter``: the unscattered input). ``tests/test_strategy_costs.py``
+gathered output; ``reduce_scatter``: the unscattered input). ``tests/planner/test_strategy_costs.py``
 checks every formula against the ledger of real runs.
 
 FLOPs count multiply-adds as 2 and a training step as forward + backward = 3 × forward (Narayanan et

@@ -8,7 +8,7 @@ is padded at tp 2); :func:`check_family`, run on every rank of a job, builds the
 seed, runs it unsharded (forward, a mean-square loss, one SGD step) and parallelised the same way,
 and returns the relative errors of the outputs (logits, or the last hidden states of a base model)
 and of the gathered weights after the step. ``tools/hf_zoo.py`` runs it per family and writes the
-coverage table of ``docs/huggingface.md``; ``tests/test_hf_zoo.py`` runs it in forked ranks.
+coverage table of ``docs/huggingface.md``; ``tests/testing/test_hf_zoo.py`` runs it in forked ranks.
 """
 
 from __future__ import annotations

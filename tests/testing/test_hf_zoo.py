@@ -17,7 +17,7 @@ tr = pytest.importorskip("transformers")
 tr.logging.set_verbosity_error()
 hf_zoo = pytest.importorskip("ops_transformer.testing.zoo")
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "huggingface.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "huggingface.md"
 # Translated styles the default suite meets in real models: olmo2 gathered columns and split-input
 # rows, minicpm3 MLA's mla_kv_a_proj, apertus replicated_with_grad_allreduce plus our fix of its
 # plan (xIELU's parameters), longcat_flash moe_tp_experts with identity experts

@@ -1,7 +1,7 @@
 """Topology detection (SPEC F11): the ``nvidia-smi topo -m`` parser, the CPU fallback, and the NVML
 and nvidia-smi paths with faked drivers.
 
-The matrices under ``tests/data/nvidia_smi_topo_*.txt`` are hand-written samples in the documented
+The matrices under ``tests/comm/data/nvidia_smi_topo_*.txt`` are hand-written samples in the documented
 format of ``nvidia-smi topo -m`` (tab-separated header of GPU, NIC and affinity columns; an ``X``
 diagonal; the legend after the matrix), not captures from real machines; their first line says so.
 """

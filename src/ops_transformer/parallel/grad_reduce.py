@@ -56,6 +56,32 @@ def dp_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Pa
     return buckets
 
 
+def flat_with_presence(params, dtype: torch.dtype | None) -> torch.Tensor:
+    """The gradients of ``params`` in one flat tensor (zeros for a missing one) followed by one
+    presence flag per parameter (1 where this rank has its gradient), in ``dtype`` (default: the
+    first parameter's). Reduced with the gradients, a flag says whether *any* rank had the
+    gradient: a parameter with no gradient on every rank (frozen, unused) keeps ``grad = None`` —
+    the optimizer then skips it, as ``torch.optim`` does — at the cost of one element per
+    parameter in the same collective."""
+    dtype = dtype or params[0].dtype
+    numel = sum(p.numel() for p in params)
+    flat = torch.empty(numel + len(params), dtype=dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        if p.grad is None:
+            flat[offset:offset + p.numel()].zero_()
+        else:
+            flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))  # (cast to the dtype)
+        offset += p.numel()
+    flat[numel:].copy_(torch.tensor([float(p.grad is not None) for p in params]))
+    return flat
+
+
+def presence(flat: torch.Tensor, count: int) -> list[bool]:
+    """The reduced presence flags at the end of ``flat`` (see :func:`flat_with_presence`)."""
+    return [v > 0 for v in flat[flat.numel() - count:].tolist()]
+
+
 class BucketedReducer:
     """What every gradient reducer shares (module docstring): hooks, ``enabled``, and the
     end-of-backward ``finish()``, run by its chain (:class:`~.state.GradReducers`) or by a
@@ -127,9 +153,7 @@ class GradSync(BucketedReducer):
             self._launch(bucket)
 
     def _launch(self, bucket: _DPBucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        bucket.flat = flat.to(self.reduce_dtype or flat.dtype).div_(self.world)
+        bucket.flat = flat_with_presence(bucket.params, self.reduce_dtype).div_(self.world)
         bucket.handle = C.all_reduce(bucket.flat, self.group, async_op=True, label=self.label)
 
     def finish(self) -> None:
@@ -138,14 +162,18 @@ class GradSync(BucketedReducer):
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.handle.wait()
+            present = None  # read only when this rank lacks a gradient (a host sync)
             offset = 0
-            for p in bucket.params:
+            for i, p in enumerate(bucket.params):
                 averaged = bucket.flat[offset:offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = averaged.to(p.dtype, copy=True)
-                else:
-                    p.grad.copy_(averaged)
                 offset += p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(averaged)
+                    continue
+                if present is None:
+                    present = presence(bucket.flat, len(bucket.params))
+                if present[i]:  # another rank has one: the average holds it
+                    p.grad = averaged.to(p.dtype, copy=True)
             bucket.flat = bucket.handle = None
             bucket.ready = set()
 
@@ -252,17 +280,19 @@ class GradSums(BucketedReducer):
 
 class ReduceScatterGradSync(BucketedReducer):
     """ZeRO stage 2 (:class:`~ops_transformer.memory.zero.ZeroOptimizer`): reduce-scatters each
-    complete bucket's ``grad / dp`` over ``group`` in ``reduce_dtype`` (default: the parameters'),
-    frees the full gradients at once, and at the end of backward adds this rank's chunk into the
-    bucket's ``grad_shard``. ``buckets``: the optimizer's padded ZeRO buckets (those with
-    ``reduce_scattered``)."""
+    complete bucket's ``grad / n`` over the bucket's own data-parallel group (``bucket.group``, of
+    ``n`` ranks) in ``reduce_dtype`` (default: the parameters'), frees the full gradients at once,
+    and at the end of backward adds this rank's chunk into the bucket's ``grad_shard``.
+    ``buckets``: the optimizer's padded ZeRO buckets (those with ``reduce_scattered``).
+
+    Each rank's part of the input is its chunk followed by one presence flag per parameter of the
+    bucket (:func:`flat_with_presence`), so that ``grad_shard`` ends with the reduced flags: a
+    parameter without a gradient on every rank is then skipped by the optimizer."""
 
     label = "zero_grads"
 
-    def __init__(self, buckets, group, *, reduce_dtype: torch.dtype | None = None,
-                 name: str = "dp"):
+    def __init__(self, buckets, *, reduce_dtype: torch.dtype | None = None, name: str = "dp"):
         super().__init__(name)
-        self.group, self.world = group, C.group_size(group)
         self.reduce_dtype = reduce_dtype
         self.buckets = [b for b in buckets if b.reduce_scattered]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -278,16 +308,19 @@ class ReduceScatterGradSync(BucketedReducer):
             self._launch(bucket)
 
     def _launch(self, bucket) -> None:
-        flat = torch.zeros(bucket.padded, dtype=self.reduce_dtype or bucket.flat.dtype,
-                           device=bucket.flat.device)
-        for p, off in zip(bucket.params, bucket.offsets):
-            if p.grad is not None:
-                flat[off:off + p.numel()].copy_(p.grad.reshape(-1))  # (cast to the dtype)
+        world, k = C.group_size(bucket.group), len(bucket.params)
+        flat = flat_with_presence(bucket.params, self.reduce_dtype or bucket.flat.dtype)
+        data = torch.zeros(bucket.padded, dtype=flat.dtype, device=flat.device)
+        data[:bucket.numel].copy_(flat[:bucket.numel])
+        for p in bucket.params:
             p.grad = None  # the full gradient is not kept: this rank gets its chunk below
-        flat.div_(self.world)
-        chunk = torch.empty(bucket.chunk, dtype=flat.dtype, device=flat.device)
-        handle = C.reduce_scatter_into(chunk, flat, self.group, async_op=True, label=self.label)
-        self._started[id(bucket)] = (flat, chunk, handle)
+        # rank r's part: [chunk r | the k flags]
+        blocks = torch.cat([data.view(world, bucket.chunk), flat[bucket.numel:].expand(world, k)],
+                           dim=1).reshape(-1).div_(world)
+        chunk = torch.empty(bucket.chunk + k, dtype=flat.dtype, device=flat.device)
+        handle = C.reduce_scatter_into(chunk, blocks, bucket.group, async_op=True,
+                                       label=self.label)
+        self._started[id(bucket)] = (blocks, chunk, handle)
 
     def finish(self) -> None:
         for bucket in self.buckets:
@@ -303,5 +336,6 @@ class ReduceScatterGradSync(BucketedReducer):
             self._ready[id(bucket)] = set()
 
     def __repr__(self) -> str:
-        return (f"ReduceScatterGradSync({self.name}: reduce-scatter/{self.world}, "
-                f"{len(self.buckets)} buckets)")
+        sizes = sorted({C.group_size(b.group) for b in self.buckets})
+        return (f"ReduceScatterGradSync({self.name}: reduce-scatter/"
+                f"{'|'.join(map(str, sizes)) or 1}, {len(self.buckets)} buckets)")

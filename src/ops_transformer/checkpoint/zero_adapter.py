@@ -4,17 +4,7 @@ coordinates of each parameter, so the state loads at any ``dp × tp`` — and in
 
 A :class:`~ops_transformer.memory.zero.ZeroOptimizer` keeps the inner optimizer's state per
 **piece**: a parameter's run ``[a, b)`` of its local (row-major) elements inside this rank's chunk
-of the bucket. A run of a row-major tensor is a few rectangles — at most a partial first row,
-whole rows, a partial last row per dimension::
-
-    local shard of W [4, 6], elements 9 … 20 owned by this dp rank
-    . . . . . .
-    . . . x x x      row 1, columns 3–5     → box (1, 3) size (1, 3)
-    x x x x x x      rows 2,                → box (2, 0) size (1, 6)
-    x x x . . .      row 3, columns 0–2     → box (3, 0) size (1, 3)
-
-Each rectangle is then mapped through the parameter's :class:`~.layout.Entry` (fused sub-blocks,
-transposed ``Conv1D`` weights, padded vocabularies, selected experts) to the dense tensor. The
+of the bucket, which :func:`~.pieces.entry_pieces` cuts into rectangles of the dense tensor. The
 entries have the same keys as :class:`~.optim.TorchOptimizerAdapter`'s (``state/<dense>/<name>``),
 so the two write interchangeable checkpoints. Element-wise state (Adam's moments) is written this
 way; scalar state (``step``) is replicated under each parameter the rank holds a piece of.
@@ -38,90 +28,7 @@ from .contents import ModelTensors
 from .errors import CheckpointError
 from .layout import Entry, Replicated
 from .optim import _check_groups, _merged_groups, _split_state_key, saved_group_keys
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
-
-
-def range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
-    """The rectangles covering elements ``[start, stop)`` of a row-major tensor of ``shape``."""
-    if start >= stop:
-        return []
-    if len(shape) == 1:
-        return [((start,), (stop - start,))]
-    inner = 1
-    for n in shape[1:]:
-        inner *= n
-    first, last = start // inner, (stop - 1) // inner
-    if first == last:  # within one row of the first dimension
-        return [((first, *o), (1, *s))
-                for o, s in range_boxes(shape[1:], start - first * inner, stop - first * inner)]
-    boxes: list[Box] = []
-    whole_from, whole_to = first, last + 1
-    if start % inner:
-        boxes += [((first, *o), (1, *s)) for o, s in
-                  range_boxes(shape[1:], start % inner, inner)]
-        whole_from = first + 1
-    tail: list[Box] = []
-    if stop % inner:
-        tail = [((last, *o), (1, *s)) for o, s in range_boxes(shape[1:], 0, stop % inner)]
-        whole_to = last
-    if whole_to > whole_from:
-        boxes.append(((whole_from,) + (0,) * (len(shape) - 1),
-                      (whole_to - whole_from, *shape[1:])))
-    return boxes + tail
-
-
-def _count_below(bound: int, base: int, sizes, strides) -> int:
-    """How many elements of a strided view (strides decreasing and nested, as those of views of a
-    contiguous tensor in that order) sit at flat positions below ``bound``; ``base``: the first's."""
-    if not sizes:
-        return int(base < bound)
-    n, stride = sizes[0], strides[0]
-    reach = sum((m - 1) * st for m, st in zip(sizes[1:], strides[1:]))
-    inner = 1
-    for m in sizes[1:]:
-        inner *= m
-    full = min(n, max(0, -(-(bound - base - reach) // stride))) if stride else (
-        n if base + reach < bound else 0)
-    if full == n:
-        return n * inner
-    return full * inner + _count_below(bound, base + full * stride, sizes[1:], strides[1:])
-
-
-def entry_pieces(entry: Entry, local_shape, start: int, stop: int) -> list[tuple[tuple[int, ...],
-                                                                                torch.Tensor]]:
-    """``(dense offsets, view)`` of the rectangles of ``entry`` made of the local tensor's
-    elements ``[start, stop)``. ``view`` is a view of a meta tensor of ``local_shape``, in dense
-    orientation: its ``storage_offset()`` and ``stride()`` place the rectangle in the local
-    tensor's row-major elements (:func:`flat_view` turns it into a view of a flat chunk)."""
-    local = torch.empty(local_shape, device="meta")
-    pieces = []
-    for offsets, view in entry.chunks(local):
-        if view.numel() == 0:
-            continue
-        # in this order of the view's dimensions its elements' positions grow in row-major order
-        order = sorted(range(view.dim()), key=lambda d: (-view.stride(d), d))
-        sizes = [view.shape[d] for d in order]
-        strides = [view.stride(d) for d in order]
-        base = view.storage_offset()
-        lo = _count_below(start, base, sizes, strides)
-        hi = _count_below(stop, base, sizes, strides)
-        for box_off, box_size in range_boxes(tuple(sizes), lo, hi):
-            part = view
-            dense_off = list(offsets)
-            for k, d in enumerate(order):
-                part = part.narrow(d, box_off[k], box_size[k])
-                dense_off[d] += box_off[k]
-            pieces.append((tuple(dense_off), part))
-    return pieces
-
-
-def flat_view(flat: torch.Tensor, part: torch.Tensor, shift: int) -> torch.Tensor:
-    """The elements of the meta view ``part`` (from :func:`entry_pieces`) in ``flat``, where local
-    element ``j`` sits at ``flat[j + shift]``."""
-    return flat.as_strided(part.shape, part.stride(), flat.storage_offset()
-                           + part.storage_offset() + shift)
-
+from .pieces import entry_pieces, flat_view, range_boxes  # noqa: F401 (importable from here)
 
 def _pieces(optimizer, model: ModelTensors):
     """``(j, parameter, start, stop, entries)`` of the inner optimizer's parameters (pieces)."""

@@ -57,7 +57,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, **optimizer_kwargs):
         if stage not in STAGES:
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
-        reducers = parallel_state_of(model, create=True).reducers
+        state = parallel_state_of(model, create=True)
+        if state.sharding is not None:
+            raise ValueError("zero_optimizer: this model's parameters are sharded already "
+                             "(shard_parameters, ZeRO-3): its optimizer state is sharded with "
+                             "them; use a plain torch.optim optimizer")
+        reducers = state.reducers
         if ctx.dp_ep_size > 1 and reducers.get("dp") is None:
             raise ValueError("zero_optimizer shards over data-parallel ranks and needs their "
                              "gradient averaging: build the model with parallelize(model, ctx) "

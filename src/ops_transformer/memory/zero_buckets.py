@@ -65,6 +65,7 @@ class ZeroBucket:
             for p, off in zip(self.params, self.offsets):
                 self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
                 p.data = self.flat[off:off + p.numel()].view_as(p)  # the parameter lives here
+                p._zero_bucketed = True  # (shard_parameters refuses such a parameter)
         self.pieces = []
         for i, (p, off) in enumerate(zip(self.params, self.offsets)):
             start, stop = max(0, self.lo - off), min(p.numel(), self.lo + self.chunk - off)

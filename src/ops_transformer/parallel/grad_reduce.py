@@ -12,9 +12,12 @@ variant (ledger label)           group     collective (when)
                                  replicas)
 :class:`ReduceScatterGradSync`   ``dp``    reduce-scatter of ``grad / dp`` per ZeRO bucket,
 (``zero_grads``)                           started as soon as it is complete (ZeRO-2)
+:class:`FSDPGradSync`             each      FSDP2's own reduce-scatter per unit (ZeRO-3:
+(``fsdp_grads``)                 unit's    :mod:`ops_transformer.memory.fsdp`); in the
+                                 dp group  chain so that :func:`no_sync` pauses it
 ================================ ========= ================================================
 
-All three share :class:`BucketedReducer`: ``post_accumulate_grad`` hooks on their parameters, an
+The first three share :class:`BucketedReducer`: ``post_accumulate_grad`` hooks on their parameters, an
 ``enabled`` flag (what :func:`no_sync` clears: the gradients then accumulate locally, and the next
 backward outside it reduces the sum) and ``finish()``, which completes the step's reduction at the
 end of backward. A model's reducers sit in order in one :class:`~.state.GradReducers` chain
@@ -339,3 +342,35 @@ class ReduceScatterGradSync(BucketedReducer):
         sizes = sorted({C.group_size(b.group) for b in self.buckets})
         return (f"ReduceScatterGradSync({self.name}: reduce-scatter/"
                 f"{'|'.join(map(str, sizes)) or 1}, {len(self.buckets)} buckets)")
+
+
+class FSDPGradSync(BucketedReducer):
+    """The reduce-scatters FSDP2 runs for the parameters it shards (ZeRO-3,
+    :func:`~ops_transformer.memory.fsdp.shard_parameters`), as a member of the model's chain: FSDP2
+    hooks, buckets and finishes them itself (its collectives go through
+    :mod:`ops_transformer.comm.fsdp_comm`, label ``fsdp_grads``); ``enabled`` is its
+    ``set_requires_gradient_sync`` — what :func:`no_sync` clears: the units then accumulate their
+    unsharded gradients locally, and the next backward outside it reduce-scatters the sum.
+    ``root``: the outermost FSDP module; ``units``: every FSDP module."""
+
+    label = "fsdp_grads"
+
+    def __init__(self, root: nn.Module, units, *, name: str = "fsdp"):
+        self.root, self.units = root, tuple(units)
+        super().__init__(name)
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = bool(value)
+        for unit in self.units:  # (recurse=False: each unit once)
+            unit.set_requires_gradient_sync(self._enabled, recurse=False)
+
+    def finish(self) -> None:
+        """Nothing: FSDP2 waits for its reduce-scatters in its own end-of-backward callback."""
+
+    def __repr__(self) -> str:
+        return f"FSDPGradSync({self.name}: reduce-scatter per unit, {len(self.units)} units)"

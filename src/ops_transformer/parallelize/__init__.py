@@ -98,7 +98,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 grad_reduce_dtype: torch.dtype | None = None, sequence_parallel: bool = False,
                 recompute: str = "none", activation_cache: str = "none",
-                tp_plan: dict | None = None) -> nn.Module:
+                tp_plan: dict | None = None, materialize=None) -> nn.Module:
     """Apply tensor parallelism over ``ctx.tp_group`` and data-parallel gradient averaging over
     ``ctx.dp_group`` to ``model`` (in place) and return it.
 
@@ -128,6 +128,11 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     GPT-2/Llama/Mistral/Qwen2; the norms' partial gradients join the ``GradSums``);
     ``recompute="selective"`` (attention core) or ``"full"`` (every layer) recomputes activations
     in backward; ``activation_cache="int8"`` keeps each layer's saved activations as int8.
+
+    ``materialize(model)``, if given, is called once the plan is applied and before anything holds
+    on to the parameters (gradient averaging and sums, memory options): a model built on the
+    ``meta`` device gets its parameters there — :func:`~ops_transformer.from_pretrained` reads each
+    rank's shards from the checkpoint at this point.
     """
     if getattr(model, "parallel_plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_plan is set)")
@@ -152,6 +157,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items() if r["style"] == "moe"}),
                    ctx, _Groups(model, ctx))
     model.parallel_plan = resolved
+    if materialize is not None:
+        materialize(model)
     reduce_dtype = resolve_grad_reduce_dtype(model, grad_reduce_dtype)
     if ctx.dp_ep_size > 1:  # EP ranks read different micro-batches, like DP ranks
         dense, experts = split_expert_params(model.parameters())

@@ -12,11 +12,10 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import hf_tiny
 from helpers import assert_rel
+from ops_transformer.memory.allocations import AllocationTracker
 from ops_transformer import (CheckpointError, ParallelContext, from_pretrained, init_parallel,
                             parallelize)
 
@@ -91,28 +90,6 @@ def test_one_rank_is_plain_transformers_in_the_checkpoint_dtype(run_ranks, tiny,
 
 # --- what each rank materialises ------------------------------------------------------------------
 
-class CreatedBytes(TorchDispatchMode):
-    """The sizes of the storages the operations under it create (outputs that are no view of an
-    input): what a rank materialises in its own memory. Views of the memory-mapped files that
-    safetensors returns are created outside the dispatcher, so they do not count."""
-
-    def __init__(self):
-        super().__init__()
-        self.created: list[tuple[tuple, int]] = []  # (shape, bytes)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                if storage.nbytes() and storage.data_ptr() not in seen:
-                    self.created.append((tuple(t.shape), storage.nbytes()))
-                    seen.add(storage.data_ptr())
-        return out
-
-
 def _full_shapes_of_split(model) -> set[tuple]:
     """The dense shapes (in either orientation) of the tensors split over this rank's TP group."""
     shapes = set()
@@ -125,7 +102,7 @@ def _full_shapes_of_split(model) -> set[tuple]:
 
 def _created(path, whole_model):
     ctx = _ctx()
-    with CreatedBytes() as counter:
+    with AllocationTracker(ctx.device) as counter:  # storages the ops create, in order
         if whole_model:  # the path generate/embed used to take: whole model, then slices
             os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"  # its reads on this thread, counted
             model = tr.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -133,8 +110,8 @@ def _created(path, whole_model):
         else:
             model = from_pretrained(path, ctx, dtype=torch.float32, vocab="parallel")
     kept = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
-    return (counter.created, [(tuple(t.shape), t.numel() * t.element_size()) for t in kept],
-            _full_shapes_of_split(model))
+    return (counter.allocations, [(tuple(t.shape), t.numel() * t.element_size()) for t in kept],
+            _full_shapes_of_split(model), counter.peak)
 
 
 def _full_size_copies(created, kept, split_shapes) -> list[tuple]:
@@ -148,12 +125,13 @@ def _full_size_copies(created, kept, split_shapes) -> list[tuple]:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_no_rank_creates_a_full_size_weight_of_a_split_layer(run_ranks, tiny, tp):
     path = str(tiny("llama_sharded"))
-    for created, kept, split_shapes in run_ranks(_created, tp, path, False):
+    for created, kept, split_shapes, peak in run_ranks(_created, tp, path, False):
         assert not _full_size_copies(created, kept, split_shapes)
         assert max(size for _, size in created) <= max(size for _, size in kept)
         assert sum(size for _, size in created) <= 1.25 * sum(size for _, size in kept)
+        assert peak <= 1.25 * sum(size for _, size in kept)
     # The counter sees what the whole-model path creates: dense fp32 copies of split weights.
-    for created, kept, split_shapes in run_ranks(_created, tp, path, True):
+    for created, kept, split_shapes, _ in run_ranks(_created, tp, path, True):
         assert _full_size_copies(created, kept, split_shapes)
 
 

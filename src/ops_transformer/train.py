@@ -23,7 +23,8 @@ from . import checkpoint as ckpt
 from . import finetune
 from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
-from .memory.options import check_memory_flags, make_optimizer, partial_numel
+from .memory.options import (check_memory_flags, make_optimizer, measured_state_bytes,
+                             partial_numel)
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
 from .models.moe import moe_stats
@@ -152,6 +153,7 @@ class TrainState:
     data: object
     policy: object
     scaler: DynamicLossScaler | None
+    state_bytes: dict | None = None  # this rank's parameters, gradients, optimizer state (bytes)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the global batch of ``step`` (on the device): data-parallel and
@@ -177,6 +179,7 @@ class TrainState:
                                     max_norm=self.cfg.clip_grad,
                                     metrics={"loss": loss, **_moe_metrics(self.model, self.cfg)})
             # (one all-reduce for what is small; the metrics averaged over dp × ep)
+        self.state_bytes = self.state_bytes or measured_state_bytes(self.model, self.opt)
         self.opt.zero_grad(set_to_none=True)
         return report, ledger
 
@@ -280,6 +283,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                      "grad_norm_last": report.grad_norm if report else None,
                      "comm_by_dtype": last.by_dtype(),
                      "resumed_from": first if cfg.resume else None,
+                     "model_state_bytes_per_rank": state.state_bytes,
                      **({} if scaler is None else {"loss_scale": scaler.scale_value,
                                                    "skipped_steps": scaler.skipped_steps}),
                      **({"moe": {k: [m[k] for m in moe_history]

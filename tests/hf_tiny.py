@@ -33,7 +33,8 @@ def build(family: str):
     if family == "gpt2":  # Conv1D weights, fused QKV, tied embeddings; no dropout
         return tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=VOCAB, n_positions=128, n_embd=64,
                                                 n_layer=2, n_head=4, resid_pdrop=0.0,
-                                                embd_pdrop=0.0, attn_pdrop=0.0))
+                                                embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                                eos_token_id=0))
     if family == "mixtral":  # experts stored per expert (w1/w2/w3), stacked by transformers
         return tr.MixtralForCausalLM(tr.MixtralConfig(**_small(), num_local_experts=4,
                                                       num_experts_per_tok=2))

@@ -181,3 +181,51 @@ def test_mistakes_are_one_line_errors(tmp_path_factory, data, capsys, argv, need
 def test_a_directory_without_a_model(tmp_path, capsys):
     assert main(["train", "--model", str(tmp_path), "--steps", "1"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+# --- heavier variants (make test-all) ----------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,layout", [
+    ("mixtral", ["--nproc", "4", "--ep", "2", "--tp", "2"]),
+    ("mixtral", ["--nproc", "4", "--tp", "4"]),
+    ("llama", ["--nproc", "4", "--tp", "4"]),
+])
+def test_losses_equal_one_rank_more_layouts(tmp_path_factory, data, reference, capsys, family,
+                                            layout):
+    test_losses_equal_one_rank(tmp_path_factory, data, reference, capsys, family, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", "llama_sharded"])
+def test_other_families_train_as_on_one_rank(tmp_path_factory, data, capsys, family):
+    path = hf_tiny.checkpoint(tmp_path_factory, family)
+    runs = []
+    for layout in (["--nproc", "1"], ["--nproc", "4", "--tp", "2", "--dp", "2"]):
+        capsys.readouterr()
+        _train(path, data, *layout, extra=["--out", str(tmp_path_factory.mktemp("run"))])
+        runs.append(_metrics(capsys)["losses"])
+    assert_rel(torch.tensor(runs[1]), torch.tensor(runs[0]), what=f"{family} losses")
+
+
+@pytest.mark.slow
+def test_killed_rank_is_restarted_and_finishes_bit_for_bit(uninterrupted, data, tmp_path,
+                                                          monkeypatch, capsys):
+    path, ref_root, ref = uninterrupted
+    killed = tmp_path / "killed-once"
+    original = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):  # rank 1 dies at its 5th step, once; the launcher restarts
+        self._test_steps = getattr(self, "_test_steps", 0) + 1
+        if os.environ.get("RANK") == "1" and self._test_steps == 5 and not killed.exists():
+            killed.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    _train(path, data, "--nproc", "2", "--tp", "2",
+           extra=["--ckpt-dir", str(tmp_path / "ckpt"), "--save-every", "3", "--resume",
+                  "--max-restarts", "1", "--out", str(tmp_path / "run")])
+    metrics = _metrics(capsys)
+    assert killed.exists() and metrics["resumed_from"] == 3
+    assert metrics["losses"] == ref["losses"]

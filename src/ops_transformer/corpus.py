@@ -145,6 +145,9 @@ def packed_corpus(data: str | None, model_dir: str, seq: int, vocab: int,
     key = (data, str(model_dir))
     if key not in _TOKENS:
         encode, eos, note = model_tokenizer(Path(model_dir))
+        if eos is not None and not 0 <= eos < vocab:
+            raise ValueError(f"--model {str(model_dir)!r}: its EOS token id ({eos}) is outside "
+                             f"the model's vocabulary of {vocab}")
         if note and say is not None:
             say(note)
         tokens = tokenize(read_documents(data), encode, eos, progress=say is not None)

@@ -99,7 +99,7 @@ class PackedTokens:
 
     tokens: torch.Tensor  # (n,) int32
     seq: int
-    _perm: dict = field(default_factory=dict, repr=False)  # epoch → permutation (a small cache)
+    _perm: dict = field(default_factory=dict, repr=False)  # (epoch, seed) → its order
 
     def __post_init__(self):
         if self.samples < 1:
@@ -113,11 +113,11 @@ class PackedTokens:
 
     def order(self, epoch: int, seed: int) -> torch.Tensor:
         """The samples of ``epoch`` in the order they are served."""
-        if epoch not in self._perm:
+        if (epoch, seed) not in self._perm:
             self._perm.clear()
             gen = torch.Generator().manual_seed(_batch_seed(seed, -1 - epoch))
-            self._perm[epoch] = torch.randperm(self.samples, generator=gen)
-        return self._perm[epoch]
+            self._perm[epoch, seed] = torch.randperm(self.samples, generator=gen)
+        return self._perm[epoch, seed]
 
     def get_batch(self, step: int, *, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch of ``step``: ``(x, y)``, int64 ``(batch, seq)``, ``y`` = ``x``

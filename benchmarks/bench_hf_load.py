@@ -2,8 +2,8 @@
 shards, as blocks of the safetensors files, onto its device) vs ``transformers``'
 ``from_pretrained`` of the whole model, ``.to(device)`` and ``parallelize`` (docs/finetuning.md).
 
-The checkpoint is a Llama written with ``save_pretrained`` in bf16 (default ~320 MiB, in shard
-files of 100 MB), cached in ``--dir``. Per rank:
+The checkpoint is a Llama written with ``save_pretrained`` in bf16 (default 9 layers, 319 MiB, in
+shard files of 100 MB), cached in ``--dir``. Per rank:
 
 * **peak**: the most bytes the load held allocated at once on the device. On a GPU
   ``torch.cuda.max_memory_allocated``. On a CPU the peak of the live bytes in storage the load's
@@ -153,7 +153,7 @@ def _job(path: str, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", default="1,2,4", help="tensor-parallel degrees (default 1,2,4)")
-    parser.add_argument("--layers", type=int, default=8, help="Llama layers (default 8: 321 MiB)")
+    parser.add_argument("--layers", type=int, default=9, help="Llama layers (default 9: 319 MiB)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
     parser.add_argument("--dir", default="/tmp/bench-hf-load", help="where the checkpoint is "
                         "written once (default /tmp/bench-hf-load)")

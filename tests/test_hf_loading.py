@@ -220,3 +220,34 @@ def test_bin_only_directory_falls_back_to_the_whole_model_with_a_warning(run_ran
     reference = run_ranks(_logits_both, 2, str(tiny("qwen2")), 1)
     for (expected, _), logits in zip(reference, run_ranks(_bin_logits, 2, str(path))):
         assert_rel(logits, expected, what="logits from pytorch_model.bin")
+
+
+def test_unexpected_key_is_a_warning_when_not_strict(tiny, tmp_path):
+    path = _rewrite(tiny("qwen2"), tmp_path / "m",
+                    lambda t: t.update({"lm_head.extra": torch.zeros(2)}))
+    with pytest.warns(UserWarning, match=r"'lm_head.extra' is not a tensor .* not loaded"):
+        model = from_pretrained(path, ParallelContext.single(), strict=False)
+    assert "lm_head.extra" not in model.state_dict()
+
+
+def _logits_warned(path, ep):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reference, logits = _logits_both(path, ep)
+    return reference, logits, [str(w.message) for w in caught]
+
+
+def test_a_conversion_transformers_runs_itself_gives_the_same_logits(run_ranks, tiny,
+                                                                     monkeypatch):
+    from ops_transformer.loading import keys
+
+    def not_lazy(*args, **kwargs):  # as for an operation the lazy sources do not express
+        raise keys._NotLazy
+
+    monkeypatch.setattr(keys, "_apply", not_lazy)  # forked ranks inherit the patch
+    for reference, logits, warned in run_ranks(_logits_warned, 2, str(tiny("mixtral")), 2):
+        assert_rel(logits, reference, what="Mixtral experts converted by transformers, ep 2")
+        assert any("transformers converts it" in w and "experts.gate_up_proj" in w
+                   for w in warned), warned

@@ -39,23 +39,28 @@ class _Degrees:
         self.tp_size, self.ep_size = tp, ep
 
 
-def check_finetune(cfg, tp: int, ep: int, say=None) -> None:
+def check_model(cfg, tp: int, ep: int):
     """Before any rank starts: ``cfg.model`` splits over ``tp`` (× ``ep``) with the chosen
-    options — its plan is built on a ``meta`` copy — and ``cfg.data`` tokenises into at least one
-    sequence (``say``: where the tokenizer's note and progress bar go, ``None`` for silence)."""
+    options — its plan is built on a ``meta`` copy. Returns the model's config."""
     if cfg.attention not in ("auto", "heads"):
         raise ValueError(f"--attention {cfg.attention} is for the reference GPT; a Hugging Face "
                          f"model runs head-parallel attention (heads)")
     model = _meta_model(cfg.model)
     plan = hf_plan(model, tp, loss_parallel=True)
-    if cfg.sequence_parallel:
-        sequence_parallel_plan(plan, model)
     if ep > 1:
         check_expert_parallel(model, plan, _Degrees(tp, ep))
     if cfg.sequence_parallel and n_experts_of(model):
         raise ValueError(f"--sequence-parallel is not supported for {type(model).__name__}: its "
                          f"expert layers have no sequence-parallel form")
-    packed_corpus(cfg.data, cfg.model, cfg.seq, model.config.vocab_size, say=say)
+    if cfg.sequence_parallel:
+        sequence_parallel_plan(plan, model)
+    return model.config
+
+
+def check_data(cfg, config, say=None) -> None:
+    """``cfg.data`` tokenises into at least one sequence of ``cfg.seq`` (``say``: where the
+    tokenizer's note and progress bar go, ``None`` for silence); the tokens stay cached."""
+    packed_corpus(cfg.data, cfg.model, cfg.seq, config.get_text_config().vocab_size, say=say)
 
 
 def build(cfg, ctx, policy):
@@ -66,7 +71,8 @@ def build(cfg, ctx, policy):
                             sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
                             activation_cache=cfg.activation_cache)
     model.config.use_cache = False  # training: no key/value cache
-    data = packed_corpus(cfg.data, cfg.model, cfg.seq, model.config.vocab_size)
+    data = packed_corpus(cfg.data, cfg.model, cfg.seq,
+                         model.config.get_text_config().vocab_size)
     return model.train(), data
 
 

@@ -102,22 +102,25 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     dp, ep, tp = check_degrees(world_size, cfg.tp, cfg.dp, cfg.ep)
     if cfg.ranks_per_node is not None:
         NodeLayout(world_size, cfg.ranks_per_node)  # divides the number of processes
+    if cfg.model:  # a Hugging Face checkpoint: its plan on a meta copy
+        model_cfg = finetune.check_model(cfg, tp, ep)
+    else:
+        model_cfg = cfg.model_config()
+        check_train_ep(model_cfg, cfg.preset, ep)
+        if model_cfg.vocab_size < VOCAB_SIZE:
+            raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; "
+                             f"byte-level data needs at least {VOCAB_SIZE}")
     if cfg.batch % (dp * ep):
         raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})" if ep == 1 else
                          f"--batch ({cfg.batch}) must be divisible by dp ({dp}) × ep ({ep}): "
                          f"each of the {dp * ep} ranks reads its own rows")
     check_memory_flags(cfg, dp, tp)
-    check_log_dir(cfg.tensorboard)
     if cfg.model:
-        finetune.check_finetune(cfg, tp, ep, say=say)
-        return dp, tp
-    model_cfg = cfg.model_config()
-    check_train_ep(model_cfg, cfg.preset, ep)
-    if model_cfg.vocab_size < VOCAB_SIZE:
-        raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; byte-level "
-                         f"data needs at least {VOCAB_SIZE}")
-    gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
-    check_corpus(load_corpus(cfg.data), cfg.seq)
+        finetune.check_data(cfg, model_cfg, say=say)
+    else:
+        gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
+        check_corpus(load_corpus(cfg.data), cfg.seq)
+    check_log_dir(cfg.tensorboard)
     return dp, tp
 
 

@@ -162,7 +162,8 @@ def load_parallel(root: Path, auto_class: str, tp: int):
     The caller closes ``ctx`` (``with ctx:``)."""
     ctx = init_parallel(tp=tp, profile=command_profile(None))  # rank 0 reads it, then broadcasts
     try:
-        model = from_pretrained(root, ctx, auto_class=auto_class)
+        model = from_pretrained(root, ctx, auto_class=auto_class,
+                                strict=auto_class != "AutoModel")  # an encoder: heads skipped
     except (OSError, ValueError) as exc:
         ctx.close()
         if isinstance(exc, CheckpointError):

@@ -22,7 +22,8 @@ BIN_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def from_pretrained(path, ctx, *, auto_class: str = "AutoModelForCausalLM",
-                    dtype: torch.dtype | str | None = None, **parallelize_kwargs) -> nn.Module:
+                    dtype: torch.dtype | str | None = None, strict: bool = True,
+                    **parallelize_kwargs) -> nn.Module:
     """The ``transformers`` model saved in the directory ``path`` (``save_pretrained``), parallelised
     over ``ctx`` by :func:`~ops_transformer.parallelize` (``parallelize_kwargs``: its options,
     e.g. ``vocab=``, ``loss_parallel=``, ``sequence_parallel=``), in eval mode.
@@ -38,7 +39,8 @@ def from_pretrained(path, ctx, *, auto_class: str = "AutoModelForCausalLM",
 
     Stored keys that the model does not have, model keys that the checkpoint lacks and shapes
     that differ from ``config.json`` raise :class:`~ops_transformer.CheckpointError` naming the
-    file and the key. A directory with only ``pytorch_model.bin`` weights falls back to loading the
+    file and the key; ``strict=False`` turns stored keys the model does not have into a warning
+    (a checkpoint with a task head, loaded as its base model: ``auto_class="AutoModel"``). A directory with only ``pytorch_model.bin`` weights falls back to loading the
     whole model on every rank first (a warning says how much that is).
     """
     transformers = _transformers()
@@ -57,10 +59,9 @@ def from_pretrained(path, ctx, *, auto_class: str = "AutoModelForCausalLM",
         with torch.device("meta"):
             model = cls.from_config(config, dtype=dtype)
         model.config.name_or_path = str(root)  # as transformers' from_pretrained sets it
-        sources = model_sources(model, files.tensors, str(files.described))
+        sources = model_sources(model, files.tensors, str(files.described), strict=strict)
         init_buffers(model, ctx.device)
-        model = parallelize(model, ctx, materialize=lambda m: load_shards(m, sources, ctx.device,
-                                                                          dtype),
+        model = parallelize(model, ctx, materialize=lambda m: load_shards(m, sources, ctx.device),
                             **parallelize_kwargs)
     _load_generation_config(transformers, model, root)
     _check_on_device(model, ctx.device)

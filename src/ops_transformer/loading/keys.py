@@ -41,19 +41,24 @@ def _conversions(model):
             dot_natural_key)
 
 
-def model_sources(model, stored: dict[str, Source], described: str) -> dict[str, Source]:
+def model_sources(model, stored: dict[str, Source], described: str, *,
+                  strict: bool = True) -> dict[str, Source]:
     """The :class:`Source` of every tensor of ``model``'s state dict (the dense model, on the
     ``meta`` device) that the checkpoint provides. Stored tensors that feed none of them, model
     tensors that none provides (tied weights aside) and shapes that differ from the model's are a
     :class:`CheckpointError` naming the file and the key (``described``: the weight file or
-    index, for keys that are missing)."""
+    index, for keys that are missing); with ``strict=False`` the stored tensors the model does not
+    have are a warning."""
     dense = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     sources, unexpected = _match(model, stored, dense)
     unexpected = [k for k in unexpected if not _ignored(k, _ignore_unexpected(model))]
     if unexpected:
         key = unexpected[0]
-        raise CheckpointError(f"{stored[key].name} is not a tensor of {type(model).__name__} "
-                              f"(unexpected key{_more(unexpected)})")
+        message = (f"{stored[key].name} is not a tensor of {type(model).__name__} (unexpected "
+                   f"key{_more(unexpected)})")
+        if strict:
+            raise CheckpointError(message)
+        warnings.warn(message + ": not loaded", stacklevel=3)
     _share_tied(model, sources)
     missing = [k for k in dense if k not in sources
                and not _ignored(k, getattr(model, "_keys_to_ignore_on_load_missing", None))]

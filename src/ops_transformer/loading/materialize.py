@@ -27,18 +27,17 @@ from .sources import Source
 
 
 @torch.no_grad()
-def load_shards(model: nn.Module, sources: dict[str, Source], device: torch.device,
-                dtype: torch.dtype | None) -> None:
+def load_shards(model: nn.Module, sources: dict[str, Source], device: torch.device) -> None:
     """Replace every ``meta`` parameter and persistent buffer of the (parallelised) ``model`` by
-    this rank's part of it, read from ``sources`` onto ``device`` (``dtype``: the floating-point
-    tensors' dtype, ``None`` to keep the model's); then move every other buffer to ``device``."""
+    this rank's part of it, read from ``sources`` onto ``device`` in the meta tensor's dtype
+    (the model was built in the dtype it runs in, modules ``transformers`` keeps in fp32
+    included); then move every other buffer to ``device``."""
     tensors = ModelTensors(model)
     new: dict[int, torch.Tensor] = {}
     for name, tensor in tensors.tensors.items():
         if tensor.device.type != "meta":
             continue
-        wanted = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        new[id(tensor)] = _fill(tensors.entries[name], tuple(tensor.shape), wanted, device,
+        new[id(tensor)] = _fill(tensors.entries[name], tuple(tensor.shape), tensor.dtype, device,
                                 sources)
     _replace(model, new, device)
 

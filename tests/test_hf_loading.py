@@ -110,6 +110,7 @@ def _created(path, whole_model):
         else:
             model = from_pretrained(path, ctx, dtype=torch.float32, vocab="parallel")
     kept = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+    torch.distributed.barrier()  # rank 0 (the store) must not leave while others make KV groups
     return (counter.allocations, [(tuple(t.shape), t.numel() * t.element_size()) for t in kept],
             _full_shapes_of_split(model), counter.peak)
 

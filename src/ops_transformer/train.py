@@ -31,6 +31,7 @@ from .models.moe import moe_stats
 from .parallel.context import check_degrees, init_parallel
 from .parallelize import parallelize
 from .parallelize.gpt_plan import gpt_plan
+from .parallelize.moe_plan import n_experts_of
 from .planner.strategies import model_comm_per_step
 from .precision import DynamicLossScaler, optimizer_step, precision_policy
 from .schedule import check_schedule, lr_at, set_lr
@@ -295,7 +296,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
 
 
 def _n_experts(model) -> int:
-    return model.cfg.n_experts if isinstance(model, GPT) else finetune.n_experts_of(model)
+    return model.cfg.n_experts if isinstance(model, GPT) else n_experts_of(model)
 
 
 def _moe_metrics(model, cfg: TrainConfig) -> dict:

@@ -23,6 +23,7 @@ from ..memory.recompute import RECOMPUTE
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       status, under_torchrun, world_size)
+from ._hf import check_causal_lm, check_model_dir
 from ._profile import command_profile
 from .checkpoint import add_checkpoint_arguments, checkpoint_settings
 
@@ -48,8 +49,9 @@ def add_training_arguments(p) -> None:
                    "run under torchrun (or as one process)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (tp·ep))")
-    p.add_argument("--ep", type=int, help="expert-parallel degree for MoE presets "
-                   "(moe-tiny, moe-small): n_experts/ep experts per rank (default 1)")
+    p.add_argument("--ep", type=int, help="expert-parallel degree for MoE models (moe-tiny, "
+                   "moe-small, or a --model such as Mixtral): n_experts/ep experts per rank "
+                   "(default 1)")
     p.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--data", help="a text file, a directory of text files or (with --model) a "
                    ".jsonl file of {\"text\": ...} lines (default: the Python standard library's "
@@ -178,8 +180,6 @@ def run_training(cfg: TrainConfig, nproc: int | None,
 
 
 def _check_model_dir(path: str) -> None:
-    from ._hf import check_causal_lm, check_model_dir
-
     root, config = check_model_dir(path, "train --model")
     check_causal_lm(root, config, "train --model")
 

@@ -28,6 +28,8 @@ def build(family: str):
     torch.manual_seed(0)
     if family in ("llama", "llama_sharded"):
         return tr.LlamaForCausalLM(tr.LlamaConfig(**_small()))
+    if family == "llama_padded":  # an FFN width that divides by neither 2 nor 4: padded
+        return tr.LlamaForCausalLM(tr.LlamaConfig(**{**_small(), "intermediate_size": 130}))
     if family == "qwen2":  # Q/K/V biases
         return tr.Qwen2ForCausalLM(tr.Qwen2Config(**_small()))
     if family == "gpt2":  # Conv1D weights, fused QKV, tied embeddings; no dropout

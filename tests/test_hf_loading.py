@@ -252,3 +252,35 @@ def test_a_conversion_transformers_runs_itself_gives_the_same_logits(run_ranks, 
         assert_rel(logits, reference, what="Mixtral experts converted by transformers, ep 2")
         assert any("transformers converts it" in w and "experts.gate_up_proj" in w
                    for w in warned), warned
+
+
+def _two_steps(path, ours):
+    """Losses of two SGD steps, and whether the padding of the FFN weights stayed zero."""
+    ctx = _ctx()
+    if ours:
+        model = from_pretrained(path, ctx, dtype=torch.float32)
+    else:
+        model = parallelize(tr.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                            ctx)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(2):
+        loss = model(input_ids=_ids(), labels=_ids()).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    up = model.model.layers[0].mlp.up_proj
+    spec = up.weight_spec
+    start, n = spec.slices()[0]
+    padding = up.weight[max(spec.full_shape[0] - start, 0):]
+    return losses, bool((padding == 0).all())
+
+
+def test_padded_ffn_loaded_on_meta_trains_as_transformers_then_parallelize(run_ranks, tiny):
+    path = str(tiny("llama_padded"))  # 130 = 4 · 33 − 2: the last rank holds 2 padding rows
+    for (expected, _), (losses, padding_zero) in zip(run_ranks(_two_steps, 4, path, False),
+                                                     run_ranks(_two_steps, 4, path, True)):
+        assert_rel(torch.tensor(losses), torch.tensor(expected), what="losses, padded FFN")
+        assert padding_zero

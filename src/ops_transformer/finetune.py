@@ -21,7 +21,7 @@ from .layers.loss import vocab_parallel_cross_entropy
 from .loading import from_pretrained
 from .parallelize.hf_plans import hf_plan
 from .parallelize.moe_plan import check_expert_parallel, n_experts_of
-from .parallelize.sequence_parallel import sequence_parallel_plan
+from .parallelize.sequence_plan import sequence_parallel_plan
 
 
 def _meta_model(model_dir: str):
@@ -66,10 +66,8 @@ def check_data(cfg, config, say=None) -> None:
 def build(cfg, ctx, policy):
     """``(model, data)`` on this rank: the parallel model in training mode, fp32 parameters (the
     master weights ``--precision`` autocasts from), and the packed corpus."""
-    model = from_pretrained(cfg.model, ctx, dtype=torch.float32, loss_parallel=True,
-                            attention=cfg.attention, grad_reduce_dtype=policy.grad_reduce_dtype,
-                            sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
-                            activation_cache=cfg.activation_cache)
+    options = cfg.parallel_options(grad_reduce_dtype=policy.grad_reduce_dtype, loss_parallel=True)
+    model = from_pretrained(cfg.model, ctx, dtype=torch.float32, options=options)
     model.config.use_cache = False  # training: no key/value cache
     data = packed_corpus(cfg.data, cfg.model, cfg.seq,
                          model.config.get_text_config().vocab_size)

@@ -10,26 +10,29 @@ from pathlib import Path
 import torch
 
 from ..models.gpt import PRESETS
-from ..checkpoint import launch_with_restarts
+from ..parallel.restart import launch_with_restarts
 from ..parallel import launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
+from ..parallelize.gpt_plan import ATTENTION_CHOICES
+from ..planner.search import chosen_layout
 from ..schedule import LR_SCHEDULES
 from ..train import TrainConfig, train_worker, validate
-from ..memory.layers import ACTIVATION_CACHES
-from ..memory.options import ZERO_STAGES, memory_from_plan, memory_summary
+from ..memory.apply import ACTIVATION_CACHES
+from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       status, under_torchrun, world_size)
+from ._calibrated import command_profile
 from ._hf import check_causal_lm, check_model_dir
-from ._profile import command_profile
 from .checkpoint import add_checkpoint_arguments, checkpoint_settings
 
 HELP = "train the reference GPT, or fine-tune a Hugging Face model, with tensor (and data) " \
        "parallelism"
-ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
+ATTENTION = ATTENTION_CHOICES
+D = TrainConfig()  # every default of train, defined once (the dataclass)
 
 
 def add_parser(p) -> None:
@@ -37,32 +40,34 @@ def add_parser(p) -> None:
     p.add_argument("--model", metavar="DIR", help="fine-tune this Hugging Face causal LM (a local "
                    "save_pretrained directory, safetensors weights) instead of a preset; each "
                    "rank loads only its shards (docs/finetuning.md)")
-    p.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+    p.add_argument("--lr-schedule", default=D.lr_schedule, choices=LR_SCHEDULES,
                    help="after --warmup: constant, or cosine decay towards 0 at the last step")
-    p.add_argument("--warmup", dest="lr_warmup", type=int, default=0, metavar="STEPS",
-                   help="linear learning-rate warmup over the first STEPS steps (default 0)")
+    p.add_argument("--warmup", dest="lr_warmup", type=int, default=D.warmup, metavar="STEPS",
+                   help=f"linear learning-rate warmup over the first STEPS steps (default "
+                        f"{D.warmup})")
 
 
 def add_training_arguments(p) -> None:
     """The options of a training run, shared by ``train``, ``profile``, ``diagnose``."""
     p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
                    "run under torchrun (or as one process)")
-    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
+    p.add_argument("--tp", type=int, help=f"tensor-parallel degree (default {D.tp})")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (tp·ep))")
     p.add_argument("--ep", type=int, help="expert-parallel degree for MoE models (moe-tiny, "
                    "moe-small, or a --model such as Mixtral): n_experts/ep experts per rank "
-                   "(default 1)")
-    p.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)} (default tiny)")
+                   f"(default {D.ep})")
+    p.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)} (default {D.preset})")
     p.add_argument("--data", help="a text file, a directory of text files or (with --model) a "
                    ".jsonl file of {\"text\": ...} lines (default: the Python standard library's "
                    "sources on this machine)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=8, help="global batch in sequences")
-    p.add_argument("--seq", type=int, default=64, help="sequence length in tokens (bytes for the "
-                   "presets)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention", choices=ATTENTION, help="attention strategy (default auto)")
+    p.add_argument("--steps", type=int, default=D.steps)
+    p.add_argument("--batch", type=int, default=D.batch, help="global batch in sequences")
+    p.add_argument("--seq", type=int, default=D.seq, help="sequence length in tokens (bytes for "
+                   "the presets)")
+    p.add_argument("--lr", type=float, default=D.lr, help=f"peak learning rate (default {D.lr})")
+    p.add_argument("--seed", type=int, default=D.seed)
+    p.add_argument("--attention", choices=ATTENTION,
+                   help=f"attention strategy (default {D.attention})")
     p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: torchrun's "
                    "LOCAL_WORLD_SIZE, else all on one node); e.g. 2 with --nproc 4 simulates 2 "
                    "nodes x 2 ranks")
@@ -73,18 +78,18 @@ def add_training_arguments(p) -> None:
                    help="keep each rank's slice of "
                    "the sequence between tensor-parallel regions (needs --tp 2+, heads attention)")
     p.add_argument("--recompute", choices=RECOMPUTE, help="recompute activations in backward: "
-                   "the attention core or every layer (default none)")
-    p.add_argument("--activation-cache", default="none", choices=ACTIVATION_CACHES,
+                   f"the attention core or every layer (default {D.recompute})")
+    p.add_argument("--activation-cache", default=D.activation_cache, choices=ACTIVATION_CACHES,
                    help="keep the layers' saved activations as int8 (one scale per 128 values)")
     p.add_argument("--zero", type=int, choices=ZERO_STAGES,
                    help="ZeRO stage over the data-parallel ranks: 1 shards the optimizer state, 2 "
-                   "also the gradients (default 0: off)")
+                   f"also the gradients (default {D.zero}: off)")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+    p.add_argument("--precision", default=D.precision, choices=PRECISIONS,
                    help="compute dtype: fp32, or bf16 / fp16 autocast over fp32 master weights "
-                   "(fp16 with a dynamic loss scaler); default fp32")
+                   f"(fp16 with a dynamic loss scaler); default {D.precision}")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
     add_checkpoint_arguments(p)
@@ -100,12 +105,12 @@ def layout_from_plan(path: str) -> dict:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--plan {path!r} is not a readable JSON plan: {exc}") from None
-    best = data.get("best", data) if isinstance(data, dict) else None
-    if not isinstance(best, dict) or not {"tp", "dp", "attention"} <= set(best):
-        raise ValueError(f"--plan {path!r} has no layout (its 'best' is null: nothing fits, or it "
-                         f"is not a planner result)")
-    return {"tp": best["tp"], "dp": best["dp"], "ep": best.get("ep", 1),
-            "attention": best["attention"], **memory_from_plan(best, path)}
+    try:
+        layout = chosen_layout(data)
+    except ValueError as exc:
+        raise ValueError(f"--plan {path!r} has no layout ({exc})") from None
+    return {"tp": layout["tp"], "dp": layout["dp"], "ep": layout["ep"],
+            "attention": layout["attention"], **memory_from_plan(layout, path)}
 
 
 def config_from_args(args, out_prefix: str) -> TrainConfig:
@@ -114,11 +119,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
              "attention": args.attention,
              "sequence_parallel": getattr(args, "sequence_parallel", None),
              "recompute": getattr(args, "recompute", None), "zero": getattr(args, "zero", None)}
-    layout = {"tp": 1 if args.tp is None else args.tp, "dp": args.dp,
-              "ep": 1 if given["ep"] is None else given["ep"],
-              "attention": args.attention or "auto",
-              "sequence_parallel": bool(given["sequence_parallel"]),
-              "recompute": given["recompute"] or "none", "zero": given["zero"] or 0}
+    layout = {k: getattr(D, k) if v is None else v for k, v in given.items()}  # absent: defaults
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
         conflicts = [f"--{k.replace('_', '-')} {v} (the plan has {layout[k]})"
@@ -132,15 +133,15 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
         raise ValueError(f"--model {model!r} and --preset {args.preset!r} both name the model: "
                          f"--model fine-tunes a checkpoint, --preset builds a reference GPT; "
                          f"give one")
-    return TrainConfig(preset=args.preset or "tiny", steps=args.steps, batch=args.batch,
+    return TrainConfig(preset=args.preset or D.preset, steps=args.steps, batch=args.batch,
                        seq=args.seq, lr=args.lr, seed=args.seed, data=args.data, out=out,
-                       model=model, lr_schedule=getattr(args, "lr_schedule", "constant"),
-                       warmup=getattr(args, "lr_warmup", 0),
+                       model=model, lr_schedule=getattr(args, "lr_schedule", D.lr_schedule),
+                       warmup=getattr(args, "lr_warmup", D.warmup),
                        progress=not args.no_progress, **layout,
                        precision=args.precision, clip_grad=args.clip_grad,
                        tensorboard=getattr(args, "tensorboard", None),
                        ranks_per_node=getattr(args, "ranks_per_node", None),
-                       activation_cache=getattr(args, "activation_cache", "none"),
+                       activation_cache=getattr(args, "activation_cache", D.activation_cache),
                        **checkpoint_settings(args))
 
 

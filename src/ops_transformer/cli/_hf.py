@@ -9,6 +9,7 @@ installed each raise one ``ValueError`` naming the file.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zipfile
 from pathlib import Path
@@ -56,7 +57,9 @@ def import_transformers(command: str):
 
 
 def check_model_dir(path: str, command: str = "generate"):
-    """``(root, config)`` of a loadable model directory, or a ``ValueError`` naming what is wrong."""
+    """``(root, config)`` of a loadable model directory, or a ``ValueError`` naming what is wrong.
+    A local directory needs no hub: ``HF_HUB_OFFLINE`` is set (unless set already)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     root = Path(path)
     config_file = root / "config.json"
     if not config_file.is_file():

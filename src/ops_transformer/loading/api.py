@@ -4,7 +4,6 @@ each rank reading only its own shards onto its own device (SPEC F15)."""
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from pathlib import Path
 
@@ -52,7 +51,6 @@ def from_pretrained(path, ctx, *, auto_class: str = "AutoModelForCausalLM",
     cls = _auto_class(transformers, auto_class)
     if not (root / SINGLE).is_file() and not (root / INDEX).is_file() and _bin_files(root):
         return _from_bin(transformers, cls, root, ctx, dtype, parallelize_kwargs)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     config = transformers.AutoConfig.from_pretrained(root)
     with CheckpointFiles(root) as files:
         dtype = dtype or files.floating_dtype() or torch.get_default_dtype()

@@ -83,7 +83,8 @@ def add_training_arguments(p) -> None:
                    help="keep the layers' saved activations as int8 (one scale per 128 values)")
     p.add_argument("--zero", type=int, choices=ZERO_STAGES,
                    help="ZeRO stage over the data-parallel ranks: 1 shards the optimizer state, 2 "
-                   f"also the gradients (default {D.zero}: off)")
+                   "also the gradients, 3 also the parameters (FSDP2) "
+                   f"(default {D.zero}: off)")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

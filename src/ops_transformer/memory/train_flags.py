@@ -9,11 +9,13 @@ import torch
 from torch import nn
 
 from ..comm.bucketing import partial_grad_group
+from ..parallel.sharding import local_tensor
 from .apply import ACTIVATION_CACHES
+from .fsdp import mixed_precision_for, shard_parameters
 from .recompute import RECOMPUTE
 from .zero import zero_optimizer
 
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def check_memory_flags(cfg, dp: int, tp: int) -> None:
@@ -26,13 +28,11 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
         raise ValueError(f"--activation-cache must be one of {', '.join(ACTIVATION_CACHES)}, got "
                          f"{cfg.activation_cache!r}")
     if cfg.zero not in ZERO_STAGES:
-        raise ValueError(f"--zero must be 0, 1 or 2, got {cfg.zero!r}")
-    if cfg.zero and dp == 1:
-        raise ValueError(f"--zero {cfg.zero} shards the optimizer over data-parallel ranks, but "
-                         f"dp is 1: run more processes than --tp ({tp}), or drop --zero")
-    if cfg.zero and getattr(cfg, "ep", 1) > 1:
-        raise ValueError(f"--zero with --ep {cfg.ep} is not supported: expert parameters average "
-                         f"over another group than the dense ones; drop --zero or --ep")
+        raise ValueError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero!r}")
+    ep = getattr(cfg, "ep", 1)
+    if cfg.zero and dp * ep == 1:
+        raise ValueError(f"--zero {cfg.zero} shards over data-parallel ranks, but dp is 1: run "
+                         f"more processes than --tp ({tp}), or drop --zero")
     if cfg.sequence_parallel and getattr(cfg.model_config(), "n_experts", 0) > 0:
         raise ValueError(f"--sequence-parallel is not supported for the MoE preset "
                          f"{cfg.preset!r}: its expert layers have no sequence-parallel form")
@@ -52,24 +52,30 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
                          "--recompute full or another attention strategy")
 
 
+def shard_for_zero(model: nn.Module, ctx, zero: int, policy=None) -> nn.Module:
+    """ZeRO-3 (``zero == 3``): ``model``'s parameters sharded over its data-parallel ranks
+    (:func:`~.fsdp.shard_parameters`; with a 16-bit precision ``policy``, gathered and computed
+    in its dtype over fp32 master shards); other stages leave the model as it is."""
+    if zero == 3:
+        shard_parameters(model, ctx, mixed_precision=None if policy is None
+                         else mixed_precision_for(policy))
+    return model
+
+
 def make_optimizer(model: nn.Module, ctx, zero: int, **adamw_kwargs) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s parameters, sharded with ZeRO ``zero`` (1 or 2) when non-zero."""
-    if zero:
+    """AdamW over ``model``'s parameters, sharded with ZeRO ``zero``: 1 or 2 through
+    :func:`~.zero.zero_optimizer`; 3 (a model :func:`shard_for_zero` sharded) a plain AdamW,
+    whose state is sharded with the parameters it steps."""
+    if zero in (1, 2):
         return zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, **adamw_kwargs)
     return torch.optim.AdamW(model.parameters(), **adamw_kwargs)
 
 
 def memory_from_plan(layout: dict, path: str) -> dict:
-    """``sequence_parallel``, ``recompute`` and ``zero`` of a planner layout (``train --plan``).
-    What train cannot run is changed with a warning: ZeRO-3 runs as ZeRO-2 (the parameters stay
-    whole), and sequence parallelism is dropped for attention strategies without a
-    sequence-parallel form."""
+    """``sequence_parallel``, ``recompute`` and ``zero`` of a planner layout (``train --plan``),
+    ZeRO-3 included. What train cannot run is changed with a warning: sequence parallelism is
+    dropped for attention strategies without a sequence-parallel form."""
     zero = layout.get("zero_stage", 0)
-    if zero == 3:
-        warnings.warn(f"--plan {path!r} uses ZeRO-3, which train does not run (parameters are not "
-                      f"sharded): running ZeRO-2; parameter memory will be higher than planned",
-                      stacklevel=3)
-        zero = 2
     if zero not in ZERO_STAGES:
         raise ValueError(f"--plan {path!r} has zero_stage {zero!r}; expected 0, 1, 2 or 3")
     recompute = layout.get("recompute", "none")
@@ -112,6 +118,7 @@ def measured_state_bytes(model: nn.Module, optimizer) -> dict[str, int]:
     def total(tensors) -> int:
         storages = {}
         for t in tensors:
+            t = local_tensor(t) if isinstance(t, torch.Tensor) else t  # (a shard's own rows)
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(storages.values())

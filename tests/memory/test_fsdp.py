@@ -181,3 +181,61 @@ def test_shard_parameters_checks_its_input(run_ranks):
         run_ranks(bad, 2, "dp1")
     with pytest.raises(ValueError, match="already sharded"):
         run_ranks(bad, 2, "twice")
+
+
+@pytest.mark.slow
+def test_int8_activation_cache_under_sharding_equals_the_unsharded_parallel_model(run_ranks):
+    """The 8-bit cache rounds the same activations alike; only the fp32 order of the gradient
+    sums differs, and a code may round the other way after it (a few quanta)."""
+    def run(shard):
+        ctx = init_parallel(tp=2)
+        torch.manual_seed(0)
+        model = parallelize(GPT(CONFIG), ctx, attention="heads", activation_cache="int8")
+        if shard:
+            shard_parameters(model, ctx)
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+        rows = slice(ctx.dp_rank * 2, ctx.dp_rank * 2 + 2)
+        for batch in _batches():
+            model(batch[rows, :-1], batch[rows, 1:])[1].backward()
+            opt.step()
+            opt.zero_grad()
+        return gather_full_state_dict(model, ctx)
+
+    reference = run_ranks(run, 4, False)[0]
+    for state in run_ranks(run, 4, True):
+        for key, value in reference.items():
+            assert_rel(state[key], value, rtol=1e-4, what=key, floor=0.02)
+
+
+def test_train_runs_the_planners_zero3_plan_and_exports_it(tmp_path, capsys):
+    """``plan --zero 3`` → ``train --plan``: ZeRO-3 as planned (no warning), the same losses as
+    without sharding, half the parameter bytes per rank at dp 2, and a checkpoint that exports to
+    the same dense tensors as the unsharded run's."""
+    import json
+    import warnings
+
+    from ops_transformer.checkpoint import export as ex
+    from ops_transformer.cli.main import main
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny", "--gpu", "local", "--tp", "1", "--dp", "2", "--zero",
+                 "3", "--batch", "4", "--seq", "32", "--out", str(plan), "--json"]) == 0
+    runs = {}
+    for name, layout in (("plan", ["--plan", str(plan)]), ("plain", ["--nproc", "2"])):
+        capsys.readouterr()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert main(["train", *layout, "--steps", "2", "--batch", "4", "--seq", "32",
+                         "--ckpt-dir", str(tmp_path / f"ckpt-{name}"), "--no-progress",
+                         "--out", str(tmp_path / name)]) == 0
+        runs[name] = json.loads((tmp_path / name / "metrics.json").read_text())
+    assert runs["plan"]["config"]["zero"] == 3 and runs["plain"]["config"]["zero"] == 0
+    assert runs["plan"]["losses"] == pytest.approx(runs["plain"]["losses"], rel=1e-5)
+    sharded, plain = (runs[n]["model_state_bytes_per_rank"] for n in ("plan", "plain"))
+    assert abs(sharded["params"] / plain["params"] - 0.5) < 0.02
+    assert abs(sharded["optimizer"] / plain["optimizer"] - 0.5) < 0.02
+    got, _ = ex.dense_state_dict(tmp_path / "ckpt-plan")
+    ref, _ = ex.dense_state_dict(tmp_path / "ckpt-plain")
+    assert got.keys() == ref.keys()
+    for key, value in ref.items():
+        assert_rel(got[key], value, rtol=1e-5, what=key, floor=0.02)

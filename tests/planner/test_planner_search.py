@@ -92,7 +92,7 @@ def test_plan_errors_exit_2(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
-@pytest.mark.filterwarnings("ignore:--plan")  # ZeRO-3 in the plan runs as ZeRO-2, with a warning
+@pytest.mark.filterwarnings("ignore:--plan")  # (a plan with SP and an attention without it)
 def test_train_accepts_a_plan(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     assert main(["plan", "--model", "tiny", "--gpu", "local", "--gpus", "2", "--batch", "8",

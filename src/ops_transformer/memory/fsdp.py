@@ -68,6 +68,10 @@ def shard_parameters(model: nn.Module, ctx, *, reshard_after_forward: bool = Tru
               "mp_policy": mixed_precision or MixedPrecisionPolicy(),
               "ignored_params": set(unsharded)}
     attributes = _public_attributes(model)
+    with torch.no_grad():  # FSDP2 shards contiguous tensors (a Conv1D's shard is a transpose)
+        for p in model.parameters():
+            if not p.is_contiguous() and p not in common["ignored_params"]:
+                p.data = p.data.contiguous()
     units = []
     for layer in transformer_layers(model):
         if ctx.ep_size > 1 and ctx.dp_size > 1:  # experts over dp, the rest over dp × ep

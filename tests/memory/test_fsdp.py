@@ -123,7 +123,7 @@ def test_parameters_per_rank_and_the_ledger(run_ranks):
         assert abs(result[3] / (dense / 4) - 1) < 0.02
         fsdp = [r for r in records if r[1].startswith("fsdp")]
         assert fsdp and all(r[2] == dp for r in fsdp)  # the dp group only
-        units = 3  # two layers and the root
+        units = 4  # two layers, the LM head and the root
         assert sum(r[1] == "fsdp_params" for r in fsdp) == 2 * units * STEPS  # fwd + bwd
         assert {r[0] for r in fsdp if r[1] == "fsdp_params"} == {"all_gather"}
         assert {r[0] for r in fsdp if r[1] == "fsdp_grads"} == {"reduce_scatter"}
@@ -159,7 +159,7 @@ def _accumulate(micro):
 def test_no_sync_accumulates_and_reduce_scatters_once(run_ranks):
     once = run_ranks(_accumulate, 4, 1)
     twice = run_ranks(_accumulate, 4, 2)
-    assert once[0][1] == twice[0][1] == 3  # one reduce-scatter per unit, outside no_sync only
+    assert once[0][1] == twice[0][1] == 4  # one reduce-scatter per unit, outside no_sync only
     for key, value in once[0][0].items():
         assert_rel(twice[0][0][key], value, what=key, floor=0.02)
 

@@ -12,8 +12,8 @@ parameters                  group        FSDP unit
 experts (``expert_shard``)  ``dp``       the experts' module of each layer, its own unit;
                                          gradients divided by ``dp·ep`` (the EP ranks' tokens
                                          were summed by the all-to-all)
-dense (everything else)     ``dp × ep``  each Transformer layer; the root (embeddings, final
-                                         norm, head)
+dense (everything else)     ``dp × ep``  each Transformer layer; the LM head (unless tied to
+                                         the embeddings); the root (embeddings, final norm)
 partial gradients (SP norms ``—``        not sharded: averaged by the chain's ``GradSync``
 and row biases, KV replicas)             and summed over TP by its ``GradSums``, as before
 =========================== ============ ===================================================
@@ -80,6 +80,9 @@ def shard_parameters(model: nn.Module, ctx, *, reshard_after_forward: bool = Tru
                 unit.set_gradient_divide_factor(float(ctx.dp_size * ctx.ep_size))
                 units.append(unit)
         units.append(fully_shard(layer, mesh=ctx.data_mesh(), **common))
+    head = _head(model, common["ignored_params"])
+    if head is not None:  # its own unit: gathered last in forward, reduced first in backward
+        units.append(fully_shard(head, mesh=ctx.data_mesh(), **common))
     units.append(fully_shard(model, mesh=ctx.data_mesh(), **common))
     for unit in units:
         unit.set_custom_all_gather(LedgerAllGather())
@@ -124,6 +127,23 @@ def _unsharded(model: nn.Module, ctx) -> list[nn.Parameter]:
     return [p for p in dict.fromkeys(model.parameters())
             if partial_grad_group(p) is not None
             or (expert_shard(p) is not None and ctx.ep_size > 1 and ctx.dp_size == 1)]
+
+
+def _head(model: nn.Module, ignored) -> nn.Module | None:
+    """The LM head (``lm_head``, or a Hugging Face model's output embeddings), when it shares no
+    parameter with the rest of the model (tied embeddings stay in the root's unit) and has one to
+    shard."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Module) or head is model:
+        return None
+    own = {id(p) for p in head.parameters()}
+    inside = {id(m) for m in head.modules()}
+    elsewhere = {id(p) for m in model.modules() if id(m) not in inside
+                 for p in m.parameters(recurse=False)}
+    if not own or own & elsewhere or all(p in ignored for p in head.parameters()):
+        return None
+    return head
 
 
 def _expert_modules(layer: nn.Module) -> list[nn.Module]:

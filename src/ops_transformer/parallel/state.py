@@ -70,7 +70,8 @@ class GradReducers:
 @dataclass(frozen=True)
 class DataSharding:
     """What :func:`~ops_transformer.memory.fsdp.shard_parameters` applied: ``units``, the FSDP2
-    modules in the order they were sharded (each layer's experts, each layer, the root last);
+    modules in the order they were sharded (each layer's experts, each layer, the LM head, the
+    root last);
     ``unsharded``, the parameters left whole (their gradients reduced by the chain's own
     reducers); the ``reshard_after_forward`` and ``mixed_precision`` it ran with."""
 

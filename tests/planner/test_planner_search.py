@@ -22,6 +22,9 @@ def test_zero_stages_by_hand():
     assert sum(model_state_bytes(psi, 1, 8).values()) == 4 * psi + 12 * psi / 8
     assert sum(model_state_bytes(psi, 2, 8).values()) == 2 * psi + 14 * psi / 8
     assert sum(model_state_bytes(psi, 3, 8).values()) == 16 * psi / 8
+    # fp32 training: no master copy, 4 + 4 + 8 bytes; ZeRO-1 then shards only the 8
+    assert model_state_bytes(psi, 0, 8, 4) == {"params": 4e9, "grads": 4e9, "optimizer": 8e9}
+    assert sum(model_state_bytes(psi, 1, 8, 4).values()) == 8 * psi + 8 * psi / 8
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
         model_state_bytes(psi, 4, 8)
 

@@ -41,7 +41,8 @@ from ..comm.bucketing import DEFAULT_BUCKET_BYTES, partial_grad_group
 from ..comm.fsdp_comm import LedgerAllGather, LedgerReduceScatter
 from ..layers.moe import expert_shard
 from ..models.hf import transformer_layers
-from ..parallel.grad_reduce import FSDPGradSync, GradSync
+from ..parallel.grad_reduce import GradSync
+from ..parallel.grad_shard import FSDPGradSync
 from ..parallel.state import DataSharding, parallel_state_of
 
 try:

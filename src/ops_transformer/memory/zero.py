@@ -13,7 +13,7 @@ the unsharded state.
   pieces of them, runs the inner optimizer and all-gathers the updated chunks into the buckets
   (one all-gather per bucket, over its group).
 * stage 2: as stage 1, but the gradient all-reduce is replaced by a reduce-scatter
-  (:class:`~ops_transformer.parallel.grad_reduce.ReduceScatterGradSync`, swapped into the model's
+  (:class:`~ops_transformer.parallel.grad_shard.ReduceScatterGradSync`, swapped into the model's
   reducer chain, ``model.parallel_state.reducers``, where the averaging was): each rank receives
   only its chunk of the averaged gradients, and the full gradients are freed as each bucket is
   reduced.
@@ -40,7 +40,8 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.bucketing import DEFAULT_BUCKET_BYTES
-from ..parallel.grad_reduce import GradSync, ReduceScatterGradSync
+from ..parallel.grad_reduce import GradSync
+from ..parallel.grad_shard import ReduceScatterGradSync
 from ..parallel.state import parallel_state_of
 from ..precision.clip import check_max_norm, clip_grads_with_norm_, reduce_norm_parts, total_norm
 from .zero_buckets import ZeroBucket, make_buckets

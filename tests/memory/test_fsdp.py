@@ -24,7 +24,7 @@ def _batches():
 
 
 def _train(tp, shard, sp=False, recompute="none", autocast=False, clip=None, raf=True,
-           mixed=None, config=CONFIG):
+           mixed=None, config=CONFIG, scale=False):
     """5 AdamW steps through optimizer_step; returns the gathered dense weights, the losses of
     the global batch, the bytes of parameters this rank holds and the steps' ledger records."""
     ctx = init_parallel(tp=tp)
@@ -38,12 +38,15 @@ def _train(tp, shard, sp=False, recompute="none", autocast=False, clip=None, raf
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     rows = slice(ctx.dp_rank * B // ctx.dp_size, (ctx.dp_rank + 1) * B // ctx.dp_size)
     losses, norms = [], []
+    scaler = DynamicLossScaler(ctx, init_scale=2.0 ** 10) if scale else None
     with CommLedger() as ledger:
         for batch in _batches():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = model(batch[rows, :-1], batch[rows, 1:])[1]
-            loss.backward()
-            report = optimizer_step(model, opt, ctx, max_norm=clip, metrics={"loss": loss})
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            report = optimizer_step(model, opt, ctx, scaler=scaler, max_norm=clip,
+                                    metrics={"loss": loss})
+            assert report.stepped
             losses.append(report.metrics["loss"])
             norms.append(report.grad_norm)
             opt.zero_grad()
@@ -77,9 +80,11 @@ def _assert_equal(results, reference, rtol=1e-5):
     pytest.param({"sp": True, "recompute": "full"}, marks=pytest.mark.slow),
     pytest.param({"clip": 0.05}, marks=pytest.mark.slow),
     pytest.param({"raf": False}, marks=pytest.mark.slow),
+    pytest.param({"clip": 0.05, "scale": True, "sp": True}, marks=pytest.mark.slow),
 ])
 def test_five_adamw_steps_at_dp2_tp2_equal_the_unsharded_model(run_ranks, variant):
-    reference = run_ranks(_train, 1, 1, False, clip=variant.get("clip"))[0]
+    reference = run_ranks(_train, 1, 1, False, clip=variant.get("clip"),
+                          scale=variant.get("scale", False))[0]
     if "clip" in variant:
         assert min(reference[2]) > variant["clip"]  # every step clips
     _assert_equal(run_ranks(_train, 4, 2, True, **variant), reference)
@@ -239,3 +244,27 @@ def test_train_runs_the_planners_zero3_plan_and_exports_it(tmp_path, capsys):
     assert got.keys() == ref.keys()
     for key, value in ref.items():
         assert_rel(got[key], value, rtol=1e-5, what=key, floor=0.02)
+
+
+def _overflow_on_one_rank():
+    """An inf in the gradient shard of one rank only: every rank skips the step."""
+    ctx = init_parallel(tp=2)
+    torch.manual_seed(0)
+    model = shard_parameters(parallelize(GPT(CONFIG), ctx, attention="heads"), ctx)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    scaler = DynamicLossScaler(ctx, init_scale=2.0 ** 10)
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    batch = _batches()[0][ctx.dp_rank * 2:(ctx.dp_rank + 1) * 2]
+    scaler.scale(model(batch[:, :-1], batch[:, 1:])[1]).backward()
+    if ctx.rank == 3:
+        model.layers[1].mlp.w_out.weight.grad.to_local().view(-1)[0] = float("inf")
+    report = optimizer_step(model, opt, ctx, scaler=scaler, max_norm=1.0)
+    same = all(torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters())
+    return report.stepped, same, scaler.scale_value
+
+
+@pytest.mark.slow
+def test_an_overflow_in_one_shard_skips_the_step_on_every_rank(run_ranks):
+    # skipped everywhere, weights untouched; the same scale on every rank (hysteresis 2: the first
+    # overflow keeps it)
+    assert run_ranks(_overflow_on_one_rank, 4) == [(False, True, 2.0 ** 10)] * 4

@@ -54,6 +54,7 @@ class TrainConfig:
     progress: bool = True
     layers: int | None = None  # overrides the preset's n_layers
     ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
+    ranks_per_island: int | None = None  # PCIe islands in a node; None: detected (GPU) or one
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16: with a dynamic loss scaler)
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
     ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
@@ -90,8 +91,9 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, ep, tp = check_degrees(world_size, cfg.tp, cfg.dp, cfg.ep)
-    if cfg.ranks_per_node is not None:
-        NodeLayout(world_size, cfg.ranks_per_node)  # divides the number of processes
+    if cfg.ranks_per_node is not None or cfg.ranks_per_island is not None:
+        # divide the number of processes, and the ranks per node
+        NodeLayout(world_size, cfg.ranks_per_node or world_size, cfg.ranks_per_island)
     model_cfg = cfg.model_config()
     check_train_ep(model_cfg, cfg.preset, ep)
     if model_cfg.vocab_size < VOCAB_SIZE:
@@ -180,7 +182,7 @@ def join(cfg: TrainConfig, profile=None):
     """This rank's :class:`ParallelContext` for ``cfg`` (``with join(cfg) as ctx:`` tears its
     process groups down at the end); ``profile``: see :func:`train_worker`."""
     return init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, ranks_per_node=cfg.ranks_per_node,
-                         profile=profile)
+                         profile=profile, ranks_per_island=cfg.ranks_per_island)
 
 
 def setup_training(cfg: TrainConfig, ctx) -> TrainState:
@@ -326,6 +328,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
             recompute=cfg.recompute, partial_elements=partial_numel(model, ctx.tp_group)),
         "params": _dense_param_count(model.cfg),
         "ranks_per_node": ctx.ranks_per_node,
+        "ranks_per_island": ctx.ranks_per_island,
         "comm_by_level": ledger.by_level(),  # what ran inside a node and across nodes
         "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
         "plan": model.parallel_plan.to_dict(), **(extra or {}),

@@ -48,6 +48,9 @@ def add_parser(p) -> None:
     p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: torchrun's "
                    "LOCAL_WORLD_SIZE, else all on one node); e.g. 2 with --nproc 4 simulates 2 "
                    "nodes x 2 ranks")
+    p.add_argument("--ranks-per-island", type=int, help="consecutive ranks of a node behind one "
+                   "PCIe switch or socket (default: detected on a GPU node, else one island); "
+                   "e.g. 2 with --nproc 4 declares 2 PCIe islands x 2 ranks")
     p.add_argument("--plan", help="a plan from 'ops-transformer plan --out FILE' (its best "
                    "layout) or a candidate from it: sets --tp, --dp, --attention and the plan's "
                    "sequence parallelism, recompute and ZeRO stage")
@@ -115,6 +118,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        precision=args.precision, clip_grad=args.clip_grad,
                        tensorboard=getattr(args, "tensorboard", None),
                        ranks_per_node=getattr(args, "ranks_per_node", None),
+                       ranks_per_island=getattr(args, "ranks_per_island", None),
                        activation_cache=getattr(args, "activation_cache", "none"),
                        **checkpoint_settings(args))
 

@@ -59,7 +59,7 @@ class TrainConfig:
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
     ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
     tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
-    sequence_parallel: bool = False  # memory (SPEC F7): see ops_transformer.memory
+    sequence_parallel: bool | str = False  # memory (SPEC F7): True, or "regather"
     recompute: str = "none"
     activation_cache: str = "none"
     zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2

@@ -54,9 +54,11 @@ def add_parser(p) -> None:
     p.add_argument("--plan", help="a plan from 'ops-transformer plan --out FILE' (its best "
                    "layout) or a candidate from it: sets --tp, --dp, --attention and the plan's "
                    "sequence parallelism, recompute and ZeRO stage")
-    p.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="keep each rank's slice of "
-                   "the sequence between tensor-parallel regions (needs --tp 2+, heads attention)")
+    p.add_argument("--sequence-parallel", nargs="?", const=True, default=None,
+                   metavar="regather", help="keep each rank's slice of the sequence between "
+                   "tensor-parallel regions (needs --tp 2+, heads attention); 'regather' keeps "
+                   "only that slice of each region's input too and all-gathers it again in "
+                   "backward (less memory, one more all-gather per region)")
     p.add_argument("--recompute", choices=RECOMPUTE, help="recompute activations in backward: "
                    "the attention core or every layer (default none)")
     p.add_argument("--activation-cache", default="none", choices=ACTIVATION_CACHES,
@@ -102,7 +104,8 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
     layout = {"tp": 1 if args.tp is None else args.tp, "dp": args.dp,
               "ep": 1 if given["ep"] is None else given["ep"],
               "attention": args.attention or "auto",
-              "sequence_parallel": bool(given["sequence_parallel"]),
+              "sequence_parallel": (False if given["sequence_parallel"] is None
+                                    else given["sequence_parallel"]),
               "recompute": given["recompute"] or "none", "zero": given["zero"] or 0}
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)

@@ -14,11 +14,13 @@ from ..models.gpt import GPT
 from ..layers.moe import scale_expert_grads, split_expert_params
 from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, no_sync
 from ..precision.policy import resolve_grad_reduce_dtype
+from .dropout import apply_dropout
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
 from .moe_plan import check_expert_parallel
 from .plan import Plan, apply_plan
-from .sequence_parallel import check_partial_marked, sequence_parallel_plan
+from .sequence_parallel import (check_partial_marked, sequence_parallel_mode,
+                                sequence_parallel_plan)
 
 log = logging.getLogger("ops_transformer")
 SUPPORTED = ("ops_transformer.models.GPT",) + tuple(f"Hugging Face {f}" for f in FAMILIES)
@@ -96,7 +98,8 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
 def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
                 vocab: str = "auto", loss_parallel: bool = False,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                grad_reduce_dtype: torch.dtype | None = None, sequence_parallel: bool = False,
+                grad_reduce_dtype: torch.dtype | None = None,
+                sequence_parallel: bool | str = False,
                 recompute: str = "none", activation_cache: str = "none",
                 tp_plan: dict | None = None) -> nn.Module:
     """Apply tensor parallelism over ``ctx.tp_group`` and data-parallel gradient averaging over
@@ -126,19 +129,33 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
     Memory (SPEC F7, :mod:`ops_transformer.memory`): ``sequence_parallel=True`` keeps ``1/tp`` of
     the activations between TP regions (reference GPT with ``attention="heads"``, Hugging Face
     GPT-2/Llama/Mistral/Qwen2; the norms' partial gradients join the ``GradSums``);
+    ``sequence_parallel="regather"`` keeps only this rank's ``1/tp`` share of each region's input
+    and all-gathers it again in backward (one more all-gather of ``b·s·h`` per region, Megatron's
+    layout, :mod:`ops_transformer.layers.sequence_regather`);
     ``recompute="selective"`` (attention core) or ``"full"`` (every layer) recomputes activations
     in backward; ``activation_cache="int8"`` keeps each layer's saved activations as int8.
+
+    Dropout (reference GPT, :mod:`.dropout`): every rank applies exactly the mask the model
+    ``parallelize`` makes at ``tp = 1`` applies to its part — its heads, its share of the tokens,
+    its rows of the global batch — and replicated regions the same mask on every rank.
     """
     if getattr(model, "parallel_plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_plan is set)")
     check_memory_options(recompute, activation_cache)
+    mode = sequence_parallel_mode(sequence_parallel)
+    if mode == "regather" and recompute == "full":
+        log.warning("parallelize: sequence_parallel='regather' with recompute='full' runs as "
+                    "sequence_parallel=True: full recompute keeps only each layer's input, so "
+                    "there is no region input to keep less of, and a re-gather would add an "
+                    "all-gather per region for nothing")
+        mode = "plain"
     if sequence_parallel and attention == "auto":
         attention = "heads"  # the one strategy with a sequence-parallel form
     resolved = resolve_plan(model, ctx, plan, attention, loss_parallel, vocab, tp_plan)
     if ctx.ep_size > 1:
         check_expert_parallel(model, resolved, ctx)
     if sequence_parallel and ctx.tp_size > 1:
-        resolved = sequence_parallel_plan(resolved, model)
+        resolved = sequence_parallel_plan(resolved, model, regather=mode == "regather")
     if ctx.tp_size > 1:
         apply_plan(model, resolved, ctx, _Groups(model, ctx))
         if loss_parallel and _is_hf(model) and resolved.vocab == "parallel":
@@ -152,6 +169,9 @@ def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items() if r["style"] == "moe"}),
                    ctx, _Groups(model, ctx))
     model.parallel_plan = resolved
+    # before recompute wraps the attention core: the replay then draws the same masks
+    apply_dropout(model, ctx, attention=resolved.attention,
+                  sequence_parallel=mode != "none" and ctx.tp_size > 1)
     reduce_dtype = resolve_grad_reduce_dtype(model, grad_reduce_dtype)
     if ctx.dp_ep_size > 1:  # EP ranks read different micro-batches, like DP ranks
         dense, experts = split_expert_params(model.parameters())

@@ -21,6 +21,13 @@ input gradient (GPT-2's c_attn)  the sequence, no input-gradient all-reduce
 
 The embedding and LM head keep their TP rules. The styles are registered in
 :mod:`.plan` from :data:`SEQUENCE_STYLES`.
+
+``sequence_parallel="regather"`` (:func:`sequence_parallel_mode`) is the re-gathering variant
+(:mod:`ops_transformer.layers.sequence_regather`, Megatron-LM's layout): the same plan with
+``sequence_region_regather`` for ``sequence_region`` (the entry keeps only this rank's share),
+``colwise_regather`` for the column layers it feeds (their inputs are not kept: backward
+all-gathers the share again, once per region) and ``colwise_sequence_regather`` for
+``colwise_sequence``.
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ import dataclasses
 
 from torch import nn
 
-from ..layers.sequence_parallel import (SequenceParallelRowLinear, gather_sequence,
-                                        gather_sequence_region, is_partial, mark_partial,
-                                        scatter_sequence)
+from ..layers.sequence_parallel import (SEQUENCE_PARALLEL_VALUES, SequenceParallelRowLinear,
+                                        gather_sequence, gather_sequence_region, is_partial,
+                                        mark_partial, scatter_sequence, sequence_parallel_mode)
+from ..layers.sequence_regather import RegatherColumnLinear, gather_sequence_regather
 from ..parallel.sharding import shard_spec
 
 HF_LAYOUTS = {"gpt2": ("h", "ln_f"), "llama": ("layers", "norm"), "mistral": ("layers", "norm"),
@@ -73,6 +81,26 @@ def _colwise(module, ctx, groups, **options):
     return layer
 
 
+def _region_regather(module, ctx, groups, set=None):
+    from .plan import _attrs
+
+    _attrs(module, ctx, groups, set)
+    _on_first_input(module, lambda x: gather_sequence_regather(x, ctx.tp_group))
+    return module
+
+
+def _colwise_regather(module, ctx, groups, **options):
+    from .plan import _colwise as colwise
+
+    return RegatherColumnLinear.from_column(colwise(module, ctx, groups, **options))
+
+
+def _colwise_sequence_regather(module, ctx, groups, **options):
+    layer = _colwise_regather(module, ctx, groups, reduce_input_grad=False, **options)
+    _on_first_input(layer, lambda x: gather_sequence_regather(x, ctx.tp_group))
+    return layer
+
+
 def _gather(module, ctx, groups):
     mark_partial(module, ctx.tp_group)
     module.register_forward_hook(lambda m, args, out: gather_sequence(out, ctx.tp_group))
@@ -91,9 +119,11 @@ SEQUENCE_STYLES = {
     "rowwise_sequence": lambda m, ctx, groups: SequenceParallelRowLinear.from_dense(m, ctx),
     "sequence_gather": _gather,
     "sequence_partial": _partial,
+    "sequence_region_regather": _region_regather,
+    "colwise_regather": _colwise_regather,
+    "colwise_sequence_regather": _colwise_sequence_regather,
 }
-
-
+REGATHER_STYLES = ("sequence_region_regather", "colwise_regather", "colwise_sequence_regather")
 def _prefix(model: nn.Module) -> str:
     base = getattr(model, "base_model_prefix", "")
     return f"{base}." if base and isinstance(getattr(model, base, None), nn.Module) else ""
@@ -114,12 +144,12 @@ def sequence_parallel_layout(model: nn.Module) -> tuple[str, str]:
                      + (f" (model_type {model_type!r})" if model_type else ""))
 
 
-def _transform(pattern: str, rule: dict) -> dict:
+def _transform(pattern: str, rule: dict, regather: bool = False) -> dict:
     # no padded sequence-parallel layers: a width that does not divide by tp is refused by them
     rule = {k: v for k, v in rule.items() if k != "pad"}
-    style = rule["style"]
+    style, suffix = rule["style"], "_regather" if regather else ""
     if style == "region":
-        return {**rule, "style": "sequence_region"}
+        return {**rule, "style": "sequence_region" + suffix}
     if style == "rowwise":
         return {**rule, "style": "rowwise_sequence"}
     if style == "colwise" and rule.get("gather_output"):
@@ -127,23 +157,27 @@ def _transform(pattern: str, rule: dict) -> dict:
                          f"rule {pattern!r}")
     if style == "colwise" and rule.get("reduce_input_grad", True):
         options = {k: v for k, v in rule.items() if k != "reduce_input_grad"}
-        return {**options, "style": "colwise_sequence"}
+        return {**options, "style": "colwise_sequence" + suffix}
+    if style == "colwise" and regather:  # fed by a region entry
+        return {**rule, "style": "colwise_regather"}
     if style in ("colwise", "attrs"):
         return rule
     raise ValueError(f"sequence parallelism has no variant of style {style!r} (plan rule "
                      f"{pattern!r})")
 
 
-def sequence_parallel_plan(plan, model: nn.Module):
+def sequence_parallel_plan(plan, model: nn.Module, regather: bool = False):
     """The sequence-parallel variant of a tensor-parallel ``plan`` for ``model`` (see the module
-    docstring). The attention must be head-parallel with a row-parallel output (``heads``)."""
+    docstring); ``regather``: the re-gathering one. The attention must be head-parallel with a
+    row-parallel output (``heads``)."""
     if plan.attention != "heads":
         raise ValueError(f"sequence_parallel=True needs attention='heads' (head-parallel with a "
                          f"row-parallel output projection); the plan has attention="
                          f"{plan.attention!r}, whose collectives have no sequence-parallel form")
     layers, final_norm = sequence_parallel_layout(model)
     inside = layers + "."
-    rules = {pattern: (_transform(pattern, rule) if pattern.startswith(inside) else rule)
+    rules = {pattern: (_transform(pattern, rule, regather) if pattern.startswith(inside)
+                       else rule)
              for pattern, rule in plan.rules.items()}
     parts = [p[len(inside):].split(".", 1) for p in plan.rules if p.startswith(inside)]
     targeted = {rest[1] for rest in parts if len(rest) == 2}  # names inside one layer
@@ -155,7 +189,8 @@ def sequence_parallel_plan(plan, model: nn.Module):
     rules[final_norm] = {"style": "sequence_gather"}
     return dataclasses.replace(plan, rules=rules,
                                reason=(plan.reason + "; " if plan.reason else "")
-                               + "sequence parallel")
+                               + ("sequence parallel (regather)" if regather
+                                  else "sequence parallel"))
 
 
 def check_partial_marked(model: nn.Module) -> None:

@@ -67,11 +67,16 @@ def _paired(rank: dict) -> list[tuple[list, list]] | None:
     return list(zip(rank["records"], rank["collectives"]))
 
 
-def sequence_parallel_of(model) -> bool:
-    """Whether ``model``'s plan is sequence-parallel (its layers keep a slice of the tokens)."""
+def sequence_parallel_of(model) -> bool | str:
+    """Whether ``model``'s plan is sequence-parallel (its layers keep a slice of the tokens):
+    ``"regather"`` for the re-gathering variant, else ``True`` or ``False``."""
+    from ..parallelize.sequence_parallel import REGATHER_STYLES
+
     plan = getattr(model, "parallel_plan", None)
-    return plan is not None and any(r.get("style") == "sequence_scatter"
-                                    for r in plan.rules.values())
+    styles = {r.get("style") for r in plan.rules.values()} if plan is not None else set()
+    if "sequence_scatter" not in styles:
+        return False
+    return "regather" if styles & set(REGATHER_STYLES) else True
 
 
 def recompute_of(model) -> str:
@@ -99,7 +104,8 @@ def beyond_minimum(model, ctx, rank: dict, latency: dict) -> list[dict]:
                                    plan.vocab, sequence_parallel=sp, recompute=recompute_of(model),
                                    partial_elements=partial_numel(model, ctx.tp_group))
     described = ", ".join([f"{plan.attention} attention", f"{plan.vocab} vocabulary"]
-                          + ["sequence parallel"] * sp
+                          + ["sequence parallel" + (" (regather)" if sp == "regather" else "")]
+                          * bool(sp)
                           + ["full recompute"] * (recompute_of(model) == "full"))
     calls: dict[str, int] = {}
     for kind, _, _, group, _ in rank["records"]:

@@ -133,8 +133,9 @@ def _assert_equal_training(reference, run):
     (2, 2, False, "heads", "tiny", "none"),
     (2, 2, True, "heads", "tiny", "none"),
     (2, 2, "regather", "heads", "llama-tiny", "none"),
-    (4, 4, True, "heads", "tiny", "none"),
-    (4, 2, True, "heads", "tiny", "none"),  # dp 2 × tp 2: the global batch's masks
+    pytest.param(4, 4, True, "heads", "tiny", "none", marks=pytest.mark.slow),
+    # dp 2 × tp 2: the global batch's masks
+    pytest.param(4, 2, True, "heads", "tiny", "none", marks=pytest.mark.slow),
     pytest.param(2, 2, False, "heads", "llama-tiny", "selective", marks=pytest.mark.slow),
     pytest.param(2, 2, True, "heads", "llama-tiny", "full", marks=pytest.mark.slow),
     pytest.param(4, 4, False, "heads_allgather", "tiny", "none", marks=pytest.mark.slow),
@@ -189,6 +190,7 @@ def _hf_gpt2(tp, attn_pdrop):
     return float(model(input_ids=ids, labels=ids).loss)
 
 
+@pytest.mark.slow
 def test_hugging_face_replicated_dropout_matches_when_attention_dropout_is_0(run_ranks):
     """Hugging Face models keep torch's dropout (docs/memory.md): in plain TP, with no dropout on
     the attention probabilities, every dropout sees a replicated tensor and draws what the

@@ -15,6 +15,7 @@ from ops_transformer.profiler.diagnose import CODES, diagnose
 from ops_transformer.profiler.shards import remap
 
 B, S = 2, 16
+SLOW = pytest.mark.slow
 
 
 # ---------------------------------------------------------------- planted modules
@@ -44,6 +45,25 @@ class LocalLayerNorm(MLP):
     def forward(self, x):
         h = self.w_in(x)
         return self.w_out(F.gelu(F.layer_norm(h, h.shape[-1:])))
+
+
+class LocalNormalize(MLP):
+    def forward(self, x):
+        return self.w_out(F.gelu(F.normalize(self.w_in(x), dim=-1)))
+
+
+class LocalNormDivision(MLP):
+    """The same as an explicit division by the norm, expanded first."""
+
+    def forward(self, x):
+        h = self.w_in(x)
+        return self.w_out(F.gelu(h / h.norm(2, -1, True).clamp_min(1e-6).expand_as(h)))
+
+
+class LocalMaxShift(MLP):
+    def forward(self, x):
+        h = self.w_in(x)
+        return self.w_out(F.gelu(h - h.max(dim=-1, keepdim=True).values))
 
 
 class LocalSoftmax(MLP):
@@ -94,6 +114,14 @@ def test_fused_norm_and_softmax_over_a_sharded_dimension(run_ranks):
     assert "(2, 16, 1)" in norm["message"]
     (soft,) = run_ranks(_findings, 2, 2, LocalSoftmax)[0]
     assert soft["message"].startswith("softmax over dim 2")
+    (unit,) = run_ranks(_findings, 2, 2, LocalNormalize)[0]
+    assert unit["message"].startswith("normalize over dim 2")
+
+
+@pytest.mark.parametrize("planted,op", [(LocalNormDivision, "div"), (LocalMaxShift, "sub")])
+def test_other_spellings_of_a_local_statistic(run_ranks, planted, op):
+    (d,) = run_ranks(_findings, 2, 2, planted)[0]
+    assert d["message"].startswith(op) and "(2, 16, 128)" in d["message"]
 
 
 def test_sequence_dimension_under_sequence_parallelism(run_ranks):
@@ -110,9 +138,11 @@ def test_silent_when_reduced_or_not_sharded(run_ranks):
 
 
 @pytest.mark.parametrize("name,sp,attention,tp", [
-    ("tiny", False, "auto", 2), ("tiny", True, "auto", 2), ("llama-tiny", False, "auto", 2),
-    ("llama-tiny", True, "auto", 2), ("tiny", False, "kv_split", 2),
-    ("tiny", False, "heads_allgather", 4), ("moe-tiny", False, "auto", 2)])
+    ("tiny", False, "auto", 2), ("tiny", True, "auto", 2), ("llama-tiny", True, "auto", 2),
+    pytest.param("llama-tiny", False, "auto", 2, marks=SLOW),
+    pytest.param("tiny", False, "kv_split", 2, marks=SLOW),
+    pytest.param("tiny", False, "heads_allgather", 4, marks=SLOW),
+    pytest.param("moe-tiny", False, "auto", 2, marks=SLOW)])
 def test_silent_on_the_reference_gpt(run_ranks, name, sp, attention, tp):
     assert run_ranks(_findings, tp, tp, None, sp, name, attention) == [[]] * tp
 
@@ -142,6 +172,7 @@ hf_zoo = pytest.importorskip("ops_transformer.parallelize.hf_zoo")
 # per-head q/k norms on a rank holding one KV head (qwen3), xIELU's size-1 parameters (apertus),
 # gathered q/k norms (olmo2), MLA (deepseek_v3), Conv1D (gpt2), an encoder (bert), MoE (mixtral)
 SAMPLE = ["llama", "qwen3", "apertus", "olmo2", "deepseek_v3", "gpt2", "bert", "mixtral"]
+QUICK = ["qwen3", "apertus", "gpt2"]  # the default suite; the others in the slow one
 
 
 def _zoo(model_type):
@@ -163,7 +194,8 @@ def _silent(run_ranks, model_type):
     assert run_ranks(_zoo, 2, model_type, timeout=900) == [[], []], model_type
 
 
-@pytest.mark.parametrize("model_type", SAMPLE)
+@pytest.mark.parametrize("model_type", [m if m in QUICK else pytest.param(m, marks=SLOW)
+                                        for m in SAMPLE])
 def test_silent_on_sampled_zoo_families(run_ranks, model_type):
     _silent(run_ranks, model_type)
 

@@ -48,7 +48,7 @@ def _step(config, sp, recompute="none", n_layers=2, activation_cache="none"):
 
 @pytest.mark.parametrize("config,tp", [("gpt2", 2), ("llama", 2),
                                        pytest.param("gpt2", 4, marks=pytest.mark.slow),
-                                       ("llama", 4)])
+                                       pytest.param("llama", 4, marks=pytest.mark.slow)])
 def test_regather_equals_plain_sequence_parallelism(run_ranks, config, tp):
     plain = run_ranks(_step, tp, config, True)
     regather = run_ranks(_step, tp, config, "regather")
@@ -83,6 +83,7 @@ def test_the_reference_layer_keeps_what_the_formula_says(run_ranks):
             recompute=recompute, bytes_per_element=4), recompute
 
 
+@pytest.mark.slow  # train's metrics check the same (test_train_sequence_parallel_regather)
 def test_the_cost_model_counts_the_re_gathers(run_ranks):
     for config in ("gpt2", "llama"):
         cfg = CONFIGS[config]
@@ -96,6 +97,7 @@ def test_the_cost_model_counts_the_re_gathers(run_ranks):
         assert measured == dict(expected), config
 
 
+@pytest.mark.slow
 def test_training_equals_dense(run_ranks):
     reference = run_ranks(train_sp, 1, "llama", "adamw", 1)[0]
     _assert_same_training(reference, run_ranks(train_sp, 2, "llama", "adamw", 2, "regather"))
@@ -110,12 +112,14 @@ def test_training_equals_dense_more_layouts(run_ranks, config, nprocs, tp, recom
                                                "regather", recompute))
 
 
+@pytest.mark.slow
 def test_full_recompute_runs_plain_sequence_parallelism(run_ranks):
     full = run_ranks(_step, 2, "gpt2", "regather", "full")[0]
     plain = run_ranks(_step, 2, "gpt2", True, "full")[0]
     assert full[7] == [] and full[3] == plain[3] and full[4] == plain[4]
 
 
+@pytest.mark.slow
 def test_int8_cache_keeps_the_share_quantised(run_ranks):
     r = run_ranks(_step, 2, "gpt2", "regather", "none", 2, "int8")[0]
     p = run_ranks(_step, 2, "gpt2", True, "none", 2, "int8")[0]
@@ -161,7 +165,8 @@ def _hf_step(family, sp):
     return float(out.loss), grads, ledger.summary()["all_gather"]["calls"]
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~5 s each alone
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_hugging_face_regather_equals_plain(run_ranks, family):
     plain = run_ranks(_hf_step, 2, family, True)[0]
     regather = run_ranks(_hf_step, 2, family, "regather")[0]

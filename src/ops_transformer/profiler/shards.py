@@ -48,7 +48,10 @@ ELEMENTWISE = {"add", "sub", "mul", "div", "true_divide", "subtract", "multiply"
 REDUCTIONS = {"sum", "mean", "var", "std", "norm", "amax", "amin", "max", "min", "logsumexp",
               "prod", "nansum", "nanmean", "vector_norm", "var_mean", "std_mean", "aminmax"}
 NORMS = {"layer_norm", "rms_norm"}
-SOFTMAXES = {"softmax", "log_softmax"}
+# where a reduction's dim and keepdim sit among its positional arguments (default: 1 and 2)
+REDUCTION_ARGS = {"norm": (2, 3), "vector_norm": (2, 3), "var": (1, 3), "std": (1, 3),
+                  "var_mean": (1, 3), "std_mean": (1, 3)}
+SOFTMAXES = {"softmax", "log_softmax", "normalize"}  # a statistic over ``dim``, in one call
 RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 CONTRACTIONS = {"linear", "matmul", "__matmul__", "mm", "bmm", "scaled_dot_product_attention"}
 STAT = "stat"  # the mark of a local statistic
@@ -161,7 +164,7 @@ class ShardTracker(TorchFunctionMode):
                                    and isinstance(args[1], torch.Tensor)):
             self._elementwise(name, [t for t in _tensors(list(args)) if t is not None], outputs)
         elif name in REDUCTIONS:
-            self._reduction(first, mark, args, kwargs, outputs)
+            self._reduction(name, first, mark, args, kwargs, outputs)
         elif mark == STAT:
             for o in outputs:
                 self.marks[o] = STAT
@@ -190,9 +193,10 @@ class ShardTracker(TorchFunctionMode):
         for o in outputs:
             self._set(o, mark if o.dim() == first.dim() else None)
 
-    def _reduction(self, first, mark, args, kwargs, outputs) -> None:
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    def _reduction(self, name, first, mark, args, kwargs, outputs) -> None:
+        at_dim, at_keep = REDUCTION_ARGS.get(name, (1, 2))
+        dim = kwargs.get("dim", args[at_dim] if len(args) > at_dim else None)
+        keepdim = kwargs.get("keepdim", args[at_keep] if len(args) > at_keep else False)
         if mark == STAT:
             new = STAT
         else:
@@ -210,8 +214,10 @@ class ShardTracker(TorchFunctionMode):
         for a, d in sharded:
             for b in stats:
                 at = d - (a.dim() - b.dim())
-                if a.shape[d] > 1 and (at < 0 or b.shape[at] == 1):
-                    self._found(name, tuple(a.shape), tuple(b.shape), d)
+                # size 1 (or no dimension) there, or expanded to it (stride 0): a broadcast
+                if a.shape[d] > 1 and (at < 0 or b.shape[at] == 1 or b.stride(at) == 0):
+                    shape = tuple(1 if stride == 0 else n for n, stride in zip(b.shape, b.stride()))
+                    self._found(name, tuple(a.shape), shape, d)  # (an expanded size shown as 1)
         for o in outputs:
             if sharded:
                 a, d = sharded[0]
@@ -225,8 +231,9 @@ class ShardTracker(TorchFunctionMode):
         if name in NORMS:  # over the last len(normalized_shape) dimensions
             shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else ())
             spans = mark >= ndim - (1 if isinstance(shape, int) else len(shape))
-        else:
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        else:  # softmax(x, dim), normalize(x, p=2, dim=1)
+            at = 2 if name == "normalize" else 1
+            dim = kwargs.get("dim", args[at] if len(args) > at else (1 if at == 2 else None))
             spans = dim is not None and dim % ndim == mark
         if spans and first.shape[mark] > 1:
             stat = tuple(1 if i == mark else n for i, n in enumerate(first.shape))

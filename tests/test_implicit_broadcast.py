@@ -217,3 +217,16 @@ def test_reshapes_carry_the_shard():
     assert remap((2, 10, 2, 16), 2, (2, 10, 32)) == 2  # merged back
     assert remap((2, 8, 64), 1, (16, 64)) == 0  # the token shard merged with the batch
     assert remap((2, 10, 32), 2, (2, 10, 32, 1)) == 2
+
+
+def test_the_diagnose_command_runs_the_extra_watched_step(capsys):
+    """diagnose calls the step once more for implicit_broadcast: the command must have a batch
+    for it (it ran out before); with re-gathering SP nothing is beyond the plan's minimum."""
+    import json
+
+    from ops_transformer.cli.main import main
+
+    assert main(["diagnose", "--nproc", "2", "--tp", "2", "--sequence-parallel", "regather",
+                 "--seq", "32", "--batch", "2", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["diagnostics"]
+    assert {d["code"] for d in found} <= {"exposed_comm", "load_imbalance"}

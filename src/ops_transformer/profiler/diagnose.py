@@ -44,9 +44,12 @@ from torch import nn
 from ..planner.hardware import CPU_GLOO, HardwareProfile
 from .broadcasts import broadcast_checks
 from .dims import dimension_checks
-from .steps import comm_checks
+from .steps import PROFILED_STEPS, comm_checks
 
 SEVERITIES = ("error", "warning", "info")
+# how many times diagnose() calls step_fn: once watched for implicit broadcasts, once watched for
+# collectives and syncs, then the profiled steps
+STEP_CALLS = 2 + PROFILED_STEPS
 CODES = ("not_divisible", "unaligned_dim", "implicit_broadcast", "host_sync", "redundant_collective",
          "small_collectives", "exposed_comm", "load_imbalance")
 

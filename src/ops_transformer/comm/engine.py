@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..planner.collective_algorithms import algorithm_times, choose_algorithm
 from ..planner.hardware import HardwareProfile
 
 _registry: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -197,8 +198,6 @@ class GroupAlgorithms:
         return choice
 
     def _decide(self, kind: str, elements: int, element_size: int) -> str:
-        from ..planner.collective_algorithms import choose_algorithm
-
         choice, _ = choose_algorithm(self.profile, kind, elements, self.per_node, self.nodes,
                                      element_size, islands=self.islands)
         if choice == "hierarchical" and self.intra is None:
@@ -221,8 +220,6 @@ def hierarchy_can_win(profile: HardwareProfile, per_node: int, nodes: int) -> bo
     """Whether hierarchical beats flat for some all-reduce, all-gather or reduce-scatter of up to
     1 GiB of fp32 on this profile (if not, its sub-groups need not exist). Both costs are linear
     in the size beyond the latencies, so the two ends decide."""
-    from ..planner.collective_algorithms import algorithm_times
-
     if nodes < 2 or per_node < 2:
         return False
     for kind in ("all_reduce", "all_gather", "reduce_scatter"):
@@ -237,8 +234,6 @@ def staging_can_win(profile: HardwareProfile, per_island: int, islands: int) -> 
     """Whether the staged form over PCIe islands beats flat for some all-reduce, all-gather or
     reduce-scatter of up to 1 GiB of fp32 on this profile (if not, its sub-groups need not
     exist): as for :func:`hierarchy_can_win`, the two ends decide."""
-    from ..planner.collective_algorithms import algorithm_times
-
     if islands < 2 or per_island < 2:
         return False
     for kind in ("all_reduce", "all_gather", "reduce_scatter"):

@@ -31,6 +31,7 @@ from ..comm import collectives as C
 from ..comm.engine import (GroupAlgorithms, NodeLayout, hierarchy_can_win, register,
                            staging_can_win)
 from ..comm.topology import detect_topology, ranks_per_island as topology_ranks_per_island
+from ..planner.calibrated import load_profile
 from ..planner.hardware import A100_NVLINK, CPU_GLOO, HardwareProfile
 
 log = logging.getLogger("ops_transformer")
@@ -49,8 +50,6 @@ def resolve_profile_source(profile, backend: str | None) -> HardwareProfile:
     if isinstance(profile, HardwareProfile):
         return profile
     if isinstance(profile, (str, os.PathLike)):
-        from ..planner.profile import load_profile
-
         return load_profile(Path(profile).expanduser())
     raise ValueError(f"profile must be a HardwareProfile, a path to a calibrated profile or None, "
                      f"got {type(profile).__name__}")

@@ -73,7 +73,8 @@ def apply_dropout(model: nn.Module, ctx, *, attention: str, sequence_parallel: b
     for block in model.layers:
         block.drop = ParallelDropout.from_dense(block.drop, residual)
         sites += 1
-        if type(block.attn) is Attention:  # kv_split's layer draws its rows' mask itself
+        # the reference attention, or a region of it; kv_split's layer draws its rows' mask itself
+        if isinstance(block.attn, Attention):
             block.attn.core = _core_with_dropout(block.attn, heads)
             block.attn.dropout_layout = heads
             sites += 1

@@ -39,6 +39,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm.ledger import CommLedger
+from ..layers.linear import ColumnParallelLinear
+from ..layers.sequence_parallel import SequenceParallelRowLinear
 
 ELEMENTWISE = {"add", "sub", "mul", "div", "true_divide", "subtract", "multiply", "divide", "pow",
                "where", "maximum", "minimum", "fmax", "fmin", "addcmul", "addcdiv", "lerp",
@@ -110,9 +112,6 @@ class ShardTracker(TorchFunctionMode):
 
     # -- set-up: where the shards come from, which module runs, collectives seen
     def __enter__(self):
-        from ..layers.linear import ColumnParallelLinear
-        from ..layers.sequence_parallel import SequenceParallelRowLinear
-
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_pre_hook(
                 lambda m, a, name=name or type(module).__name__: self._stack.append(name)))

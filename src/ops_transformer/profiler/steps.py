@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..comm.ledger import CommLedger
-from ..memory.layers import transformer_layers
-from ..memory.options import partial_numel
+from ..memory.apply import transformer_layers
+from ..memory.train_flags import partial_numel
 from ..memory.recompute import checkpointed
+from ..parallelize.sequence_plan import REGATHER_STYLES
 from ..planner.strategies import model_comm_per_step
 from .profile import gather_objects, profile_step, world_group
 from .watch import BACKWARD, OUTSIDE, StepWatch
@@ -70,8 +71,6 @@ def _paired(rank: dict) -> list[tuple[list, list]] | None:
 def sequence_parallel_of(model) -> bool | str:
     """Whether ``model``'s plan is sequence-parallel (its layers keep a slice of the tokens):
     ``"regather"`` for the re-gathering variant, else ``True`` or ``False``."""
-    from ..parallelize.sequence_parallel import REGATHER_STYLES
-
     plan = getattr(model, "parallel_plan", None)
     styles = {r.get("style") for r in plan.rules.values()} if plan is not None else set()
     if "sequence_scatter" not in styles:
@@ -88,7 +87,9 @@ def recompute_of(model) -> str:
     except ValueError:
         return "none"
     replay = checkpointed(len).__code__  # every function checkpointed() wraps runs this code
-    wrapped = [getattr(getattr(b, "forward", None), "__code__", None) is replay for b in layers]
+    # a layer that is a region (layers/regions.py) checkpoints its own forward inside it
+    wrapped = [any(getattr(getattr(b, name, None), "__code__", None) is replay
+                   for name in ("forward", "own_forward")) for b in layers]
     return "full" if wrapped and all(wrapped) else "none"
 
 

@@ -66,8 +66,8 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
                      f"{', '.join(SUPPORTED)} (or pass plan= a Plan / dict)")
 
 
-def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | None = None,
-                **option_kwargs) -> nn.Module:
+def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | None = None, *,
+                materialize=None, **option_kwargs) -> nn.Module:
     """Apply tensor (and expert) parallelism over ``ctx`` to ``model`` by a plan, with the
     gradient reductions data parallelism needs, in place; return the model.
 
@@ -82,8 +82,12 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     arguments named like its fields build it or change it. Hugging Face models return what the
     unsharded model returns (full logits, so ``generate`` works), unless ``loss_parallel``.
     What was applied is ``model.parallel_state`` (plan, options, gradient reducers);
-    ``model.parallel_plan`` is its plan. Dropout in the reference GPT draws, on every rank, the
-    mask of the model ``parallelize`` makes at ``tp = 1`` for its part (:mod:`.dropout`).
+    ``model.parallel_plan`` is its plan. ``materialize(model)``, if given, runs once the plan is
+    applied and before anything holds on to the parameters (the gradient reducers, the memory
+    options): a model built on the ``meta`` device gets its tensors there —
+    :func:`~ops_transformer.from_pretrained` reads each rank's shards at this point. Dropout in
+    the reference GPT draws, on every rank, the mask of the model ``parallelize`` makes at
+    ``tp = 1`` for its part (:mod:`.dropout`).
     """
     if getattr(getattr(model, "parallel_state", None), "plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_state is set)")
@@ -102,6 +106,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     elif ctx.ep_size > 1:  # experts only
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items() if r["style"] == "moe"}),
                    ctx)
+    if materialize is not None:
+        materialize(model)
     model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options))
     model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
     apply_dropout(model, ctx, attention=resolved.attention,  # before recompute wraps the core

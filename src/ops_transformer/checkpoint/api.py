@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import __version__
 from ..comm import collectives as C
@@ -27,6 +28,7 @@ from .contents import (MODEL, OPTIM, RNG, ModelTensors, check_picklable, commit_
                        describe_model, model_entries, model_targets, unclaimed)
 from .errors import CheckpointError
 from .optim import adapter_for
+from .reader import SafeReader, rank_failures
 from .rng import rng_state, set_rng_state
 
 
@@ -154,6 +156,20 @@ def _manifest(tmp: Path, model, tensors: ModelTensors, optimizer, ctx, step, ext
     }
 
 
+def read_failure(path: Path, exc: BaseException) -> CheckpointError:
+    """The one-line error of a DCP read that failed: the first rank's :class:`CheckpointError`
+    (it names the file), else the first failure's type and first line."""
+    failures = rank_failures(exc) or [(None, exc)]
+    for _, failure in failures:
+        if isinstance(failure, CheckpointError):
+            return failure
+    rank, first = failures[0]
+    where = f" on rank {rank}" if rank is not None else ""
+    text = str(first).splitlines()[0] if str(first) else ""
+    return CheckpointError(f"checkpoint {path} could not be read{where}: "
+                           f"{type(first).__name__}: {text}")
+
+
 def verify(path: Path, manifest: dict, ctx=None) -> None:
     """Check every file of the checkpoint at ``path`` against its manifest, the ranks of ``ctx``
     sharing the work; a :class:`CheckpointError` naming the first bad file on every rank."""
@@ -188,7 +204,7 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
     path = store.resolve(root, step)
     manifest = store.read_manifest(path)
     verify(path, manifest, ctx)
-    reader = dcp.FileSystemReader(path)
+    reader = SafeReader(path)  # no pickle of the checkpoint may run code (reader.py)
     saved = reader.read_metadata().state_dict_metadata
     tensors, adapter, targets, error = ModelTensors(model), None, {}, None
     try:
@@ -218,8 +234,8 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
                           f"current state", stacklevel=2)
     try:
         run_dcp(dcp.load, targets, _world(ctx), storage_reader=reader, planner=LoadPlanner())
-    except Exception as exc:  # verified files that still do not load: report, load nothing
-        raise CheckpointError(f"checkpoint {path} could not be read: {exc}") from exc
+    except (Exception, CheckpointException) as exc:  # verified files that still do not
+        raise read_failure(path, exc) from None                # load: report, load nothing
     if adapter is not None:
         adapter.commit(optimizer, tensors, {k[len(OPTIM):]: v for k, v in targets.items()
                                             if k.startswith(OPTIM)}, ctx)

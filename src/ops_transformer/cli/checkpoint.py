@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..checkpoint import export as ex
 from ..checkpoint import store
+from ..checkpoint.reader import UnsafeCheckpointError
 from ..utils.progress import format_table
 from ._common import check_out_dir, check_out_file, print_json, refuse_torchrun
 
@@ -81,6 +82,7 @@ def _inspect(args) -> int:
     info = ex.describe_root(Path(args.dir), check=not args.no_verify)
     if args.json:
         print_json(info)
+        _refuse_unsafe(info)
         return 0
     if not info["checkpoints"]:
         print(f"{info['root']}: no checkpoint")
@@ -88,8 +90,18 @@ def _inspect(args) -> int:
         print(format_table(_rows(info)))
     for name in info["incomplete"]:
         print(f"incomplete (a save in progress or interrupted; ignored): {name}")
+    _refuse_unsafe(info)
     bad = [c for c in info["checkpoints"] if c["status"] not in ("ok", "not verified")]
     return 1 if bad else 0
+
+
+def _refuse_unsafe(info: dict) -> None:
+    """A checkpoint whose pickles ask for more than checkpoints hold is an error (exit 2), after
+    the table: it is crafted, not damaged."""
+    unsafe = [c for c in info["checkpoints"] if c.get("unsafe")]
+    if unsafe:
+        more = f" ({len(unsafe) - 1} more)" if len(unsafe) > 1 else ""
+        raise UnsafeCheckpointError(unsafe[0]["status"] + more)
 
 
 def _export(args) -> int:

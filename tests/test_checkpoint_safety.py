@@ -16,7 +16,7 @@ import pickle
 import pytest
 
 import ops_transformer as ot
-from ops_transformer.checkpoint import api, store
+from ops_transformer.checkpoint import store, writer
 from ops_transformer.checkpoint.reader import UnsafeCheckpointError
 from ops_transformer.cli.main import main
 from ops_transformer.train import TrainConfig, setup_training
@@ -64,7 +64,7 @@ def crafted(request, tmp_path, capsys, monkeypatch):
     state = setup_training(cfg, ctx)
     info = ot.load_checkpoint(root, state.model, state.opt, ctx)
     # saving refuses such a value (it would not load with weights_only=True): skip that check
-    monkeypatch.setattr(api, "check_picklable", lambda value, what: None)
+    monkeypatch.setattr(writer, "check_picklable", lambda value, what: None)
     ot.save_checkpoint(root, state.model, state.opt, ctx, 2,
                        extra={**info["extra"], "payload": Payload(marker)})
     return root, marker, "__0_0.distcp", cfg

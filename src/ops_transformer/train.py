@@ -67,6 +67,7 @@ class TrainConfig:
     resume: bool = False  # continue from the latest checkpoint in ckpt_dir, if there is one
     max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
     keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
+    on_save_error: str = "stop"  # a failed save (full disk): "stop" the run, or "continue" it
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -232,7 +233,8 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
             moe_history.append(_moe_report(report.metrics))
         if cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every):
             ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
-                      keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history})
+                      keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
+                      on_error=cfg.on_save_error)
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
                                        "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"},
                    **_precision_stats(report, scaler),
@@ -331,7 +333,10 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "plan": model.parallel_plan.to_dict(), **(extra or {}),
     }
     if cfg.out:
-        write_outputs(Path(cfg.out), metrics)
+        try:
+            write_outputs(Path(cfg.out), metrics)
+        except OSError as exc:  # e.g. a full disk: the metrics still go back to the caller
+            metrics["outputs_not_written"] = f"{cfg.out}: {exc.strerror or exc}"
     return metrics
 
 
@@ -341,9 +346,15 @@ def _dense_param_count(model_cfg: GPTConfig) -> int:
 
 
 def write_outputs(out: Path, metrics: dict) -> None:
-    """``metrics.json`` and ``loss.png`` in ``out``."""
+    """``metrics.json`` and ``loss.png`` in ``out``; an ``OSError`` (a full disk) leaves no
+    truncated ``metrics.json``."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    partial = out / ".metrics.json.tmp"
+    try:
+        partial.write_text(json.dumps(metrics, indent=2) + "\n")
+        partial.replace(out / "metrics.json")
+    finally:
+        partial.unlink(missing_ok=True)
     write_line_plot_png(out / "loss.png", {f"tp={metrics['tp']} dp={metrics['dp']}":
                                            metrics["losses"]},
                         title=f"{metrics['preset']} training loss")

@@ -4,7 +4,8 @@ reshardable to another layout. See ``docs/checkpoints.md``."""
 from ..layers.moe import ParallelExperts
 from ..memory.zero import ZeroOptimizer
 from ..parallelize.hf_experts import HFExperts
-from .api import load_checkpoint, save_checkpoint, verify
+from .api import load_checkpoint, verify
+from .writer import save_checkpoint
 from .contents import ModelTensors, register_module_entries
 from .experts import expert_entries, hf_expert_entries
 from .errors import CheckpointError

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import warnings
 
-from .api import load_checkpoint, save_checkpoint
+from .api import load_checkpoint
+from .errors import CheckpointError
+from .writer import save_checkpoint
 from .store import latest_step
 
 
@@ -22,6 +24,9 @@ def check_options(cfg) -> None:
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got "
                              f"{getattr(cfg, name)}")
+    if getattr(cfg, "on_save_error", "stop") not in ON_SAVE_ERROR:
+        raise ValueError(f"--on-save-error must be one of {', '.join(ON_SAVE_ERROR)}, got "
+                         f"{cfg.on_save_error!r}")
     if cfg.keep_checkpoints < 1:
         raise ValueError(f"--keep-checkpoints must be at least 1, got {cfg.keep_checkpoints}")
     if not cfg.ckpt_dir:
@@ -56,8 +61,22 @@ def resume(ckpt_dir, model, optimizer, ctx, data_position: dict, **objects) -> t
     return info["step"], extra
 
 
+ON_SAVE_ERROR = ("stop", "continue")
+
+
 def save(ckpt_dir, model, optimizer, ctx, step: int, data_position: dict, *, keep: int | None,
-         extra: dict | None = None, **objects):
-    """A checkpoint of ``step`` whose ``extra`` records the data position."""
-    return save_checkpoint(ckpt_dir, model, optimizer, ctx, step, keep=keep,
-                           extra={**(extra or {}), "data_position": data_position}, **objects)
+         extra: dict | None = None, on_error: str = "stop", **objects):
+    """A checkpoint of ``step`` whose ``extra`` records the data position. A save that fails (a
+    full disk: :class:`~.errors.NoSpaceError`) raises on every rank, or with
+    ``on_error="continue"`` (``train --on-save-error continue``) is a warning and returns
+    ``None``: training goes on, the next save tries again."""
+    try:
+        return save_checkpoint(ckpt_dir, model, optimizer, ctx, step, keep=keep,
+                               extra={**(extra or {}), "data_position": data_position},
+                               **objects)
+    except CheckpointError as exc:  # the same on every rank: they all go on, or all stop
+        if on_error != "continue":
+            raise
+        if ctx.rank == 0:
+            warnings.warn(f"{exc}; training goes on (--on-save-error continue)", stacklevel=2)
+        return None

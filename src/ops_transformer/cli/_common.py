@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
@@ -56,6 +57,28 @@ def quiet_unless_lead():
         return
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         yield
+
+
+@contextlib.contextmanager
+def one_line_warnings(command: str):
+    """While the block runs, a Python warning prints as ``ops-transformer CMD: warning: MESSAGE``
+    (one line, no source path), once per message, and only from the lead process or rank 0: local
+    ranks forked by ``launch`` inherit this, so a warning every rank raises appears once."""
+    seen: set[str] = set()
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = " ".join(str(message).split())
+        if text in seen or not is_lead():
+            return
+        seen.add(text)
+        print(f"ops-transformer {command}: warning: {text}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 def refuse_torchrun(command: str, why: str) -> None:

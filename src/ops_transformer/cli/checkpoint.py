@@ -41,11 +41,15 @@ def add_checkpoint_arguments(p) -> None:
                    "after a failure this many times (torchrun: use its own --max-restarts)")
     p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept "
                    "(default 3)")
+    p.add_argument("--on-save-error", choices=("stop", "continue"), default="stop",
+                   help="when a checkpoint cannot be saved (a full disk): stop the run (default), "
+                   "or warn and go on training (the next save tries again)")
 
 
 def checkpoint_settings(args) -> dict:
     """The ``TrainConfig`` fields of the checkpoint flags (absent flags: the defaults)."""
-    names = ("ckpt_dir", "save_every", "resume", "max_restarts", "keep_checkpoints")
+    names = ("ckpt_dir", "save_every", "resume", "max_restarts", "keep_checkpoints",
+             "on_save_error")
     return {n: getattr(args, n) for n in names if hasattr(args, n)}
 
 

@@ -8,12 +8,13 @@ writes to stdout, so a result (and a ``--json`` document) appears once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from .. import __version__
 from . import calibrate, checkpoint, demo, embed, generate, plan, train
 from . import bench, diagnose, memory, profile, sweep
-from ._common import error_line, quiet_unless_lead
+from ._common import error_line, one_line_warnings, quiet_unless_lead
 
 COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,
             "calibrate": calibrate, "profile": profile, "diagnose": diagnose, "sweep": sweep,
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with quiet_unless_lead():
+        with quiet_unless_lead(), (contextlib.nullcontext() if args.debug
+                                   else one_line_warnings(args.command)):
             return COMMANDS[args.command].run(args) or 0
     except ValueError as exc:
         if args.debug:

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ..models.gpt import PRESETS
+from ..models.gpt import GPT, PRESETS
+from ..checkpoint.space import check_free
 from ..checkpoint import launch_with_restarts
 from ..parallel import launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
@@ -20,7 +22,7 @@ from ..memory.layers import ACTIVATION_CACHES
 from ..memory.options import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..utils.progress import format_table
-from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
+from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json, status,
                       under_torchrun, world_size)
 from ._profile import command_profile
 from .checkpoint import add_checkpoint_arguments, checkpoint_settings
@@ -135,6 +137,16 @@ def run_training(cfg: TrainConfig, nproc: int | None,
         check_out_dir(cfg.out)
     if cfg.ckpt_dir:
         check_out_dir(cfg.ckpt_dir, "--ckpt-dir")
+        goes_on = cfg.on_save_error == "continue"
+        try:
+            check_free(cfg.ckpt_dir, checkpoint_bytes(cfg), f"saving the first checkpoint of "
+                       f"this run to --ckpt-dir {cfg.ckpt_dir}",
+                       "; training anyway (--on-save-error continue)" if goes_on else
+                       "; nothing was run")
+        except ValueError as exc:
+            if not goes_on:
+                raise
+            status(f"ops-transformer train: warning: {exc}")
     extra = {} if profile is None else {"profile": profile}  # none: the built-in profile
     if nproc is not None:
         return launch_with_restarts(worker, nproc, cfg, *args, max_restarts=cfg.max_restarts,
@@ -150,6 +162,18 @@ def run_training(cfg: TrainConfig, nproc: int | None,
         return worker(cfg, *args, **extra)
     finally:
         torch.set_num_threads(threads)
+
+
+def checkpoint_bytes(cfg: TrainConfig) -> int:
+    """About the size of one checkpoint of ``cfg``: fp32 weights and AdamW's two states."""
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(cfg.model_config()).parameters())
+    return 3 * 4 * params + (1 << 20)
+
+
+def output_bytes(cfg: TrainConfig) -> int:
+    """About what ``train`` writes to ``--out``: ``metrics.json`` (the losses) and ``loss.png``."""
+    return (256 << 10) + 64 * cfg.steps
 
 
 def launch_size(args, cfg: TrainConfig) -> int | None:
@@ -195,13 +219,23 @@ def _precision_line(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
+    check_free(cfg.out, output_bytes(cfg), f"writing --out {cfg.out} (metrics.json, loss.png)",
+               "; nothing was run")
     metrics = run_training(cfg, launch_size(args, cfg), launch_timeout(args))
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:
         print_json(metrics)
-        return 0
-    print(summary(metrics))
-    print(f"\nsample: {metrics['sample']!r}")
-    print(f"\nwrote {Path(cfg.out) / 'metrics.json'} and {Path(cfg.out) / 'loss.png'}")
+    else:
+        print(summary(metrics))
+        print(f"\nsample: {metrics['sample']!r}")
+    lost = metrics.get("outputs_not_written")
+    if lost:  # the run is done; its results are what was printed
+        print(f"ops-transformer train: error: metrics.json and loss.png could not be written to "
+              f"{lost}; the metrics are printed above" + ("" if args.json else
+                                                          " (--json prints all of them)"),
+              file=sys.stderr)
+        return 1
+    if not args.json:
+        print(f"\nwrote {Path(cfg.out) / 'metrics.json'} and {Path(cfg.out) / 'loss.png'}")
     return 0

@@ -64,7 +64,8 @@ class TrainConfig:
     zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
     ckpt_dir: str | None = None  # sharded checkpoints (docs/checkpoints.md)
     save_every: int = 0  # checkpoint every N steps (0: only after the last step)
-    resume: bool = False  # continue from the latest checkpoint in ckpt_dir, if there is one
+    resume: bool | str = False  # continue from the newest good checkpoint in ckpt_dir, if any
+    #                             ("strict": from the latest one, or fail)
     max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
     keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
     on_save_error: str = "stop"  # a failed save (full disk): "stop" the run, or "continue" it
@@ -208,7 +209,8 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
     model, opt, scaler, model_cfg = state.model, state.opt, state.scaler, state.model.cfg
     lead = ctx.rank == 0
     position = data_position(cfg)
-    first, saved = (ckpt.resume(cfg.ckpt_dir, model, opt, ctx, position, scaler=scaler)
+    first, saved = (ckpt.resume(cfg.ckpt_dir, model, opt, ctx, position, steps=cfg.steps,
+                                strict=cfg.resume == "strict", scaler=scaler)
                     if cfg.resume else (0, {}))
     losses, moe_history = list(saved.get("losses", [])), list(saved.get("moe", []))
     step_times, last, report = [], None, None

@@ -23,7 +23,7 @@ from ..comm import collectives as C
 from . import store
 from .chunked import LoadPlanner
 from .contents import OPTIM, RNG, ModelTensors, commit_model, model_targets, unclaimed
-from .errors import CheckpointError
+from .errors import CheckpointError, DamagedCheckpointError
 from .optim import adapter_for
 from .reader import SafeReader, rank_failures
 from .rng import set_rng_state
@@ -79,7 +79,7 @@ def read_failure(path: Path, exc: BaseException) -> CheckpointError:
     rank, first = failures[0]
     where = f" on rank {rank}" if rank is not None else ""
     text = str(first).splitlines()[0] if str(first) else ""
-    return CheckpointError(f"checkpoint {path} could not be read{where}: "
+    return DamagedCheckpointError(f"checkpoint {path} could not be read{where}: "
                            f"{type(first).__name__}: {text}")
 
 
@@ -97,7 +97,7 @@ def verify(path: Path, manifest: dict, ctx=None) -> None:
     if bad:
         first, code = bad[0]
         more = f"; {len(bad) - 1} more: {[b[0] for b in bad[1:4]]}" if len(bad) > 1 else ""
-        raise CheckpointError(f"checkpoint {path}: file {first!r} is {store.PROBLEMS[code]}"
+        raise DamagedCheckpointError(f"checkpoint {path}: file {first!r} is {store.PROBLEMS[code]}"
                               f"{more}; nothing was loaded")
 
 

@@ -14,3 +14,9 @@ class NoSpaceError(CheckpointError):
     """The file system of a checkpoint (or of an output) has too little space for what would be
     written: found before writing, or when a write failed. The message names the device, the step
     and the size needed."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files are missing, truncated, corrupted or unreadable (its manifest, a shard,
+    DCP's metadata): that checkpoint is lost, an older one may not be (``train --resume`` falls
+    back to the newest that verifies)."""

@@ -33,7 +33,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-from .errors import CheckpointError
+from .errors import CheckpointError, DamagedCheckpointError
 
 _DCP = "torch.distributed.checkpoint"
 METADATA_TYPES = frozenset({
@@ -79,13 +79,13 @@ def read_metadata(path: Path) -> Metadata:
         if re.fullmatch(r"[\w.]+\.[\w]+", str(exc)):
             raise refused(path, f"'.metadata' asks to load {exc}, which DCP metadata never "
                                 f"holds") from None
-        raise CheckpointError(f"checkpoint {path}: file '.metadata' is not DCP metadata "
+        raise DamagedCheckpointError(f"checkpoint {path}: file '.metadata' is not DCP metadata "
                               f"({exc})") from None
     except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
-        raise CheckpointError(f"checkpoint {path}: file '.metadata' is unreadable "
+        raise DamagedCheckpointError(f"checkpoint {path}: file '.metadata' is unreadable "
                               f"({type(exc).__name__}: {exc})") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise CheckpointError(f"checkpoint {path}: file '.metadata' is not DCP metadata (it "
+        raise DamagedCheckpointError(f"checkpoint {path}: file '.metadata' is not DCP metadata (it "
                               f"holds a {type(metadata).__name__})")
     return metadata
 
@@ -133,7 +133,7 @@ class SafeReader(FileSystemReader):
                                                   f"for more than tensors and plain data "
                                                   f"({problem})") from None
                 first = str(exc).splitlines()[0] if str(exc) else ""
-                raise CheckpointError(f"checkpoint {self.directory}: file {name!r} could not be "
+                raise DamagedCheckpointError(f"checkpoint {self.directory}: file {name!r} could not be "
                                       f"read ({type(exc).__name__}: {first})") from None
         return _done()
 
@@ -166,7 +166,7 @@ def check_pickled_values(path: Path, metadata: Metadata) -> int:
                 raise refused(path, f"{info.relative_path!r} holds a pickled value "
                                     f"({index.fqn!r}) that asks for more than tensors and plain "
                                     f"data ({problem})") from None
-            raise CheckpointError(f"checkpoint {path}: value {index.fqn!r} in file "
+            raise DamagedCheckpointError(f"checkpoint {path}: value {index.fqn!r} in file "
                                   f"{info.relative_path!r} is unreadable "
                                   f"({type(exc).__name__})") from None
         checked += 1

@@ -35,8 +35,11 @@ def add_checkpoint_arguments(p) -> None:
     p.add_argument("--ckpt-dir", help="write sharded checkpoints here (docs/checkpoints.md)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps "
                    "(default 0: only after the last step)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in "
-                   "--ckpt-dir if there is one (the same command starts and restarts a job)")
+    p.add_argument("--resume", nargs="?", const=True, default=False, choices=(True, "strict"),
+                   metavar="strict", help="continue from the latest checkpoint in --ckpt-dir if "
+                   "there is one (the same command starts and restarts a job); a damaged latest "
+                   "one is skipped with a warning for the newest that verifies, unless "
+                   "'--resume strict'")
     p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: restart all ranks "
                    "after a failure this many times (torchrun: use its own --max-restarts)")
     p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept "

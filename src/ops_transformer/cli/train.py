@@ -13,6 +13,7 @@ import torch
 from ..models.gpt import GPT, PRESETS
 from ..checkpoint.space import check_free
 from ..checkpoint import launch_with_restarts
+from ..checkpoint.training import check_resume
 from ..parallel import launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallel.rank_process import set_rank_threads
@@ -132,6 +133,7 @@ def run_training(cfg: TrainConfig, nproc: int | None,
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     validate(cfg, world_size() if nproc is None else nproc)
+    check_resume(cfg)
     profile = command_profile("--attention auto" if cfg.attention == "auto" else None)
     if cfg.out:
         check_out_dir(cfg.out)

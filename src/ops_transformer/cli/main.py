@@ -1,7 +1,8 @@
 """``ops-transformer <command>``: argument parsing and uniform error handling.
 
 A user error (``ValueError``, also when raised on a rank) prints one clear line and exits with code
-2; ``--debug`` shows its traceback instead. Nothing else is caught. Under ``torchrun`` only rank 0
+2; a rank that died or failed otherwise prints its cause in one line (exit 1; a timeout adds the
+ranks' stacks); ``--debug`` shows the traceback instead. Nothing else is caught. Under ``torchrun`` only rank 0
 writes to stdout, so a result (and a ``--json`` document) appears once.
 """
 
@@ -14,6 +15,7 @@ import sys
 from .. import __version__
 from . import calibrate, checkpoint, demo, embed, generate, plan, train
 from . import bench, diagnose, memory, profile, sweep
+from ..parallel.launch import RankError
 from ._common import error_line, one_line_warnings, quiet_unless_lead
 
 COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,
@@ -54,9 +56,26 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(error_line(args.command, exc), file=sys.stderr)
         return 2
+    except RankError as exc:  # a rank died or failed: its cause, not the launcher's traceback
+        if args.debug:
+            raise
+        print(rank_failure(args.command, exc), file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def rank_failure(command: str, exc: BaseException) -> str:
+    """A failed rank in one line — ``[rank 1/2] rank 1 exited with code -9 (killed by signal 9,
+    SIGKILL) …`` and which ranks failed after it; a timeout keeps the ranks' stacks below it."""
+    text = str(exc)
+    first, _, stacks = text.partition("\n--- rank ")
+    notes = " ".join(getattr(exc, "__notes__", []))
+    line = error_line(command, Exception(first + (f" ({notes})" if notes else "")))
+    if stacks:
+        return f"{line}\n--- rank {stacks}"
+    return line + (" (--debug shows its traceback)" if getattr(exc, "remote_traceback", "") else "")
 
 
 if __name__ == "__main__":

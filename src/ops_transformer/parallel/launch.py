@@ -2,7 +2,9 @@
 
 ``launch(fn, nprocs, *args, **kwargs)`` starts ``nprocs`` processes with the ``torchrun`` environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)
-already set, so the same ``fn`` runs unchanged under ``torchrun``. Each rank runs with one intra-op
+already set, so the same ``fn`` runs unchanged under ``torchrun``. Like torchrun's agent, the
+launcher serves the rendezvous store itself (``TORCHELASTIC_USE_AGENT_STORE=True``): its port is
+bound before any rank starts, so no other job can take it in between. Each rank runs with one intra-op
 thread. Processes are forked when that is safe (Linux, CUDA not initialised in the parent: ~0.1 s a
 start) and spawned otherwise (every child then imports torch, 3–10 s).
 
@@ -30,7 +32,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
@@ -54,10 +55,18 @@ class RemoteTraceback(Exception):
         return "\n" + self.args[0]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _host_store(timeout: float):
+    """The job's rendezvous store, served by the launcher on a port the system picks and that
+    stays bound for the whole job (a port found free, closed and bound later by rank 0 could be
+    taken by another job in between). The ranks connect to it as clients, as torchrun's workers
+    do to the agent's store (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    import torch.distributed as dist
+
+    from datetime import timedelta
+
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    return store, store.port
 
 
 def _fork_is_safe() -> bool:
@@ -128,7 +137,7 @@ def launch(fn, nprocs: int, *args, timeout: float = DEFAULT_LAUNCH_TIMEOUT,
     if method not in ("fork", "spawn", "forkserver"):
         raise ValueError(f"start_method must be 'fork', 'spawn' or 'forkserver', got {method!r}")
     mp_ctx = mp.get_context(method)
-    port = _free_port()
+    store, port = _host_store(timeout)  # kept alive (and bound) until the ranks are reaped
     parent_pid = None if method == "forkserver" else os.getpid()
     procs, conns, stacks = [], [], []
     with _stop_on_signals():
@@ -150,6 +159,7 @@ def launch(fn, nprocs: int, *args, timeout: float = DEFAULT_LAUNCH_TIMEOUT,
             _reap(procs)
             for c in conns + stacks:
                 c.close()
+            del store
 
 
 class _Stopped(BaseException):

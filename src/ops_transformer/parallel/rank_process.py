@@ -75,7 +75,7 @@ def rank_main(rank, nprocs, port, parent_pid, conn, stack_conn, fn, args, kwargs
         del os.environ[key]  # an enclosing torchrun's agent store serves no one here
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")  # launch's
     set_rank_threads()  # before any compute: a fork after a threaded matmul can hang
     if hasattr(signal, "SIGUSR1"):
         import faulthandler

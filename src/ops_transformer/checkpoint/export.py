@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -94,7 +95,19 @@ def export_safetensors(state: dict[str, torch.Tensor], manifest: dict, out: Path
     meta = {"format": "pt", "step": str(manifest["step"]),
             "model": json.dumps({k: v for k, v in manifest["model"].items() if k != "tensors"})}
     save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata=meta)
+    default_modes([out])
     return out
+
+
+def default_modes(paths) -> None:
+    """Give the files ``paths`` (and the files under directories among them) the mode a new file
+    gets here (``0o666`` less the umask): ``safetensors`` creates its files ``0o600``, unreadable
+    to the group that shares the model."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in map(Path, paths):
+        for file in ([path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]):
+            os.chmod(file, 0o666 & ~umask)
 
 
 def export_huggingface(state: dict[str, torch.Tensor], manifest: dict, out: Path) -> Path:
@@ -107,4 +120,5 @@ def export_huggingface(state: dict[str, torch.Tensor], manifest: dict, out: Path
     aliases = {alias: state[name] for alias, name in info.get("aliases", {}).items()}
     model.load_state_dict({**state, **aliases}, strict=True)
     model.save_pretrained(out)
+    default_modes([out])
     return out

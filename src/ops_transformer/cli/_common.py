@@ -123,6 +123,29 @@ def check_out_file(path: str | os.PathLike, flag: str = "--out") -> Path:
     return out
 
 
+def missing_dirs(path: str | os.PathLike | None) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first: what
+    :func:`check_out_dir` will create, for :func:`remove_if_empty`."""
+    if not path:
+        return []
+    missing = []
+    for p in [Path(path), *Path(path).parents]:
+        if p.exists():
+            break
+        missing.append(p)
+    return missing
+
+
+def remove_if_empty(dirs: list[Path]) -> None:
+    """Remove the directories of :func:`missing_dirs` that are still empty (a run that failed
+    before writing leaves no empty ``runs/train-…`` behind), deepest first."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            break  # not empty (or gone): keep it and its parents
+
+
 def _check_writable(directory: Path, flag: str, path) -> None:
     try:
         with tempfile.TemporaryFile(dir=directory):

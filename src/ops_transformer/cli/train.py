@@ -23,8 +23,8 @@ from ..memory.layers import ACTIVATION_CACHES
 from ..memory.options import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..utils.progress import format_table
-from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json, status,
-                      under_torchrun, world_size)
+from ._common import (add_launch_timeout, check_out_dir, launch_timeout, missing_dirs,
+                      print_json, remove_if_empty, status, under_torchrun, world_size)
 from ._profile import command_profile
 from .checkpoint import add_checkpoint_arguments, checkpoint_settings
 
@@ -135,6 +135,17 @@ def run_training(cfg: TrainConfig, nproc: int | None,
     validate(cfg, world_size() if nproc is None else nproc)
     check_resume(cfg)
     profile = command_profile("--attention auto" if cfg.attention == "auto" else None)
+    created = [missing_dirs(cfg.out), missing_dirs(cfg.ckpt_dir)]
+    try:
+        return _checked_run(cfg, nproc, timeout, worker, args, profile)
+    except BaseException:
+        for dirs in created:  # a run that failed before writing leaves no empty directory
+            remove_if_empty(dirs)
+        raise
+
+
+def _checked_run(cfg: TrainConfig, nproc: int | None, timeout: float, worker, args: tuple,
+                 profile) -> dict | None:
     if cfg.out:
         check_out_dir(cfg.out)
     if cfg.ckpt_dir:

@@ -93,6 +93,22 @@ def layout_from_plan(path: str) -> dict:
             "attention": best["attention"], **memory_from_plan(best, path)}
 
 
+def _note_micro_batch(args, layout: dict) -> None:
+    """The plan's micro-batch is a property of its global batch; ``train`` runs each rank's rows
+    of ``--batch`` in one step (no gradient accumulation): say so when they differ."""
+    try:
+        data = json.loads(Path(args.plan).read_text())
+        planned = data.get("best", data).get("micro_batch")
+    except (OSError, ValueError, AttributeError):
+        return
+    readers = (layout["dp"] or 1) * layout.get("ep", 1)
+    if planned and planned * readers != args.batch:
+        status(f"ops-transformer train: note: --plan plans micro-batches of {planned} "
+               f"sequence(s) per rank; train runs the {args.batch / readers:g} rows of --batch "
+               f"{args.batch} each rank reads in one step (--batch {planned * readers} runs the "
+               f"plan's micro-batch)")
+
+
 def config_from_args(args, out_prefix: str) -> TrainConfig:
     out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
     given = {"tp": args.tp, "dp": args.dp, "ep": getattr(args, "ep", None),
@@ -106,6 +122,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
               "recompute": given["recompute"] or "none", "zero": given["zero"] or 0}
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
+        _note_micro_batch(args, layout)
         conflicts = [f"--{k.replace('_', '-')} {v} (the plan has {layout[k]})"
                      for k, v in given.items() if v is not None and v != layout[k]]
         if conflicts:

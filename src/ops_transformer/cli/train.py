@@ -215,6 +215,16 @@ def launch_size(args, cfg: TrainConfig) -> int | None:
     return args.nproc
 
 
+def _add_prediction(metrics: dict, cfg: TrainConfig, nproc: int) -> None:
+    """``train --plan``: the calibrated local model's step time for this run next to the
+    measured one (``predicted_step_s``; ``None`` without a calibrated profile)."""
+    from ..profiler.local_model import predict_step_s
+
+    metrics["predicted_step_s"] = predict_step_s(cfg, nproc, command_profile(None),
+                                                 attention=metrics["attention"],
+                                                 vocab=metrics["vocab"])
+
+
 def summary(metrics: dict) -> str:
     rows = [
         {"": "layout", "value": f"dp={metrics['dp']} × "
@@ -226,6 +236,8 @@ def summary(metrics: dict) -> str:
         {"": "loss first → last", "value": f"{metrics['loss_first']:.4f} → "
                                            f"{metrics['loss_last']:.4f}"},
         {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s'] or 0:,.0f}"},
+        *([{"": "step ms measured / predicted", "value": _predicted_line(metrics)}]
+          if "predicted_step_s" in metrics else []),
         {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
     ]
     memory = memory_summary(metrics["config"])
@@ -236,6 +248,14 @@ def summary(metrics: dict) -> str:
                      "value": f"{metrics['moe']['aux_loss'][-1]:.4f} / "
                               f"{metrics['moe']['dropped_fraction'][-1]:.1%} of token-slots"})
     return format_table(rows)
+
+
+def _predicted_line(metrics: dict) -> str:
+    measured, predicted = metrics["median_step_s"], metrics["predicted_step_s"]
+    if predicted is None:
+        return f"{1e3 * (measured or 0):.2f} / - (run `ops-transformer calibrate`)"
+    return (f"{1e3 * (measured or 0):.2f} / {1e3 * predicted:.2f} (calibrated local model, "
+            f"{predicted / measured - 1:+.0%})" if measured else f"- / {1e3 * predicted:.2f}")
 
 
 def _precision_line(metrics: dict) -> str:
@@ -251,9 +271,12 @@ def run(args) -> int:
     cfg = config_from_args(args, "train")
     check_free(cfg.out, output_bytes(cfg), f"writing --out {cfg.out} (metrics.json, loss.png)",
                "; nothing was run")
-    metrics = run_training(cfg, launch_size(args, cfg), launch_timeout(args))
+    nproc = launch_size(args, cfg)
+    metrics = run_training(cfg, nproc, launch_timeout(args))
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
+    if getattr(args, "plan", None):
+        _add_prediction(metrics, cfg, nproc or world_size())
     if args.json:
         print_json(metrics)
     else:

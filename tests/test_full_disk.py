@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import uuid
 
@@ -77,8 +78,9 @@ def test_a_save_larger_than_the_free_space_stops_before_writing(tmpfs, tmp_path,
     argv = TRAIN + ["--steps", "3", "--save-every", "1", "--ckpt-dir", str(root),
                     "--out", str(tmp_path / "run")]
     assert main(argv) == 2
-    _one_line(capfd.readouterr().err, f"no space left on {disk}", "while saving step 3",
-              "needs ~", "MB free", "earlier checkpoints are kept")
+    line = _one_line(capfd.readouterr().err, f"no space left on {disk}", "while saving step 3",
+                     "needs ~", "MB free", "earlier checkpoints are kept")
+    assert re.search(r"no space left on \S+ while saving step 3 \(needs ~[\d.,]+ MB\)", line)
     assert list_steps(root) == [1, 2] and latest_step(root) == 2 and _leftovers(root) == []
     assert main(["checkpoint", "inspect", str(root)]) == 0  # both verify
     assert capfd.readouterr().out.count(" ok") == 2
@@ -136,8 +138,8 @@ def test_out_without_space_is_refused_before_any_rank_starts(tmpfs, monkeypatch,
     monkeypatch.setattr("ops_transformer.cli.train.launch_with_restarts",
                         lambda *a, **k: started.append(1))
     assert main(TRAIN + ["--steps", "2", "--out", str(disk / "run")]) == 2
-    _one_line(capfd.readouterr().err, f"no space left on {disk}", "while writing --out",
-              "nothing was run")
+    _one_line(capfd.readouterr().err, f"no space left on {disk}", "while writing metrics.json",
+              "free in --out", "nothing was run")
     assert not started
 
 

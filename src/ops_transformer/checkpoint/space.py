@@ -63,20 +63,23 @@ def is_disk_full(exc: BaseException | None) -> bool:
 
 
 def no_space(where: str | os.PathLike, what: str, needed: float | None,
-             free: float | None = None, consequence: str = "") -> NoSpaceError:
-    """``no space left on DEVICE while WHAT (needs ~X MB, Y MB free)CONSEQUENCE``."""
-    sizes = []
+             free: float | None = None, consequence: str = "",
+             place: str | os.PathLike | None = None) -> NoSpaceError:
+    """``no space left on DEVICE while WHAT (needs ~X MB); Y MB free in PLACE; CONSEQUENCE``."""
+    text = f"no space left on {device_of(where)} while {what}"
     if needed:
-        sizes.append(f"needs ~{megabytes(needed)}")
+        text += f" (needs ~{megabytes(needed)})"
     if free is not None:
-        sizes.append(f"{megabytes(free)} free")
-    return NoSpaceError(f"no space left on {device_of(where)} while {what}"
-                        + (f" ({', '.join(sizes)})" if sizes else "") + consequence)
+        text += f"; {megabytes(free)} free" + (f" in {place}" if place else "")
+    elif place:
+        text += f" in {place}"
+    return NoSpaceError(text + consequence)
 
 
-def check_free(where: str | os.PathLike, needed: float, what: str, consequence: str = "") -> None:
+def check_free(where: str | os.PathLike, needed: float, what: str, consequence: str = "",
+               place: str | os.PathLike | None = None) -> None:
     """A :class:`NoSpaceError` when the file system of ``where`` has less than ``needed`` bytes
     free."""
     free = free_bytes(where)
     if free < needed:
-        raise no_space(where, what, needed, free, consequence)
+        raise no_space(where, what, needed, free, consequence, place)

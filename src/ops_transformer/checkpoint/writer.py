@@ -39,8 +39,8 @@ KEPT = "; the partial checkpoint was removed, earlier checkpoints are kept"
 def _space_check(tmp: Path, step: int):
     """Rank 0's check of the planned bytes against the free space, before anything is written."""
     def check(needed: int) -> None:
-        space.check_free(tmp, needed, f"saving step {step} to {tmp.parent}",
-                         "; nothing was written, earlier checkpoints are kept")
+        space.check_free(tmp, needed, f"saving step {step}",
+                         "; nothing was written, earlier checkpoints are kept", place=tmp.parent)
     return check
 
 
@@ -54,20 +54,10 @@ def _save_error(exc: BaseException, root: Path, step: int, needed: int | None) -
         if isinstance(failure, CheckpointError):
             return failure
     if space.is_disk_full(exc):
-        return space.no_space(root, f"saving step {step} to {root}", needed, consequence=KEPT)
+        return space.no_space(root, f"saving step {step}", needed, place=root,
+                              consequence=KEPT)
     if failures:
         rank, first = failures[0]
-        text = " ".join(str(first).split()[:40])
-        return CheckpointError(f"saving step {step} failed on rank {rank}: "
-                               f"{type(first).__name__}: {text}{KEPT}")
-    return exc
-    if space.is_disk_full(exc):
-        return space.no_space(root, f"saving step {step} to {root}", needed, consequence=KEPT)
-    failures = rank_failures(exc)
-    if failures:
-        rank, first = failures[0]
-        if isinstance(first, CheckpointError):
-            return first
         text = " ".join(str(first).split()[:40])
         return CheckpointError(f"saving step {step} failed on rank {rank}: "
                                f"{type(first).__name__}: {text}{KEPT}")

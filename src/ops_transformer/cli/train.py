@@ -169,10 +169,9 @@ def _checked_run(cfg: TrainConfig, nproc: int | None, timeout: float, worker, ar
         check_out_dir(cfg.ckpt_dir, "--ckpt-dir")
         goes_on = cfg.on_save_error == "continue"
         try:
-            check_free(cfg.ckpt_dir, checkpoint_bytes(cfg), f"saving the first checkpoint of "
-                       f"this run to --ckpt-dir {cfg.ckpt_dir}",
-                       "; training anyway (--on-save-error continue)" if goes_on else
-                       "; nothing was run")
+            check_free(cfg.ckpt_dir, checkpoint_bytes(cfg), "saving the first checkpoint of "
+                       "this run", "; training anyway (--on-save-error continue)" if goes_on
+                       else "; nothing was run", place=f"--ckpt-dir {cfg.ckpt_dir}")
         except ValueError as exc:
             if not goes_on:
                 raise
@@ -269,8 +268,8 @@ def _precision_line(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
-    check_free(cfg.out, output_bytes(cfg), f"writing --out {cfg.out} (metrics.json, loss.png)",
-               "; nothing was run")
+    check_free(cfg.out, output_bytes(cfg), "writing metrics.json and loss.png",
+               "; nothing was run", place=f"--out {cfg.out}")
     nproc = launch_size(args, cfg)
     metrics = run_training(cfg, nproc, launch_timeout(args))
     if metrics is None:  # not rank 0 of a torchrun job

@@ -6,6 +6,7 @@ that never stopped), and ``--resume strict`` keeps the refusal."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -25,12 +26,21 @@ def _one_line(err: str, *needles) -> str:
     return lines[0]
 
 
-@pytest.fixture
-def saved(tmp_path, capfd):
-    """Checkpoints of steps 1 and 2 of a 2-step run (one process)."""
-    root = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def original(tmp_path_factory):
+    """Checkpoints of steps 1 and 2 of a 2-step run (one process), made once."""
+    base = tmp_path_factory.mktemp("saved")
+    root = base / "ckpt"
     assert main(TRAIN + ["--steps", "2", "--save-every", "1", "--ckpt-dir", str(root),
-                         "--out", str(tmp_path / "first")]) == 0
+                         "--out", str(base / "first")]) == 0
+    return root
+
+
+@pytest.fixture
+def saved(original, tmp_path, capfd):
+    """A copy of them, for one test."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(original, root)
     capfd.readouterr()
     return root
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 
 import pytest
 
@@ -49,25 +50,46 @@ def _trained(tmp_path):
     return root, TrainConfig(steps=2, batch=2, seq=16, ckpt_dir=str(root), progress=False)
 
 
+@pytest.fixture(scope="module")
+def originals(tmp_path_factory):
+    """Both crafted checkpoints, made once: ``{kind: (root, marker)}``; tests use copies."""
+    made = {}
+    mp = pytest.MonkeyPatch()
+    try:
+        for kind in ("metadata", "shard"):
+            base = tmp_path_factory.mktemp(kind)
+            marker = base / "payload-ran"
+            root, cfg = _trained(base)
+            step_dir = root / store.step_dirname(2)
+            if kind == "metadata":
+                (step_dir / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+                _rehash(step_dir)
+            else:
+                ctx = ot.init_parallel()
+                state = setup_training(cfg, ctx)
+                info = ot.load_checkpoint(root, state.model, state.opt, ctx)
+                # saving refuses such a value (it would not load with weights_only=True): skip
+                mp.setattr(writer, "check_picklable", lambda value, what: None)
+                ot.save_checkpoint(root, state.model, state.opt, ctx, 2,
+                                   extra={**info["extra"], "payload": Payload(marker)})
+                mp.undo()
+            made[kind] = (root, marker)
+    finally:
+        mp.undo()
+    return made
+
+
 @pytest.fixture(params=["metadata", "shard"])
-def crafted(request, tmp_path, capsys, monkeypatch):
-    """``(root, marker, file named in the error, config)`` of a crafted checkpoint."""
-    marker = tmp_path / "payload-ran"
-    root, cfg = _trained(tmp_path)
+def crafted(request, originals, tmp_path, capsys):
+    """``(root, marker, file named in the error, config)`` of a copy of a crafted checkpoint."""
+    source, marker = originals[request.param]
+    root = tmp_path / "ckpt"
+    shutil.copytree(source, root)
     capsys.readouterr()
-    step_dir = root / store.step_dirname(2)
-    if request.param == "metadata":
-        (step_dir / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-        _rehash(step_dir)
-        return root, marker, ".metadata", cfg
-    ctx = ot.init_parallel()
-    state = setup_training(cfg, ctx)
-    info = ot.load_checkpoint(root, state.model, state.opt, ctx)
-    # saving refuses such a value (it would not load with weights_only=True): skip that check
-    monkeypatch.setattr(writer, "check_picklable", lambda value, what: None)
-    ot.save_checkpoint(root, state.model, state.opt, ctx, 2,
-                       extra={**info["extra"], "payload": Payload(marker)})
-    return root, marker, "__0_0.distcp", cfg
+    assert not marker.exists()
+    name = ".metadata" if request.param == "metadata" else "__0_0.distcp"
+    return root, marker, name, TrainConfig(steps=2, batch=2, seq=16, ckpt_dir=str(root),
+                                           progress=False)
 
 
 def _one_line(text: str, *needles) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import __version__
+from .._version import __version__
 from . import space, store
 from .api import agree, job_layout, run_dcp, world_group
 from .chunked import SavePlanner

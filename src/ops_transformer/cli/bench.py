@@ -10,7 +10,7 @@ from ..parallel import launch
 from ..profiler.bench import METHODS, RATIOS, TP, Size, _key, rank_main, summarise
 from ..utils.progress import format_table
 from ._common import add_launch_timeout, launch_timeout, print_json, refuse_torchrun, status
-from ._profile import command_profile
+from ._calibrated import command_profile
 
 HELP = ("time one GPT training step: ours (tp=2) vs PyTorch DTensor TP vs the plain model, "
         "interleaved; medians and ratios")

@@ -12,7 +12,7 @@ import argparse
 import contextlib
 import sys
 
-from .. import __version__
+from .._version import __version__
 from . import calibrate, checkpoint, demo, embed, generate, plan, train
 from . import bench, diagnose, memory, profile, sweep
 from ..parallel.launch import RankError

@@ -19,6 +19,7 @@ import time
 import torch
 
 from ..parallel.launch import launch
+from ..parallelize.gpt_plan import gpt_plan
 from ..planner.local import PRECISIONS, LocalTimeModel, local_time_model, step_flops_per_rank
 from ..train import TrainConfig, train_worker
 
@@ -36,8 +37,6 @@ def _cfg(tp: int, layers: int, precision: str, steps: int) -> TrainConfig:
 
 
 def _plan(cfg: TrainConfig, tp: int):
-    from ..parallelize.gpt_plan import gpt_plan
-
     return gpt_plan(cfg.model_config(), tp, cfg.attention, batch=cfg.batch, seq=cfg.seq)
 
 
@@ -159,8 +158,6 @@ def predict_step_s(cfg: TrainConfig, nproc: int, profile, *, attention: str | No
         return None
     dp = nproc // (cfg.tp * cfg.ep)
     if attention is None or vocab is None:
-        from ..parallelize.gpt_plan import gpt_plan
-
         plan = gpt_plan(cfg.model_config(), cfg.tp,
                         "heads" if cfg.sequence_parallel and cfg.attention == "auto"
                         else cfg.attention, batch=cfg.batch // (dp * cfg.ep), seq=cfg.seq,

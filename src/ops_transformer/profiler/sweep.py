@@ -20,7 +20,13 @@ import statistics
 import time
 from dataclasses import fields, replace
 
+from ..comm.topology import detect_topology
+from ..memory.measure import activation_memory
+from ..planner.local import local_cluster, local_time_model
+from ..planner.search import Options, evaluate_layout, execution
+from ..planner.specs import ModelSpec
 from ..train import TrainConfig, join, setup_training, validate
+from .local_model import predict_step_s
 
 # flag -> how its values parse; the TrainConfig field is the flag with "_" for "-".
 AXES = {"tp": int, "dp": int, "attention": str, "sequence-parallel": "bool", "recompute": str,
@@ -79,8 +85,6 @@ def sweep_worker(cfg: TrainConfig, warmup: int, profile=None) -> dict | None:
 
 
 def _timed(state, warmup: int) -> dict | None:
-    import ops_transformer
-
     cfg = state.cfg
     times, ledger, report = [], None, None
     for i in range(warmup + cfg.steps):
@@ -88,10 +92,9 @@ def _timed(state, warmup: int) -> dict | None:
         start = time.perf_counter()
         report, ledger = state.step(x, y)
         times.append(time.perf_counter() - start)
-    measure = getattr(ops_transformer, "activation_memory", None)
     x, y = state.batch(0)
     with state.policy.autocast(state.ctx.device):  # the activations the step keeps
-        activation = measure(state.model, x, y)["total_bytes"] if measure else None
+        activation = activation_memory(state.model, x, y)["total_bytes"]
     if state.ctx.rank != 0:
         return None
     step = statistics.median(times[warmup:])
@@ -109,19 +112,13 @@ def predicted_step_s(cfg: TrainConfig, nproc: int, attention: str, dp: int,
     when ``profile`` has one (:mod:`.local_model`, what ``calibrate`` fits), else the planner's
     (``plan --gpu local`` on the built-in CPU figures: no per-operator overhead, bf16 priced like
     fp32; it can be far below the measurement)."""
-    from .local_model import predict_step_s
-
     calibrated = predict_step_s(cfg, nproc, profile, attention=attention, vocab=vocab)
     if calibrated is not None:
         return calibrated
-    from ..planner.local import local_cluster
-    from ..planner.search import Options, evaluate_layout, execution
-    from ..planner.specs import ModelSpec
-
     model = ModelSpec.from_gpt_config(cfg.model_config(), seq=cfg.seq, global_batch=cfg.batch,
                                       micro_batch=cfg.batch // dp,
                                       dtype=getattr(cfg, "precision", "fp32"))
-    cluster = local_cluster(nproc, profile)
+    cluster = local_cluster(nproc, profile, topology=detect_topology())
     layout = Options(dp=dp, tp=cfg.tp, ep=getattr(cfg, "ep", 1), attention=attention,
                      sequence_parallel=getattr(cfg, "sequence_parallel", False),
                      recompute=getattr(cfg, "recompute", "none"),
@@ -160,8 +157,6 @@ def run_sweep(base: TrainConfig, axes: dict[str, list], nproc: int, warmup: int,
         rows.append(row)
         if progress is not None:
             progress(row)
-    from ..planner.local import local_time_model
-
     model = ("calibrated local model" if local_time_model(profile) is not None else
              "built-in CPU figures (run `ops-transformer calibrate` for the calibrated model)")
     return {"axes": available, "unavailable": unavailable, "nproc": nproc,

@@ -26,6 +26,7 @@ from ..planner.local import LocalTimeModel, local_time_model
 from ..planner.strategies import model_comm_per_step
 from ..train import TrainConfig, train_worker
 from ..utils.progress import Progress, format_table
+from ..parallelize.gpt_plan import gpt_plan
 from .local_model import fit_local_model
 
 RUNS = (  # preset, ranks, tp, attention, batch, seq
@@ -45,8 +46,6 @@ def _measure(cfg: TrainConfig, nprocs: int) -> dict:
 
 
 def _plan(cfg: TrainConfig, tp: int):
-    from ..parallelize.gpt_plan import gpt_plan
-
     return gpt_plan(cfg.model_config(), tp, cfg.attention, batch=cfg.batch, seq=cfg.seq)
 
 

@@ -1,0 +1,83 @@
+"""The memory options of a training run (``train --sequence-parallel --recompute
+--activation-cache --zero``): checked before any process starts, and the optimizer they imply."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm.bucketing import partial_grad_group
+from ..planner.runnable import ZERO_STAGES, runtime_problem
+from .apply import ACTIVATION_CACHES
+from .recompute import RECOMPUTE
+from .zero import zero_optimizer
+
+
+def check_memory_flags(cfg, dp: int, tp: int) -> None:
+    """Validate ``cfg.sequence_parallel``, ``recompute``, ``activation_cache`` and ``zero`` of a
+    :class:`~ops_transformer.train.TrainConfig` against the layout ``dp × tp``."""
+    if cfg.recompute not in RECOMPUTE:
+        raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got "
+                         f"{cfg.recompute!r}")
+    if cfg.activation_cache not in ACTIVATION_CACHES:
+        raise ValueError(f"--activation-cache must be one of {', '.join(ACTIVATION_CACHES)}, got "
+                         f"{cfg.activation_cache!r}")
+    if cfg.zero not in ZERO_STAGES:
+        raise ValueError(f"--zero must be 0, 1 or 2, got {cfg.zero!r}")
+    model = f"the MoE preset {cfg.preset!r}"
+    problem = runtime_problem(tp=tp, dp=dp, ep=getattr(cfg, "ep", 1), attention=cfg.attention,
+                              sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+                              zero_stage=cfg.zero,
+                              experts=getattr(cfg.model_config(), "n_experts", 0) or 1,
+                              seq=cfg.seq, model=model)
+    if problem:  # the planner's search applies the same rule
+        raise ValueError(problem)
+
+
+def make_optimizer(model: nn.Module, ctx, zero: int, **adamw_kwargs) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters, sharded with ZeRO ``zero`` (1 or 2) when non-zero."""
+    if zero:
+        return zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, **adamw_kwargs)
+    return torch.optim.AdamW(model.parameters(), **adamw_kwargs)
+
+
+def memory_from_plan(layout: dict, path: str) -> dict:
+    """``sequence_parallel``, ``recompute`` and ``zero`` of a planner layout (``train --plan``),
+    run as written: a combination train cannot run (ZeRO-3, sequence parallelism with an attention
+    strategy that has no sequence-parallel form, …: :func:`~ops_transformer.planner.runnable.
+    runtime_problem`, the rule the planner's search applies) is refused, never changed."""
+    zero = layout.get("zero_stage", 0)
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"--plan {path!r} has zero_stage {zero!r}; expected 0, 1, 2 or 3")
+    recompute = layout.get("recompute", "none")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"--plan {path!r} has recompute {recompute!r}; expected one of "
+                         f"{', '.join(RECOMPUTE)}")
+    sequence_parallel = bool(layout.get("sequence_parallel", False))
+    problem = runtime_problem(tp=layout.get("tp", 1), dp=layout.get("dp", 1),
+                              ep=layout.get("ep", 1), attention=layout.get("attention", "heads"),
+                              sequence_parallel=sequence_parallel, recompute=recompute,
+                              zero_stage=zero)
+    if problem:
+        raise ValueError(f"--plan {path!r} cannot run as written: {problem} (train runs a plan as "
+                         f"it is or not at all; plans from this version's planner always run)")
+    return {"sequence_parallel": sequence_parallel, "recompute": recompute, "zero": zero}
+
+
+def partial_numel(model: nn.Module, group) -> int:
+    """Elements of the parameters whose partial gradients are summed over ``group`` (sequence
+    parallelism's norms and row biases on the TP group)."""
+    return sum(p.numel() for p in dict.fromkeys(model.parameters())
+               if group is not None and partial_grad_group(p) is group)
+
+
+def memory_summary(config: dict) -> str:
+    """``"sequence parallel, recompute=full, int8 cache, ZeRO-2"`` for a run's config, or ``""``."""
+    parts = ["sequence parallel"] if config.get("sequence_parallel") else []
+    if config.get("recompute", "none") != "none":
+        parts.append(f"recompute={config['recompute']}")
+    if config.get("activation_cache", "none") != "none":
+        parts.append(f"{config['activation_cache']} activation cache")
+    if config.get("zero"):
+        parts.append(f"ZeRO-{config['zero']}")
+    return ", ".join(parts)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..comm.bucketing import partial_grad_group
+from ..layers.sequence_parallel import sequence_parallel_mode
 from ..planner.runnable import ZERO_STAGES, runtime_problem
 from .apply import ACTIVATION_CACHES
 from .recompute import RECOMPUTE
@@ -24,10 +25,16 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
                          f"{cfg.activation_cache!r}")
     if cfg.zero not in ZERO_STAGES:
         raise ValueError(f"--zero must be 0, 1 or 2, got {cfg.zero!r}")
+    try:
+        sequence_parallel_mode(cfg.sequence_parallel)
+    except ValueError:
+        raise ValueError(f"--sequence-parallel takes no value (the gathered region inputs kept "
+                         f"for backward) or 'regather' (only this rank's slice kept, all-gathered "
+                         f"again in backward), got {cfg.sequence_parallel!r}") from None
     model = f"the MoE preset {cfg.preset!r}"
     problem = runtime_problem(tp=tp, dp=dp, ep=getattr(cfg, "ep", 1), attention=cfg.attention,
-                              sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
-                              zero_stage=cfg.zero,
+                              sequence_parallel=bool(cfg.sequence_parallel),
+                              recompute=cfg.recompute, zero_stage=cfg.zero,
                               experts=getattr(cfg.model_config(), "n_experts", 0) or 1,
                               seq=cfg.seq, model=model)
     if problem:  # the planner's search applies the same rule
@@ -73,7 +80,8 @@ def partial_numel(model: nn.Module, group) -> int:
 
 def memory_summary(config: dict) -> str:
     """``"sequence parallel, recompute=full, int8 cache, ZeRO-2"`` for a run's config, or ``""``."""
-    parts = ["sequence parallel"] if config.get("sequence_parallel") else []
+    sp = config.get("sequence_parallel")
+    parts = [f"sequence parallel{' (regather)' if sp == 'regather' else ''}"] if sp else []
     if config.get("recompute", "none") != "none":
         parts.append(f"recompute={config['recompute']}")
     if config.get("activation_cache", "none") != "none":

@@ -43,3 +43,7 @@ __all__ += ["Int8ActivationCache", "activation_memory", "zero_optimizer"]
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 
 __all__ += ["save_checkpoint", "load_checkpoint", "CheckpointError"]
+
+from .parity import ParityReport, check_parity  # noqa: E402
+
+__all__ += ["check_parity", "ParityReport"]

@@ -13,6 +13,7 @@ import sys
 from .. import __version__
 from . import calibrate, checkpoint, demo, embed, generate, plan, train
 from . import bench, diagnose, memory, profile, sweep
+from . import check
 from ._common import error_line, quiet_unless_lead
 
 COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,
@@ -20,6 +21,7 @@ COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, 
             "bench": bench}
 COMMANDS["memory"] = memory
 COMMANDS["checkpoint"] = checkpoint
+COMMANDS["check"] = check
 DEBUG_HELP = "show the traceback of an error instead of one line"
 
 

@@ -1,0 +1,232 @@
+"""``check_parity``: run the same inputs through the dense model and the parallel one, module by
+module, and say where they part.
+
+The reference is **the dense model on rank 0**, run there alone (micro-batch by micro-batch) before
+rank 0 builds its own shard: the whole model's weights, gradients and activations exist on one
+rank only; every other rank holds its shards (and, while ``parallelize`` slices it, the dense model
+it was built from — as in any run). The other ranks wait in the first collective meanwhile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import collectives as C
+from ..parallelize import parallelize
+from ..precision.policy import precision_policy
+from .attribute import attribute
+from .compare import agree_on_calls, compare_calls, compare_params, style_of
+from .layout import dense_candidates, infer_layout
+from .record import ROOT, Recorder
+from .report import ParityReport
+from .run import Schedule, batch_size, default_loss, micro_batch, prepare, run_reference
+from .tolerance import logits_kl, tolerance_for
+
+LOGITS_PATHS = ("logits", "0")
+
+
+def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_fn=None,
+                 precision: str = "fp32", lr: float = 0.1, tolerance: float | None = None,
+                 **parallelize_kwargs) -> ParityReport:
+    """Check, on every rank of ``ctx``, that ``parallelize(build_model(), ctx, plan,
+    **parallelize_kwargs)`` computes what ``build_model()`` computes on one device.
+
+    ``build_model()`` returns the dense model, the same on every rank (seed it); ``inputs`` is a
+    tuple of positional arguments for its forward (or a dict of keyword arguments), the global
+    batch: with ``dp × ep`` data ranks each runs its rows. The loss is the model's own (``labels``
+    / targets in ``inputs``) or ``loss_fn(output)``, else a mean-square distance to a fixed random
+    target. ``steps`` optimizer steps (SGD at ``lr``) add the loss of each, side by side;
+    ``precision`` (``fp32``, ``bf16``, ``fp16``: autocast over fp32 weights) picks the tolerance
+    (:mod:`.tolerance`; ``tolerance`` overrides the output bound).
+
+    Returns the same :class:`ParityReport` on every rank: per module call in forward-finish
+    order the output's (and input's, and output gradient's) difference in dense coordinates, per
+    parameter its gradient's, the loss and logits, and the module blamed for a mismatch with its
+    plan style (:mod:`.attribute`). An exception inside the parallel forward or backward is a
+    mismatch at the module that raised; ``parallelize`` refusing the plan raises as usual.
+    """
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be positive, got {lr}")
+    tol = tolerance_for(precision, tolerance)
+    policy = precision_policy(precision)
+    schedule = Schedule(ctx.dp_ep_size, steps, lr, loss_fn or default_loss,
+                        lambda: policy.autocast(ctx.device))
+    micro_batch(inputs, schedule.micro_batches, 0)  # the batch divides: checked on every rank
+    reference = None
+    if ctx.rank == 0:
+        rng = _rng_state()
+        reference = run_reference(build_model, inputs, schedule)
+        _set_rng_state(rng)  # the parallel model is built from the same draws as the reference
+    model = parallelize(build_model(), ctx, plan, **parallelize_kwargs)
+    options = parallelize_kwargs.get("options")
+    sequence_parallel = bool(parallelize_kwargs.get("sequence_parallel")
+                             or getattr(options, "sequence_parallel", False))
+    report = _check(model, ctx, reference, inputs, schedule, tol, sequence_parallel)
+    report.precision, report.tolerance = precision, tol.to_dict()
+    report.layout = {"tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
+                     "sequence_parallel": sequence_parallel,
+                     "recompute": parallelize_kwargs.get("recompute", "none")}
+    b = batch_size(inputs)
+    report.reference = (f"the dense model on rank 0, alone ({schedule.micro_batches} "
+                        f"micro-batch{'es' if schedule.micro_batches > 1 else ''} of "
+                        f"{(b or 0) // schedule.micro_batches} rows, one after another)")
+    return report
+
+
+def _check(model, ctx, reference, inputs, schedule: Schedule, tol, sequence_parallel: bool):
+    world, compared = ctx.world_group, ctx.dp_ep_rank == 0
+    meta = C.broadcast_object(reference.meta() if reference else None, 0, world)
+    prepare(model)
+    plan = getattr(model, "parallel_plan", None)
+    weights = compare_params(reference.init if reference else None, model, ctx, plan,
+                             tol.output, grads=False)
+    recorder = Recorder(model, keep=compared)
+    mine = micro_batch(inputs, schedule.micro_batches, ctx.dp_ep_rank)
+    failure = None
+    try:
+        with recorder.recording():
+            output, loss = schedule.forward(model, mine)
+    except Exception as exc:  # noqa: BLE001 - a plan that cannot run is the finding
+        failure = _failure("forward", recorder.innermost or ROOT, exc, ctx, plan)
+    failure = _agree(failure, ctx)
+    if failure is None:
+        try:
+            loss.backward()
+        except Exception as exc:  # noqa: BLE001
+            failure = _failure("backward", recorder.last_gradient or ROOT, exc, ctx, plan)
+        failure = _agree(failure, ctx)
+    rows, kl = [], None
+    if failure is None and compared:
+        differ = agree_on_calls(recorder.calls, ctx.tp_group, ctx.device)
+        if differ is not None:
+            failure = _uneven(recorder.calls, differ, ctx, plan)
+        else:
+            rows = compare_calls(meta, reference.calls if reference else None, recorder.calls,
+                                 model, plan, ctx, tol, sequence_parallel)
+            kl = _logits_kl(meta, reference, recorder, ctx, sequence_parallel)
+    recorder.remove()
+    failure = C.broadcast_object(failure, 0, world)
+    if failure is not None:
+        return _broadcast(_error_report(failure, weights, tol) if ctx.rank == 0 else None, ctx)
+    params = compare_params(reference.grads if reference else None, model, ctx, plan, tol.grad,
+                            grads=True)
+    losses = [_mean_loss(loss, ctx)] + _more_steps(model, mine, schedule, ctx)
+    result = None
+    if ctx.rank == 0:
+        result = _summary(rows, params, weights, reference.losses, losses, kl, tol)
+    return _broadcast(result, ctx)
+
+
+def _more_steps(model, mine, schedule: Schedule, ctx) -> list[float]:
+    if not schedule.steps:
+        return []
+    opt = torch.optim.SGD(model.parameters(), lr=schedule.lr)
+    losses = []
+    for _ in range(1, schedule.steps):
+        opt.step()
+        opt.zero_grad()
+        _, loss = schedule.forward(model, mine)
+        loss.backward()
+        losses.append(_mean_loss(loss, ctx))
+    return losses
+
+
+def _mean_loss(loss: torch.Tensor, ctx) -> float:
+    """The loss averaged over the data ranks (each ran its own micro-batch)."""
+    value = loss.detach().float().reshape(1).clone()
+    C.all_reduce(value, ctx.dp_ep_group, label="parity.loss")
+    return float(value) / ctx.dp_ep_size
+
+
+def _logits_kl(meta, reference, recorder, ctx, sequence_parallel: bool) -> float | None:
+    """KL of the dense and the parallel logits (the whole model's ``logits`` output, or the
+    first element of a tuple), gathered like any other output."""
+    entry = next((e for e in meta if e["name"] == ROOT), None)
+    call = next((c for c in recorder.calls if c.name == ROOT), None)
+    path = next((p for p in LOGITS_PATHS if entry and p in entry["paths"]), None)
+    if entry is None or call is None or path is None or path not in call.paths:
+        return None
+    shape = entry["outputs"][entry["paths"].index(path)]
+    local = call.outputs[call.paths.index(path)]
+    layout = infer_layout(tuple(local.shape), shape, ctx.tp_rank, ctx.tp_size,
+                          sequence_parallel=sequence_parallel)
+    dense = dense_candidates(local, layout, ctx.tp_group)
+    if reference is None or not dense or len(shape) < 2:
+        return None
+    ref = next(c for c in reference.calls if c.name == ROOT)
+    return logits_kl(dense[0], ref.outputs[ref.paths.index(path)])
+
+
+def _failure(phase: str, module: str, exc: BaseException, ctx, plan) -> dict:
+    message = " ".join(str(exc).split())[:500] or type(exc).__name__
+    return {"phase": phase, "module": module, "style": style_of(module, plan),
+            "type": type(exc).__name__, "message": message, "rank": ctx.rank}
+
+
+def _agree(failure: dict | None, ctx) -> dict | None:
+    """Every rank learns the failure of the lowest rank that failed (or that none did)."""
+    flag = torch.tensor([ctx.rank if failure else ctx.world_size], device=ctx.device)
+    C.all_reduce(flag, ctx.world_group, op=C.ReduceOp.MIN, label="parity.agree")
+    src = int(flag)
+    return None if src == ctx.world_size else C.broadcast_object(failure, src, ctx.world_group)
+
+
+def _uneven(calls, position: int, ctx, plan) -> dict:
+    name = calls[position].name if position < len(calls) else ROOT
+    return {"phase": "forward", "module": name, "style": style_of(name, plan),
+            "type": "RankDisagreement", "rank": ctx.rank,
+            "message": "the tensor-parallel ranks' calls of this module differ in shape or "
+                       "number (each rank should run the same modules on same-shaped shards)"}
+
+
+def _error_report(failure: dict, weights: list[dict], tol) -> ParityReport:
+    bad = [w for w in weights if not w["ok"]]
+    module, style, reason, first = attribute([], [], [], tol, failure)
+    return ParityReport(ok=False, first_mismatch=module, style=style, reason=reason,
+                        first_differing=first, weights=bad, error=failure)
+
+
+def _summary(rows, params, weights, ref_losses, losses, kl, tol) -> ParityReport:
+    bad_weights = [w for w in weights if not w["ok"]]
+    verdict = attribute(rows, params, bad_weights, tol)
+    loss_abs = abs(losses[0] - ref_losses[0])
+    loss = {"reference": ref_losses[0], "parallel": losses[0], "abs": loss_abs,
+            "rel": loss_abs / max(abs(ref_losses[0]), 1e-30)}
+    steps = []
+    if len(losses) > 1 or len(ref_losses) > 1:
+        for i, (r, p) in enumerate(zip(ref_losses, losses)):
+            rel = abs(p - r) / max(abs(r), 1e-30)
+            steps.append({"step": i + 1, "reference": r, "parallel": p, "rel": rel,
+                          "status": "ok" if rel <= tol.loss * (i + 1) else "mismatch"})
+    problems = []
+    if loss["rel"] > tol.loss:
+        problems.append(f"the loss differs (relative {loss['rel']:.1e} > {tol.loss:g})")
+    if kl is not None and kl > tol.kl:
+        problems.append(f"the logits differ (KL {kl:.1e} > {tol.kl:g})")
+    late = next((s for s in steps if s["status"] != "ok"), None)
+    if late:
+        problems.append(f"the loss of step {late['step']} differs (relative {late['rel']:.1e})")
+    ok = verdict is None and not problems
+    module, style, reason, first = verdict or (None, None, "; ".join(problems), None)
+    return ParityReport(ok=ok, first_mismatch=module, style=style, reason=reason,
+                        first_differing=first, rows=rows + params, loss=loss, kl=kl,
+                        steps=steps, weights=bad_weights)
+
+
+def _broadcast(report: ParityReport | None, ctx) -> ParityReport:
+    data = C.broadcast_object(report.to_dict() if report else None, 0, ctx.world_group)
+    return ParityReport.from_dict(data)
+
+
+def _rng_state():
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.random.get_rng_state(), cuda
+
+
+def _set_rng_state(state) -> None:
+    cpu, cuda = state
+    torch.random.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)

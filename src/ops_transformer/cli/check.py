@@ -172,13 +172,13 @@ def _source(job: CheckJob, device):
         import transformers
 
         config = transformers.AutoConfig.from_pretrained(job.model)
-        auto = "AutoModelForCausalLM" if _is_causal(config) else "AutoModel"
+        auto = getattr(transformers, "AutoModelForCausalLM" if _is_causal(config) else "AutoModel")
+        cls = auto._model_mapping[type(config)]
 
         def build():
-            return getattr(transformers, auto).from_pretrained(
-                job.model, dtype=torch.float32).to(device)
+            return cls.from_pretrained(job.model, dtype=torch.float32).to(device)
 
-        return build, _hf_inputs(getattr(transformers, auto), config, job, tokens)
+        return build, _hf_inputs(cls, config, job, tokens)
     if job.preset.startswith(ZOO_PREFIX):
         from ..parallelize.hf_zoo import build as zoo_build, prepare
 

@@ -6,7 +6,8 @@ In this order, the first that applies:
 2. **initial weights** that differ — the parameter's module (``build_model`` did not give every
    rank the same model);
 3. **the forward** — the first module, in the order modules finish their forward, whose output
-   exceeds the tolerance. If that module's *inputs* already differ, the difference arose in code
+   exceeds its bound (the row's ``bound``: the precision's tolerance, in 16 bits at least a
+   multiple of the dense model's own rounding there, :mod:`.noise`). If that module's *inputs* already differ, the difference arose in code
    of the enclosing module that is not a module itself (the attention core between Q/K/V and the
    output projection, a reshape into heads): the nearest enclosing module whose inputs still
    match is named;
@@ -21,11 +22,10 @@ In this order, the first that applies:
 from __future__ import annotations
 
 from .record import ROOT
-from .tolerance import Tolerance
 
 
 def _over(value, bound) -> bool:
-    return value is not None and value > bound
+    return value is not None and bound is not None and value > bound
 
 
 def _parent(rows: list[dict], i: int) -> int | None:
@@ -39,12 +39,12 @@ def _parent(rows: list[dict], i: int) -> int | None:
     return None
 
 
-def _forward(rows: list[dict], tol: Tolerance):
-    first = next((i for i, r in enumerate(rows) if _over(r.get("max_rel"), tol.output)), None)
+def _forward(rows: list[dict]):
+    first = next((i for i, r in enumerate(rows) if _over(r.get("max_rel"), r.get("bound"))), None)
     if first is None:
         return None
     culprit, child = first, None
-    while _over(rows[culprit].get("input_rel"), tol.output):
+    while _over(rows[culprit].get("input_rel"), rows[culprit].get("input_bound")):
         parent = _parent(rows, culprit)
         if parent is None:
             break
@@ -52,7 +52,7 @@ def _forward(rows: list[dict], tol: Tolerance):
     r = rows[culprit]
     if child is None:
         reason = f"its output differs from the dense model's (relative {r['max_rel']:.1e} > " \
-                 f"{tol.output:g})"
+                 f"{r['bound']:.1e})"
     else:
         reason = f"the input of {rows[child]['name']} already differs (relative " \
                  f"{rows[child]['input_rel']:.1e}): it is computed in {r['name']}'s own code"
@@ -68,13 +68,13 @@ def _innermost(consumers: list[dict]) -> list[dict]:
             if not any(inside(o["module"], c["module"]) for o in consumers)]
 
 
-def _backward(rows: list[dict], params: list[dict], tol: Tolerance):
+def _backward(rows: list[dict], params: list[dict]):
     events = []
     order = {}
     for i, r in enumerate(rows):
         if r.get("grad_order") is not None:
             order.setdefault(r["module"], r["grad_order"])
-            if _over(r.get("grad_rel"), tol.grad):
+            if _over(r.get("grad_rel"), r.get("grad_bound")):
                 events.append((r["grad_order"], 0, i))
     for p in params:
         if not p["ok"]:
@@ -87,7 +87,8 @@ def _backward(rows: list[dict], params: list[dict], tol: Tolerance):
                      what.get("style"))
         rel = what.get("max_rel")
         return what["module"], style, (f"the gradient of {what['name']} differs"
-                                       + (f" (relative {rel:.1e} > {tol.grad:g})" if rel else "")
+                                       + (f" (relative {rel:.1e} > {what['bound']:.1e})"
+                                          if rel else "")
                                        + " while its output's gradient matches"), what["module"]
     r = rows[what]
     consumers = _innermost([c for c in rows if r["name"] in c.get("inputs_from", [])])
@@ -99,11 +100,11 @@ def _backward(rows: list[dict], params: list[dict], tol: Tolerance):
         blamed = rows[parent] if parent is not None else r
         how = f"in the backward of {blamed['name']}'s own code"
     reason = (f"the gradient of {r['name']}'s output differs (relative {r['grad_rel']:.1e} > "
-              f"{tol.grad:g}): computed {how}")
+              f"{r['grad_bound']:.1e}): computed {how}")
     return blamed["module"], blamed.get("style"), reason, r["name"]
 
 
-def attribute(rows: list[dict], params: list[dict], weights: list[dict], tol: Tolerance,
+def attribute(rows: list[dict], params: list[dict], weights: list[dict],
               error: dict | None = None):
     """``(module, style, reason, first differing row)`` of the failure, or ``None``."""
     if error is not None:
@@ -114,4 +115,4 @@ def attribute(rows: list[dict], params: list[dict], weights: list[dict], tol: To
         return (bad["module"], bad.get("style"),
                 f"the initial weight {bad['name']} differs from the dense model's: build_model "
                 f"must return the same model on every rank (seed it)", bad["name"])
-    return _forward(rows, tol) or _backward(rows, params, tol)
+    return _forward(rows) or _backward(rows, params)

@@ -17,12 +17,12 @@ from ..precision.policy import precision_policy
 from .attribute import attribute
 from .compare import agree_on_calls, compare_calls, compare_params, style_of
 from .layout import dense_candidates, infer_layout
+from .noise import LOGITS_PATHS, bound
 from .record import ROOT, Recorder
 from .report import ParityReport
-from .run import Schedule, batch_size, default_loss, micro_batch, prepare, run_reference
+from .run import (Schedule, batch_size, default_loss, micro_batch, prepare, restoring_rng,
+                  run_reference)
 from .tolerance import logits_kl, tolerance_for
-
-LOGITS_PATHS = ("logits", "0")
 
 
 def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_fn=None,
@@ -56,15 +56,18 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
     micro_batch(inputs, schedule.micro_batches, 0)  # the batch divides: checked on every rank
     reference = None
     if ctx.rank == 0:
-        rng = _rng_state()
-        reference = run_reference(build_model, inputs, schedule)
-        _set_rng_state(rng)  # the parallel model is built from the same draws as the reference
+        with restoring_rng():  # the parallel model is built from the same draws as the reference
+            reference = run_reference(build_model, inputs, schedule)
     model = parallelize(build_model(), ctx, plan, **parallelize_kwargs)
     options = parallelize_kwargs.get("options")
     sequence_parallel = bool(parallelize_kwargs.get("sequence_parallel")
                              or getattr(options, "sequence_parallel", False))
     report = _check(model, ctx, reference, inputs, schedule, tol, sequence_parallel)
     report.precision, report.tolerance = precision, tol.to_dict()
+    if not report.ok and precision != "fp32" and _about_experts(report):
+        report.reason += ("; in 16-bit precision a near-tied router can send a token to other "
+                          "experts than the dense model does (an O(1) difference for that token, "
+                          "not a plan fault): check in fp32 to tell them apart")
     report.layout = {"tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
                      "sequence_parallel": sequence_parallel,
                      "recompute": parallelize_kwargs.get("recompute", "none")}
@@ -104,18 +107,19 @@ def _check(model, ctx, reference, inputs, schedule: Schedule, tol, sequence_para
             failure = _uneven(recorder.calls, differ, ctx, plan)
         else:
             rows = compare_calls(meta, reference.calls if reference else None, recorder.calls,
-                                 model, plan, ctx, tol, sequence_parallel)
+                                 model, plan, ctx, tol, sequence_parallel,
+                                 reference.noise if reference else None)
             kl = _logits_kl(meta, reference, recorder, ctx, sequence_parallel)
     recorder.remove()
     failure = C.broadcast_object(failure, 0, world)
     if failure is not None:
-        return _broadcast(_error_report(failure, weights, tol) if ctx.rank == 0 else None, ctx)
+        return _broadcast(_error_report(failure, weights) if ctx.rank == 0 else None, ctx)
     params = compare_params(reference.grads if reference else None, model, ctx, plan, tol.grad,
-                            grads=True)
+                            grads=True, noise=reference.noise if reference else None)
     losses = [_mean_loss(loss, ctx)] + _more_steps(model, mine, schedule, ctx)
     result = None
     if ctx.rank == 0:
-        result = _summary(rows, params, weights, reference.losses, losses, kl, tol)
+        result = _summary(rows, params, weights, reference, losses, kl, tol)
     return _broadcast(result, ctx)
 
 
@@ -131,6 +135,11 @@ def _more_steps(model, mine, schedule: Schedule, ctx) -> list[float]:
         loss.backward()
         losses.append(_mean_loss(loss, ctx))
     return losses
+
+
+def _about_experts(report: ParityReport) -> bool:
+    names = [report.first_mismatch or "", report.first_differing or "", report.style or ""]
+    return any("expert" in n or "moe" in n for n in names)
 
 
 def _mean_loss(loss: torch.Tensor, ctx) -> float:
@@ -181,30 +190,34 @@ def _uneven(calls, position: int, ctx, plan) -> dict:
                        "number (each rank should run the same modules on same-shaped shards)"}
 
 
-def _error_report(failure: dict, weights: list[dict], tol) -> ParityReport:
+def _error_report(failure: dict, weights: list[dict]) -> ParityReport:
     bad = [w for w in weights if not w["ok"]]
-    module, style, reason, first = attribute([], [], [], tol, failure)
+    module, style, reason, first = attribute([], [], [], failure)
     return ParityReport(ok=False, first_mismatch=module, style=style, reason=reason,
                         first_differing=first, weights=bad, error=failure)
 
 
-def _summary(rows, params, weights, ref_losses, losses, kl, tol) -> ParityReport:
+def _summary(rows, params, weights, reference, losses, kl, tol) -> ParityReport:
     bad_weights = [w for w in weights if not w["ok"]]
-    verdict = attribute(rows, params, bad_weights, tol)
+    verdict = attribute(rows, params, bad_weights)
+    ref_losses = reference.losses
     loss_abs = abs(losses[0] - ref_losses[0])
     loss = {"reference": ref_losses[0], "parallel": losses[0], "abs": loss_abs,
-            "rel": loss_abs / max(abs(ref_losses[0]), 1e-30)}
+            "rel": loss_abs / max(abs(ref_losses[0]), 1e-30),
+            "bound": bound(reference.noise, "loss", tol.loss)}
     steps = []
     if len(losses) > 1 or len(ref_losses) > 1:
         for i, (r, p) in enumerate(zip(ref_losses, losses)):
             rel = abs(p - r) / max(abs(r), 1e-30)
             steps.append({"step": i + 1, "reference": r, "parallel": p, "rel": rel,
-                          "status": "ok" if rel <= tol.loss * (i + 1) else "mismatch"})
+                          "bound": loss["bound"] * (i + 1),
+                          "status": "ok" if rel <= loss["bound"] * (i + 1) else "mismatch"})
     problems = []
-    if loss["rel"] > tol.loss:
-        problems.append(f"the loss differs (relative {loss['rel']:.1e} > {tol.loss:g})")
-    if kl is not None and kl > tol.kl:
-        problems.append(f"the logits differ (KL {kl:.1e} > {tol.kl:g})")
+    if loss["rel"] > loss["bound"]:
+        problems.append(f"the loss differs (relative {loss['rel']:.1e} > {loss['bound']:.1e})")
+    kl_bound = bound(reference.noise, "kl", tol.kl)
+    if kl is not None and kl > kl_bound:
+        problems.append(f"the logits differ (KL {kl:.1e} > {kl_bound:.1e})")
     late = next((s for s in steps if s["status"] != "ok"), None)
     if late:
         problems.append(f"the loss of step {late['step']} differs (relative {late['rel']:.1e})")
@@ -218,15 +231,3 @@ def _summary(rows, params, weights, ref_losses, losses, kl, tol) -> ParityReport
 def _broadcast(report: ParityReport | None, ctx) -> ParityReport:
     data = C.broadcast_object(report.to_dict() if report else None, 0, ctx.world_group)
     return ParityReport.from_dict(data)
-
-
-def _rng_state():
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.random.get_rng_state(), cuda
-
-
-def _set_rng_state(state) -> None:
-    cpu, cuda = state
-    torch.random.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)

@@ -19,6 +19,7 @@ from ..comm import collectives as C
 from ..parallel.sharding import gather_full_state_dict
 from ..parallelize.plan import PARAM_STYLES, matches
 from .layout import dense_candidates, infer_layout, output_hint
+from .noise import bound
 from .record import ROOT, Call
 from .tolerance import GRAD_FLOOR, Tolerance, difference
 
@@ -66,7 +67,7 @@ def agree_on_calls(calls: list[Call], group, device=None) -> int | None:
     return differ[0] if differ else None
 
 
-def _compare_tensors(mine, ref_shapes, refs, layout_args, group, floor=0.0):
+def _compare_tensors(mine, ref_shapes, refs, layout_args, group, floor=0.0, gradient=False):
     """``(max abs, max rel, layouts)`` over matching tensors; every rank of ``group`` computes
     the same layouts and joins the same gathers, only rank 0 (which has ``refs``) the numbers."""
     worst_abs = worst_rel = None
@@ -76,7 +77,7 @@ def _compare_tensors(mine, ref_shapes, refs, layout_args, group, floor=0.0):
             continue
         layout = infer_layout(tuple(mine[i].shape), ref_shape, **layout_args)
         layouts.append(layout)
-        candidates = dense_candidates(mine[i], layout, group)
+        candidates = dense_candidates(mine[i], layout, group, gradient=gradient)
         if refs is None or not candidates or refs[i] is None:
             continue
         best = min((difference(c, refs[i], floor) for c in candidates), key=lambda d: d[1])
@@ -86,8 +87,11 @@ def _compare_tensors(mine, ref_shapes, refs, layout_args, group, floor=0.0):
 
 
 def compare_calls(meta: list[dict], ref_calls: list[Call] | None, calls: list[Call],
-                  model: nn.Module, plan, ctx, tol: Tolerance, sequence_parallel: bool) -> list[dict]:
-    """One row per reference call (rank 0; the other ranks of the group return ``[]``)."""
+                  model: nn.Module, plan, ctx, tol: Tolerance, sequence_parallel: bool,
+                  noise: dict | None = None) -> list[dict]:
+    """One row per reference call (rank 0; the other ranks of the group return ``[]``), each with
+    the bounds it is held to (``noise``: the dense model's 16-bit rounding, :mod:`.noise`)."""
+    noise = noise or {}
     mine = {c.key: c for c in calls}
     by_finish = {c.finish: c.key for c in calls}
     regions = _partial_regions(plan)
@@ -124,15 +128,20 @@ def compare_calls(meta: list[dict], ref_calls: list[Call] | None, calls: list[Ca
         partial_grad = args["partial_region"] or "grad_allreduce" in (row["style"] or "")
         _, grad_rel, _ = _compare_tensors(grads, entry["outputs"], ref_grads,
                                           {**args, "hint": output_hint(module),
-                                           "partial_region": partial_grad}, ctx.tp_group, floor)
+                                           "partial_region": partial_grad}, ctx.tp_group, floor,
+                                          gradient=True)
         if ref is None:
             continue
         compared = out_rel is not None
-        ok = (not compared or out_rel <= tol.output) and (grad_rel is None or grad_rel <= tol.grad)
+        bounds = {"bound": bound(noise, ("output", key), tol.output),
+                  "input_bound": bound(noise, ("input", key), tol.output),
+                  "grad_bound": bound(noise, ("grad", key), tol.grad)}
+        ok = (not compared or out_rel <= bounds["bound"]) and \
+            (grad_rel is None or grad_rel <= bounds["grad_bound"])
         rows.append({**row, "compared": ", ".join(dict.fromkeys(l.describe() for l in layouts)),
                      "shape": list(entry["outputs"][0]) if entry["outputs"] else None,
                      "max_abs": out_abs, "max_rel": out_rel, "input_rel": in_rel,
-                     "grad_rel": grad_rel, "ok": ok,
+                     "grad_rel": grad_rel, **bounds, "ok": ok,
                      "status": "ok" if ok and compared else "mismatch" if not ok else
                      "not compared", "grad_order": call.grad_arrival,
                      "inputs_from": [by_finish[f] for f in call.producers if f in by_finish]})
@@ -158,9 +167,10 @@ def owner(param: str) -> str:
 
 
 def compare_params(reference: dict[str, torch.Tensor] | None, model: nn.Module, ctx, plan,
-                   tol: float, *, grads: bool) -> list[dict]:
+                   tol: float, *, grads: bool, noise: dict | None = None) -> list[dict]:
     """Per parameter of the dense model: the gathered gradient (``grads=True``) or weight of the
     parallel model against ``reference`` (rank 0; collective on every rank)."""
+    noise = noise or {}
     with torch.no_grad():
         dense = _dense_grads(model, ctx) if grads else gather_full_state_dict(model, ctx)
     if reference is None:
@@ -179,7 +189,8 @@ def compare_params(reference: dict[str, torch.Tensor] | None, model: nn.Module, 
         except ValueError as exc:  # a dense shape that differs: the layout is wrong
             rows.append({**row, "status": f"mismatch: {exc}", "ok": False})
             continue
-        ok = rel <= tol
-        rows.append({**row, "max_abs": max_abs, "max_rel": rel, "ok": ok,
+        limit = bound(noise, ("param", name), tol)
+        ok = rel <= limit
+        rows.append({**row, "max_abs": max_abs, "max_rel": rel, "bound": limit, "ok": ok,
                      "status": "ok" if ok else "mismatch"})
     return rows

@@ -103,16 +103,32 @@ def infer_layout(local: tuple[int, ...], ref: tuple[int, ...], tp_rank: int, tp_
     return Layout("unknown", why=f"shape {list(local)} vs dense {list(ref)}")
 
 
-def dense_candidates(t: torch.Tensor, layout: Layout, group) -> list[torch.Tensor]:
+def _all_shards(t: torch.Tensor, dim: int, group) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape on each), in TP-rank order (collective)."""
+    local = t.detach().movedim(dim, 0).contiguous()
+    out = local.new_empty((C.group_size(group) * local.shape[0], *local.shape[1:]))
+    C.all_gather_into(out, local, group, label="parity.gather")
+    return [s.movedim(0, dim) for s in out.chunk(C.group_size(group), 0)]
+
+
+def dense_candidates(t: torch.Tensor, layout: Layout, group, *,
+                     gradient: bool = False) -> list[torch.Tensor]:
     """The dense tensor(s) ``t`` stands for on every rank of ``group`` (collective for ``split``,
     ``tokens`` and ``partial``; every rank of the group must call it with the same layout): one
-    tensor, or for ``partial`` two — ``t`` itself and its sum over the group."""
+    tensor, or two where either may be right — for ``partial``, ``t`` itself and its sum over the
+    group; for the ``gradient`` of a tensor held by several replicas (KV heads fewer than ranks),
+    one replica's and their sum (each replica saw only its own query heads)."""
     if layout.kind == "replicated":
         return [t]
     if layout.kind == "split":
-        shard = t.detach().contiguous()
-        shard.shard_spec = layout.spec
-        return [gather_full(shard, group)]
+        spec = layout.spec
+        if not (gradient and spec.replicas > 1):
+            shard = t.detach().contiguous()
+            shard.shard_spec = spec
+            return [gather_full(shard, group)]
+        shards = _all_shards(t, spec.split_dim, group)
+        summed = [sum(shards[i:i + spec.replicas]) for i in range(0, len(shards), spec.replicas)]
+        return [spec.unshard(shards), spec.unshard(summed)]
     if layout.kind == "tokens":
         b, s, h = t.shape
         tp = C.group_size(group)

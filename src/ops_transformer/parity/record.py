@@ -90,6 +90,8 @@ class Recorder:
     @contextlib.contextmanager
     def recording(self, enabled: bool = True):
         """Record the calls of the forward run inside (and the gradients of its backward)."""
+        if enabled:  # a new record
+            self.calls, self.running, self._counts = [], [], {}
         self.active = enabled
         try:
             yield self

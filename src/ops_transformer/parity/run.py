@@ -13,11 +13,14 @@ equal the dense one.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from .noise import rounding_noise
 from .record import Call, Recorder
 
 TARGET_SEED = 2  # the fixed random target of the default loss
@@ -118,11 +121,13 @@ class Schedule:
     steps: int = 0
     lr: float = 0.1
     loss_fn: object = default_loss
-    autocast: object = None
+    autocast: object = None  # None: fp32
+
+    def in_fp32(self) -> Schedule:
+        """The same schedule without autocast, one step (the rounding-noise reference)."""
+        return dataclasses.replace(self, steps=0, autocast=None)
 
     def forward(self, model, inputs):
-        import contextlib
-
         with (self.autocast() if self.autocast else contextlib.nullcontext()):
             output = call_model(model, inputs)
             return output, self.loss_fn(output)
@@ -137,6 +142,7 @@ class Reference:
     init: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]
     losses: list[float] = field(default_factory=list)
+    noise: dict = field(default_factory=dict)  # 16-bit runs: the dense model's own rounding
 
     def meta(self) -> list[dict]:
         """Shapes and names the other ranks need to lay their tensors out like these."""
@@ -147,7 +153,21 @@ class Reference:
 
 
 def run_reference(build_model, inputs, schedule: Schedule) -> Reference:
-    """The dense model's run, on this rank only (micro-batch by micro-batch)."""
+    """The dense run, on this rank only (micro-batch by micro-batch). Under autocast the dense
+    model runs a second time in fp32, and how far its own 16-bit run lands from that is kept as
+    each tensor's rounding noise (:func:`.noise.rounding_noise`); both builds start from the
+    same random state."""
+    if schedule.autocast is None:
+        return _run_dense(build_model, inputs, schedule)
+
+    with restoring_rng():
+        exact = _run_dense(build_model, inputs, schedule.in_fp32())
+    reference = _run_dense(build_model, inputs, schedule)
+    reference.noise = rounding_noise(reference, exact)
+    return reference
+
+
+def _run_dense(build_model, inputs, schedule: Schedule) -> Reference:
     model = prepare(build_model())
     params = dict(model.named_parameters())
     init = {k: p.detach().clone() for k, p in params.items()}
@@ -175,3 +195,16 @@ def run_reference(build_model, inputs, schedule: Schedule) -> Reference:
     finally:
         recorder.remove()
     return Reference(recorder.calls, init, grads, losses)
+
+
+@contextlib.contextmanager
+def restoring_rng():
+    """The global random state (CPU and CUDA) as it was on entry, once the block ends."""
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)

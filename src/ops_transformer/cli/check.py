@@ -130,20 +130,38 @@ def _check_source(args) -> None:
 
         check_model_dir(args.model, "check")
     elif args.preset.startswith(ZOO_PREFIX):
-        from ..parallelize.hf_zoo import prepare, zoo_families
-
-        family = args.preset[len(ZOO_PREFIX):]
-        known = zoo_families()
-        if family not in known or known[family]:
-            raise ValueError(f"--preset {args.preset!r}: the zoo has no tiny model of "
-                             f"{family!r}" + (f" ({known[family]})" if known.get(family) else
-                                              "; see docs/huggingface.md for its families"))
-        prepare(family)  # the family's code imported once, before the ranks fork
+        _check_zoo_family(args.preset[len(ZOO_PREFIX):])
     else:
         cfg = preset(args.preset)
         if args.seq > cfg.max_seq_len:
             raise ValueError(f"--seq ({args.seq}) exceeds preset {args.preset!r}'s max_seq_len "
                              f"({cfg.max_seq_len})")
+
+
+def _check_zoo_family(family: str) -> None:
+    """A family the zoo can build: a text model class and a plan (its own, or Hugging Face's)."""
+    from ._hf import import_transformers
+
+    transformers = import_transformers("check")
+    transformers.logging.set_verbosity_error()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ..parallelize.hf_plans import has_family_plan
+    from ..parallelize.hf_zoo import not_applicable, prepare
+
+    why = None
+    if family not in CONFIG_MAPPING:
+        why = "not a model type of the installed transformers"
+    else:
+        config = CONFIG_MAPPING[family]()
+        if not (has_family_plan(family) or getattr(config, "base_model_tp_plan", None)):
+            why = "no tensor-parallel plan: neither ours nor a base_model_tp_plan"
+        else:
+            why = not_applicable(family, config)
+    if why:
+        raise ValueError(f"--preset {ZOO_PREFIX}{family}: the zoo has no tiny model of "
+                         f"{family!r} ({why}; docs/huggingface.md lists its families)")
+    prepare(family)  # the family's code imported once, before the ranks fork
 
 
 def job_from_args(args) -> CheckJob:
@@ -216,15 +234,15 @@ def _hf_inputs(cls, config, job: CheckJob, tokens) -> dict:
     return inputs
 
 
-def check_worker(job: CheckJob, profile=None) -> dict | None:
-    """On every rank: the report (rank 0 returns it as a dict)."""
+def check_worker(job: CheckJob, profile=None) -> dict:
+    """On every rank: the report, as a dict (the same on every rank)."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with init_parallel(tp=job.tp, dp=job.dp, ep=job.ep, profile=profile) as ctx:
         build, inputs = _source(job, ctx.device)
         report = check_parity(build, ctx, inputs, **job.options)
-        return report.to_dict() if ctx.rank == 0 else None
+        return report.to_dict()
 
 
 def run(args) -> int:
@@ -237,9 +255,7 @@ def run(args) -> int:
         if world_size() != size:
             raise ValueError(f"tp × dp × ep ({size}) must equal the torchrun world size "
                              f"({world_size()})")
-        data = check_worker(job, profile)
-        if data is None:  # not rank 0
-            return 0
+        data = check_worker(job, profile)  # every rank exits alike; only rank 0 prints
     else:
         data = launch(check_worker, size, job, profile=profile,
                       timeout=launch_timeout(args))[0]

@@ -94,7 +94,9 @@ def _backward(rows: list[dict], params: list[dict]):
     consumers = _innermost([c for c in rows if r["name"] in c.get("inputs_from", [])])
     if consumers:
         blamed = consumers[-1]  # rows are in finish order: the last one's backward ran first
-        how = f"by the backward of {blamed['name']}, which takes it as input"
+        others = [c["name"] for c in consumers[:-1]]
+        how = f"by the backward of {blamed['name']}, which takes it as input" + \
+            (f" (as do {', '.join(others)})" if others else "")
     else:
         parent = _parent(rows, what)
         blamed = rows[parent] if parent is not None else r

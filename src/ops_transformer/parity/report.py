@@ -65,13 +65,19 @@ class ParityReport:
             parts.append(f"error on rank {self.error['rank']} in {self.error['module']} "
                          f"({self.error['phase']}): {self.error['type']}: "
                          f"{self.error['message']}")
+        fixed = self.tolerance.get("output")
+        measured = any(r.get("bound") not in (None, fixed) for r in self.modules)
         modules = [{"#": i + 1, "module": r["name"], "style": _short(r.get("style")),
                     "compared": r.get("compared"), "max abs": _e(r.get("max_abs")),
-                    "rel": _e(r.get("max_rel")), "input rel": _e(r.get("input_rel")),
-                    "grad rel": _e(r.get("grad_rel")), "status": r["status"]}
-                   for i, r in enumerate(self.modules)]
+                    "rel": _e(r.get("max_rel")),
+                    **({"bound": _e(r.get("bound"))} if measured else {}),
+                    "input rel": _e(r.get("input_rel")), "grad rel": _e(r.get("grad_rel")),
+                    "status": r["status"]} for i, r in enumerate(self.modules)]
         if modules:
-            parts.append("module outputs, in forward-finish order:\n" + format_table(modules))
+            note = (" (bound: the precision's tolerance or the dense model's own 16-bit rounding "
+                    "there, whichever is larger)" if measured else "")
+            parts.append(f"module outputs, in forward-finish order{note}:\n"
+                         + format_table(modules))
         params = [{"parameter": r["name"], "shape": "×".join(map(str, r["shape"])),
                    "grad max abs": _e(r.get("max_abs")), "grad rel": _e(r.get("max_rel")),
                    "status": r["status"]} for r in self.parameters]

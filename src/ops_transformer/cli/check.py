@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,12 +190,12 @@ def _source(job: CheckJob, device):
     if job.model:
         import transformers
 
-        config = transformers.AutoConfig.from_pretrained(job.model)
+        config = _without_dropout(transformers.AutoConfig.from_pretrained(job.model))
         auto = getattr(transformers, "AutoModelForCausalLM" if _is_causal(config) else "AutoModel")
         cls = auto._model_mapping[type(config)]
 
         def build():
-            return cls.from_pretrained(job.model, dtype=torch.float32).to(device)
+            return cls.from_pretrained(job.model, config=config, dtype=torch.float32).to(device)
 
         return build, _hf_inputs(cls, config, job, tokens)
     if job.preset.startswith(ZOO_PREFIX):
@@ -213,6 +214,16 @@ def _source(job: CheckJob, device):
     return build_gpt, (ids[:, :-1], ids[:, 1:])
 
 
+def _without_dropout(config):
+    """Every dropout probability of the config (and its sub-configs) set to 0: a mask drawn on a
+    shard cannot equal the dense one."""
+    for sub in [config] + [v for v in vars(config).values() if hasattr(v, "to_dict")]:
+        for key, value in list(vars(sub).items()):
+            if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+                setattr(sub, key, 0.0)
+    return config
+
+
 def _is_causal(config) -> bool:
     from ._hf import CAUSAL_SUFFIXES
 
@@ -226,7 +237,8 @@ def _hf_inputs(cls, config, job: CheckJob, tokens) -> dict:
     ids = torch.randint(3 if vocab > 3 else 0, vocab, (job.batch, job.seq), generator=tokens)
     params = inspect.signature(cls.forward).parameters
     inputs = {"input_ids": ids}
-    if "use_cache" in params:
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    if "use_cache" in params or takes_any:  # no key/value cache: a training forward
         inputs["use_cache"] = False
     causal = _is_causal(config) if job.model else True  # the zoo's class: causal LM or base
     if causal and "labels" in params:
@@ -245,6 +257,18 @@ def check_worker(job: CheckJob, profile=None) -> dict:
         return report.to_dict()
 
 
+def _finite(value):
+    """Strict JSON: an infinite or NaN difference (a NaN the dense model does not have) becomes
+    the string ``"inf"`` / ``"nan"``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
 def run(args) -> int:
     job = job_from_args(args)
     size = job.tp * job.dp * job.ep
@@ -261,7 +285,7 @@ def run(args) -> int:
                       timeout=launch_timeout(args))[0]
     report = ParityReport.from_dict(data)
     if args.json:
-        print_json(report.to_dict())
+        print_json(_finite(report.to_dict()))
     else:
         print(report.table())
     return 0 if report.ok else 1

@@ -86,6 +86,30 @@ def _compare_tensors(mine, ref_shapes, refs, layout_args, group, floor=0.0, grad
     return worst_abs, worst_rel, layouts
 
 
+def _measure(entry: dict, call: Call, ref: Call | None, module: nn.Module, args: dict, group,
+             floor: float, style: str | None) -> dict:
+    """The differences of one call's outputs, inputs and output gradients (collective over
+    ``group``; numbers on rank 0 only, where ``ref`` is)."""
+    outs = [call.outputs[call.paths.index(p)] if p in call.paths else None
+            for p in entry["paths"]]
+    out_abs, out_rel, layouts = _compare_tensors(
+        outs, entry["outputs"], ref.outputs if ref else None,
+        {**args, "hint": output_hint(module)}, group)
+    _, in_rel, _ = _compare_tensors(call.inputs, entry["inputs"], ref.inputs if ref else None,
+                                    args, group)
+    grads = [call.grads.get(p) if has else None for p, has in zip(entry["paths"], entry["grads"])]
+    ref_grads = [ref.grads.get(p) for p in entry["paths"]] if ref else None
+    # a grad_allreduce module's output feeds this rank's heads only: its gradient is a partial
+    # sum by design (the plan sums the parameters' gradients at the end)
+    partial = args["partial_region"] or "grad_allreduce" in (style or "")
+    _, grad_rel, _ = _compare_tensors(grads, entry["outputs"], ref_grads,
+                                      {**args, "hint": output_hint(module),
+                                       "partial_region": partial}, group, floor, gradient=True)
+    return {"compared": ", ".join(dict.fromkeys(layout.describe() for layout in layouts)),
+            "shape": list(entry["outputs"][0]) if entry["outputs"] else None,
+            "max_abs": out_abs, "max_rel": out_rel, "input_rel": in_rel, "grad_rel": grad_rel}
+
+
 def compare_calls(meta: list[dict], ref_calls: list[Call] | None, calls: list[Call],
                   model: nn.Module, plan, ctx, tol: Tolerance, sequence_parallel: bool,
                   noise: dict | None = None) -> list[dict]:
@@ -96,10 +120,8 @@ def compare_calls(meta: list[dict], ref_calls: list[Call] | None, calls: list[Ca
     by_finish = {c.finish: c.key for c in calls}
     regions = _partial_regions(plan)
     refs = {c.key: c for c in ref_calls} if ref_calls is not None else None
-    floor = 0.0
-    if refs is not None:
-        floor = GRAD_FLOOR * max((float(g.abs().max()) for c in ref_calls
-                                  for g in c.grads.values() if g.numel()), default=0.0)
+    floor = GRAD_FLOOR * max((float(g.abs().max()) for c in ref_calls or ()
+                              for g in c.grads.values() if g.numel()), default=0.0)
     rows = []
     for entry in meta:
         key, name = entry["key"], entry["name"]
@@ -108,42 +130,22 @@ def compare_calls(meta: list[dict], ref_calls: list[Call] | None, calls: list[Ca
         if call is None:
             rows.append({**row, "status": "not run", "ok": True})
             continue
-        module = model if name == ROOT else model.get_submodule(name)
         args = {"tp_rank": ctx.tp_rank, "tp_size": ctx.tp_size,
                 "sequence_parallel": sequence_parallel,
                 "partial_region": _in_partial_region(name, regions)}
-        paths = {p: i for i, p in enumerate(call.paths)}
-        order = [paths.get(p) for p in entry["paths"]]
-        outs = [call.outputs[i] if i is not None else None for i in order]
-        grads = [call.grads.get(p) for p in entry["paths"]]
-        out_abs, out_rel, layouts = _compare_tensors(
-            outs, entry["outputs"], ref.outputs if ref else None,
-            {**args, "hint": output_hint(module)}, ctx.tp_group)
-        in_abs, in_rel, _ = _compare_tensors(call.inputs, entry["inputs"],
-                                             ref.inputs if ref else None, args, ctx.tp_group)
-        grads = [g if has else None for g, has in zip(grads, entry["grads"])]
-        ref_grads = [ref.grads.get(p) for p in entry["paths"]] if ref else None
-        # a grad_allreduce module's output feeds this rank's heads only: its gradient is a
-        # partial sum by design (the plan sums the parameters' gradients at the end)
-        partial_grad = args["partial_region"] or "grad_allreduce" in (row["style"] or "")
-        _, grad_rel, _ = _compare_tensors(grads, entry["outputs"], ref_grads,
-                                          {**args, "hint": output_hint(module),
-                                           "partial_region": partial_grad}, ctx.tp_group, floor,
-                                          gradient=True)
+        found = _measure(entry, call, ref, model if name == ROOT else model.get_submodule(name),
+                         args, ctx.tp_group, floor, row["style"])
         if ref is None:
             continue
-        compared = out_rel is not None
         bounds = {"bound": bound(noise, ("output", key), tol.output),
                   "input_bound": bound(noise, ("input", key), tol.output),
                   "grad_bound": bound(noise, ("grad", key), tol.grad)}
-        ok = (not compared or out_rel <= bounds["bound"]) and \
+        out_rel, grad_rel = found["max_rel"], found["grad_rel"]
+        ok = (out_rel is None or out_rel <= bounds["bound"]) and \
             (grad_rel is None or grad_rel <= bounds["grad_bound"])
-        rows.append({**row, "compared": ", ".join(dict.fromkeys(l.describe() for l in layouts)),
-                     "shape": list(entry["outputs"][0]) if entry["outputs"] else None,
-                     "max_abs": out_abs, "max_rel": out_rel, "input_rel": in_rel,
-                     "grad_rel": grad_rel, **bounds, "ok": ok,
-                     "status": "ok" if ok and compared else "mismatch" if not ok else
-                     "not compared", "grad_order": call.grad_arrival,
+        status = "mismatch" if not ok else "ok" if out_rel is not None else "not compared"
+        rows.append({**row, **found, **bounds, "ok": ok, "status": status,
+                     "grad_order": call.grad_arrival,
                      "inputs_from": [by_finish[f] for f in call.producers if f in by_finish]})
     return rows
 

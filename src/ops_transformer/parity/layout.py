@@ -29,7 +29,9 @@ layout         where (plan style)                           compared as
                the reference's
 ============== ============================================ ==========================================
 
-The same layouts hold for the gradient of a module's output. Integer tensors are not compared.
+The same layouts hold for the gradient of a module's output, where a tensor held by several
+replicas (KV heads fewer than ranks) may also match as the sum over its replicas (each saw only its
+own query heads). Integer tensors are not compared.
 """
 
 from __future__ import annotations

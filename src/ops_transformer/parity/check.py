@@ -51,8 +51,8 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
         raise ValueError(f"lr must be positive, got {lr}")
     tol = tolerance_for(precision, tolerance)
     policy = precision_policy(precision)
-    schedule = Schedule(ctx.dp_ep_size, steps, lr, loss_fn or default_loss,
-                        lambda: policy.autocast(ctx.device))
+    autocast = None if precision == "fp32" else (lambda: policy.autocast(ctx.device))
+    schedule = Schedule(ctx.dp_ep_size, steps, lr, loss_fn or default_loss, autocast)
     micro_batch(inputs, schedule.micro_batches, 0)  # the batch divides: checked on every rank
     reference = None
     if ctx.rank == 0:

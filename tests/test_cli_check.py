@@ -5,7 +5,10 @@ document, user errors exit 2."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,22 +139,29 @@ def test_real_minilm_weights(capsys):
     assert code == 0, report["reason"]
 
 
+def _torchrun(*argv: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 -m ops_transformer.cli.main ARGV``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                             "MASTER_ADDR", "MASTER_PORT")}
+    env.update(HF_HUB_OFFLINE="1")
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    return subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", "-m",
+                           "ops_transformer.cli.main", *argv], env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
 @pytest.mark.slow  # torchrun starts take 3-10 s each
 def test_under_torchrun_every_rank_exits_alike_and_rank_0_prints_once(tmp_path):
-    from test_torchrun import torchrun
-
-    run = torchrun(2, "-m", "ops_transformer.cli.main", "check", "--preset", "tiny", "--tp",
-                   "2", "--json")
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(run.stdout)["ok"] is True  # one document, from rank 0 only
     from ops_transformer.models.gpt import preset
     from ops_transformer.parallelize.gpt_plan import gpt_plan
 
+    run = _torchrun("check", "--preset", "tiny", "--tp", "2", "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout)["ok"] is True  # one document, from rank 0 only
     rules = gpt_plan(preset("tiny"), 2, "heads").to_dict()["rules"]
     rules["layers.*.attn.wo"] = "colwise"  # the row-parallel projection marked column-parallel
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(rules))
-    run = torchrun(2, "-m", "ops_transformer.cli.main", "check", "--preset", "tiny", "--tp",
-                   "2", "--tp-plan", str(plan), "--json")
+    run = _torchrun("check", "--preset", "tiny", "--tp", "2", "--tp-plan", str(plan), "--json")
     assert run.returncode != 0
     assert json.loads(run.stdout)["first_mismatch"] == "layers.0.attn.wo"

@@ -74,7 +74,8 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
     b = batch_size(inputs)
     report.reference = (f"the dense model on rank 0, alone ({schedule.micro_batches} "
                         f"micro-batch{'es' if schedule.micro_batches > 1 else ''} of "
-                        f"{(b or 0) // schedule.micro_batches} rows, one after another)")
+                        f"{(b or 0) // schedule.micro_batches} rows, one after another"
+                        + ("; once more in fp32 for its own rounding" if autocast else "") + ")")
     return report
 
 

@@ -41,6 +41,13 @@ def style_of(name: str, plan) -> str | None:
     return " + ".join(found) or None
 
 
+def _rope_tail(name: str, plan) -> int:
+    """``mla_kv_a``'s ``rope_dim``: the last features of its output feed this rank's heads
+    directly, so their gradient is a partial sum until the style's all-reduce (0 elsewhere)."""
+    return next((rule.get("rope_dim", 0) for pattern, rule in (plan.rules.items() if plan else ())
+                 if rule["style"] == "mla_kv_a" and matches(name, pattern)), 0)
+
+
 def _partial_regions(plan) -> list[str]:
     return [p for p, r in (plan.rules.items() if plan else ()) if r["style"] == "reduce_out"]
 
@@ -67,7 +74,8 @@ def agree_on_calls(calls: list[Call], group, device=None) -> int | None:
     return differ[0] if differ else None
 
 
-def _compare_tensors(mine, ref_shapes, refs, layout_args, group, floor=0.0, gradient=False):
+def _compare_tensors(mine, ref_shapes, refs, layout_args, group, floor=0.0, gradient=False,
+                     partial_tail=0):
     """``(max abs, max rel, layouts)`` over matching tensors; every rank of ``group`` computes
     the same layouts and joins the same gathers, only rank 0 (which has ``refs``) the numbers."""
     worst_abs = worst_rel = None
@@ -77,7 +85,8 @@ def _compare_tensors(mine, ref_shapes, refs, layout_args, group, floor=0.0, grad
             continue
         layout = infer_layout(tuple(mine[i].shape), ref_shape, **layout_args)
         layouts.append(layout)
-        candidates = dense_candidates(mine[i], layout, group, gradient=gradient)
+        candidates = dense_candidates(mine[i], layout, group, gradient=gradient,
+                                      partial_tail=partial_tail)
         if refs is None or not candidates or refs[i] is None:
             continue
         best = min((difference(c, refs[i], floor) for c in candidates), key=lambda d: d[1])
@@ -87,7 +96,7 @@ def _compare_tensors(mine, ref_shapes, refs, layout_args, group, floor=0.0, grad
 
 
 def _measure(entry: dict, call: Call, ref: Call | None, module: nn.Module, args: dict, group,
-             floor: float, style: str | None) -> dict:
+             floor: float, style: str | None, rope_tail: int = 0) -> dict:
     """The differences of one call's outputs, inputs and output gradients (collective over
     ``group``; numbers on rank 0 only, where ``ref`` is)."""
     outs = [call.outputs[call.paths.index(p)] if p in call.paths else None
@@ -104,7 +113,8 @@ def _measure(entry: dict, call: Call, ref: Call | None, module: nn.Module, args:
     partial = args["partial_region"] or "grad_allreduce" in (style or "")
     _, grad_rel, _ = _compare_tensors(grads, entry["outputs"], ref_grads,
                                       {**args, "hint": output_hint(module),
-                                       "partial_region": partial}, group, floor, gradient=True)
+                                       "partial_region": partial}, group, floor, gradient=True,
+                                      partial_tail=rope_tail)
     return {"compared": ", ".join(dict.fromkeys(layout.describe() for layout in layouts)),
             "shape": list(entry["outputs"][0]) if entry["outputs"] else None,
             "max_abs": out_abs, "max_rel": out_rel, "input_rel": in_rel, "grad_rel": grad_rel}
@@ -134,7 +144,7 @@ def compare_calls(meta: list[dict], ref_calls: list[Call] | None, calls: list[Ca
                 "sequence_parallel": sequence_parallel,
                 "partial_region": _in_partial_region(name, regions)}
         found = _measure(entry, call, ref, model if name == ROOT else model.get_submodule(name),
-                         args, ctx.tp_group, floor, row["style"])
+                         args, ctx.tp_group, floor, row["style"], _rope_tail(name, plan))
         if ref is None:
             continue
         bounds = {"bound": bound(noise, ("output", key), tol.output),

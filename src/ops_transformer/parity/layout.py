@@ -113,15 +113,21 @@ def _all_shards(t: torch.Tensor, dim: int, group) -> list[torch.Tensor]:
     return [s.movedim(0, dim) for s in out.chunk(C.group_size(group), 0)]
 
 
-def dense_candidates(t: torch.Tensor, layout: Layout, group, *,
-                     gradient: bool = False) -> list[torch.Tensor]:
+def dense_candidates(t: torch.Tensor, layout: Layout, group, *, gradient: bool = False,
+                     partial_tail: int = 0) -> list[torch.Tensor]:
     """The dense tensor(s) ``t`` stands for on every rank of ``group`` (collective for ``split``,
     ``tokens`` and ``partial``; every rank of the group must call it with the same layout): one
     tensor, or two where either may be right — for ``partial``, ``t`` itself and its sum over the
     group; for the ``gradient`` of a tensor held by several replicas (KV heads fewer than ranks),
-    one replica's and their sum (each replica saw only its own query heads)."""
+    one replica's and their sum (each replica saw only its own query heads); with
+    ``partial_tail=k`` (``mla_kv_a``'s gradient), a replicated tensor as is and with its last
+    ``k`` features summed over the group."""
     if layout.kind == "replicated":
-        return [t]
+        if not partial_tail or C.group_size(group) == 1:
+            return [t]
+        tail = t[..., -partial_tail:].detach().contiguous()
+        C.all_reduce(tail, group, label="parity.partial")
+        return [t, torch.cat([t[..., :-partial_tail], tail], -1)]
     if layout.kind == "split":
         spec = layout.spec
         if not (gradient and spec.replicas > 1):

@@ -136,3 +136,26 @@ def _check_bad_batch():
 def test_a_batch_that_does_not_split_over_data_ranks_is_a_clear_error(run_ranks):
     with pytest.raises(ValueError, match=r"the batch \(3\) must divide by .* \(2\)"):
         run_ranks(_check_bad_batch, 2)
+
+
+def _candidates():
+    from ops_transformer.parity.layout import Layout, dense_candidates, infer_layout
+
+    ctx = ot.init_parallel(tp=2)
+    r, g = ctx.tp_rank, ctx.tp_group
+    dense = torch.arange(2 * 4 * 6, dtype=torch.float32).view(2, 4, 6)
+    tokens = dense.reshape(-1, 6).chunk(2)[r].reshape(2, 2, 6)  # this rank's share of the tokens
+    out = {"tokens": dense_candidates(tokens, infer_layout((2, 2, 6), (2, 4, 6), r, 2,
+                                                           sequence_parallel=True), g)}
+    part = dense / 2  # each rank holds half of a sum
+    out["partial"] = dense_candidates(part, Layout("partial"), g)
+    tail = torch.cat([dense[..., :4], dense[..., 4:] / 2], -1)  # the last 2 features partial
+    out["tail"] = dense_candidates(tail, Layout("replicated"), g, gradient=True, partial_tail=2)
+    return out, dense
+
+
+def test_dense_candidates_gather_tokens_and_sum_partial_sums(run_ranks):
+    out, dense = run_ranks(_candidates, 2)[0]
+    assert torch.equal(out["tokens"][0], dense)
+    assert torch.equal(out["partial"][1], dense)  # the sum is the dense tensor
+    assert torch.equal(out["tail"][1], dense) and not torch.equal(out["tail"][0], dense)

@@ -115,11 +115,20 @@ def _working_families() -> list[str]:
             if status.strip() == "works"]
 
 
+# In bf16 this family's tiny router sends a token to other experts in the parallel run than in
+# the dense one (docs/parity.md, Tolerances): a flip under another rounding, named as such.
+ROUTING_FLIPS_BF16 = {"qwen2_moe"}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("family", _working_families())
-def test_every_working_zoo_family_passes(capsys, family):
+def test_every_working_zoo_family_passes(capsys, family, precision):
     code, report = _check(capsys, "--preset", f"hf:{family}", "--tp", "2", "--seq", "10",
-                          "--batch", "2", "--launch-timeout", "900")
+                          "--batch", "2", "--precision", precision, "--launch-timeout", "900")
+    if precision == "bf16" and family in ROUTING_FLIPS_BF16 and code == 1:
+        assert "near-tied router" in report["reason"]  # said so, not blamed on the plan alone
+        return
     assert code == 0, report["reason"]
 
 

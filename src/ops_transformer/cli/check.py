@@ -253,7 +253,7 @@ def check_worker(job: CheckJob, profile=None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with init_parallel(tp=job.tp, dp=job.dp, ep=job.ep, profile=profile) as ctx:
         build, inputs = _source(job, ctx.device)
-        report = check_parity(build, ctx, inputs, **job.options)
+        report = check_parity(build, ctx, inputs, progress=status, **job.options)
         return report.to_dict()
 
 

@@ -27,7 +27,7 @@ from .tolerance import logits_kl, tolerance_for
 
 def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_fn=None,
                  precision: str = "fp32", lr: float = 0.1, tolerance: float | None = None,
-                 **parallelize_kwargs) -> ParityReport:
+                 progress=None, **parallelize_kwargs) -> ParityReport:
     """Check, on every rank of ``ctx``, that ``parallelize(build_model(), ctx, plan,
     **parallelize_kwargs)`` computes what ``build_model()`` computes on one device.
 
@@ -37,7 +37,8 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
     / targets in ``inputs``) or ``loss_fn(output)``, else a mean-square distance to a fixed random
     target. ``steps`` optimizer steps (SGD at ``lr``) add the loss of each, side by side;
     ``precision`` (``fp32``, ``bf16``, ``fp16``: autocast over fp32 weights) picks the tolerance
-    (:mod:`.tolerance`; ``tolerance`` overrides the output bound).
+    (:mod:`.tolerance`; ``tolerance`` overrides the output bound). ``progress(message)``, if
+    given, is called on rank 0 as each phase starts.
 
     Returns the same :class:`ParityReport` on every rank: per module call in forward-finish
     order the output's (and input's, and output gradient's) difference in dense coordinates, per
@@ -54,15 +55,18 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
     autocast = None if precision == "fp32" else (lambda: policy.autocast(ctx.device))
     schedule = Schedule(ctx.dp_ep_size, steps, lr, loss_fn or default_loss, autocast)
     micro_batch(inputs, schedule.micro_batches, 0)  # the batch divides: checked on every rank
+    say = (progress or (lambda message: None)) if ctx.rank == 0 else (lambda message: None)
     reference = None
     if ctx.rank == 0:
+        say("parity: the dense model on rank 0" + (" (and in fp32)" if autocast else ""))
         with restoring_rng():  # the parallel model is built from the same draws as the reference
             reference = run_reference(build_model, inputs, schedule)
+    say(f"parity: the parallel model on {ctx.world_size} rank(s)")
     model = parallelize(build_model(), ctx, plan, **parallelize_kwargs)
     options = parallelize_kwargs.get("options")
     sequence_parallel = bool(parallelize_kwargs.get("sequence_parallel")
                              or getattr(options, "sequence_parallel", False))
-    report = _check(model, ctx, reference, inputs, schedule, tol, sequence_parallel)
+    report = _check(model, ctx, reference, inputs, schedule, tol, sequence_parallel, say)
     report.precision, report.tolerance = precision, tol.to_dict()
     if not report.ok and precision != "fp32" and _about_experts(report):
         report.reason += ("; in 16-bit precision a near-tied router can send a token to other "
@@ -79,7 +83,7 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
     return report
 
 
-def _check(model, ctx, reference, inputs, schedule: Schedule, tol, sequence_parallel: bool):
+def _check(model, ctx, reference, inputs, schedule: Schedule, tol, sequence_parallel: bool, say):
     world, compared = ctx.world_group, ctx.dp_ep_rank == 0
     meta = C.broadcast_object(reference.meta() if reference else None, 0, world)
     prepare(model)
@@ -107,6 +111,7 @@ def _check(model, ctx, reference, inputs, schedule: Schedule, tol, sequence_para
         if differ is not None:
             failure = _uneven(recorder.calls, differ, ctx, plan)
         else:
+            say(f"parity: comparing {len(meta)} module calls in dense coordinates")
             rows = compare_calls(meta, reference.calls if reference else None, recorder.calls,
                                  model, plan, ctx, tol, sequence_parallel,
                                  reference.noise if reference else None)
@@ -117,6 +122,8 @@ def _check(model, ctx, reference, inputs, schedule: Schedule, tol, sequence_para
         return _broadcast(_error_report(failure, weights) if ctx.rank == 0 else None, ctx)
     params = compare_params(reference.grads if reference else None, model, ctx, plan, tol.grad,
                             grads=True, noise=reference.noise if reference else None)
+    if schedule.steps > 1:
+        say(f"parity: {schedule.steps - 1} more optimizer step(s)")
     losses = [_mean_loss(loss, ctx)] + _more_steps(model, mine, schedule, ctx)
     result = None
     if ctx.rank == 0:

@@ -161,3 +161,13 @@ def test_the_recorder_lists_calls_in_finish_order_and_names_the_module_that_rais
         net(torch.randn(2, 4), fail=True)
     assert recorder.innermost == "b"
     recorder.remove()
+
+
+def test_a_gathered_lm_head_keeps_the_linear_sizes_models_read():
+    """Found by ``check --preset hf:apertus1p5_text``: its causal-LM loss reads
+    ``lm_head.out_features``, which the vocab-parallel head it became lacked."""
+    from ops_transformer import ParallelContext
+    from ops_transformer.layers.head import GatheredLMHead
+
+    head = GatheredLMHead.from_dense(nn.Linear(8, 10, bias=False), ParallelContext.single())
+    assert (head.in_features, head.out_features) == (8, 10)

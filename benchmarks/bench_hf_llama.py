@@ -277,7 +277,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     check_counts(p, args, SIZES)
     if args.profile is None:
-        from ops_transformer.cli._profile import profile_path
+        from ops_transformer.cli._calibrated import profile_path
 
         args.profile = str(profile_path()) if profile_path().exists() else None
     elif args.profile == "builtin":

@@ -1,6 +1,6 @@
 """Claim (f): what the memory techniques save and cost, as a markdown table for docs/claims.md.
 
-Runs ``ops-transformer memory``'s measurement (:func:`ops_transformer.memory.tradeoff.memory_worker`)
+Runs ``ops-transformer memory``'s measurement (:func:`ops_transformer.profiler.memory_tradeoff.memory_worker`)
 ``--runs`` times — each run builds every technique combination and times interleaved training steps
 — and reports, per combination, the measured activation bytes (per layer and in total) and
 optimizer-state bytes (the same in every run) with the share saved against the plain run, and the
@@ -20,7 +20,7 @@ import statistics
 import torch
 
 from ops_transformer import launch
-from ops_transformer.memory.tradeoff import MemoryRun, check_run, memory_worker
+from ops_transformer.profiler.memory_tradeoff import MemoryRun, check_run, memory_worker
 
 
 def _mib(n: float) -> str:

@@ -26,14 +26,14 @@ START, END = "<!-- zoo table: start -->", "<!-- zoo table: end -->"
 
 def _rank(model_type: str, tp: int):
     from ops_transformer import init_parallel
-    from ops_transformer.parallelize import hf_zoo
+    from ops_transformer.testing import zoo as hf_zoo
 
     return hf_zoo.check_family(model_type, init_parallel(tp=tp), vocab="parallel")
 
 
 def run(model_type: str, tp: int, timeout: float) -> dict:
     from ops_transformer import launch
-    from ops_transformer.parallelize import hf_zoo
+    from ops_transformer.testing import zoo as hf_zoo
 
     errors, exc, start = None, None, time.perf_counter()
     try:
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
 
     import transformers
 
-    from ops_transformer.parallelize import hf_zoo
+    from ops_transformer.testing import zoo as hf_zoo
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")

@@ -6,13 +6,13 @@ from .comm import (CommLedger, all_gather_along, all_to_all, copy_to_tp_region,
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                      vocab_parallel_cross_entropy)
 from .models import GPT, GPTConfig
-from .parallel.data_parallel import no_sync
-from .parallelize import Plan, parallelize
+from .parallel.state import no_sync
+from .parallelize import ParallelOptions, Plan, parallelize
 from .parallelize.linear_split import parallel_linear
 from .parallel import (ParallelContext, RankError, ShardSpec, gather_full, gather_full_state_dict,
                        init_parallel, launch)
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402, F401
 
 __all__ = [
     "ParallelContext", "init_parallel", "launch", "RankError",
@@ -20,9 +20,10 @@ __all__ = [
     "gather_from_tp_region", "all_gather_along", "reduce_scatter_along", "all_to_all",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "ShardSpec", "gather_full", "gather_full_state_dict",
-    "GPT", "GPTConfig", "Plan", "parallelize", "no_sync", "parallel_linear",
+    "GPT", "GPTConfig", "Plan", "ParallelOptions", "parallelize", "no_sync", "parallel_linear",
 ]
-from .comm.bucketing import GradSums, all_reduce_coalesced, mark_partial_grad
+from .comm.bucketing import all_reduce_coalesced, mark_partial_grad
+from .parallel.grad_reduce import GradSums
 from .precision import DynamicLossScaler, clip_grad_norm_, optimizer_step, precision_policy
 __all__ += ["DynamicLossScaler", "clip_grad_norm_", "optimizer_step", "precision_policy",
             "GradSums", "all_reduce_coalesced", "mark_partial_grad"]

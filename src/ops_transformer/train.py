@@ -20,12 +20,12 @@ import torch
 from . import checkpoint as ckpt
 from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
-from .memory.options import check_memory_flags, make_optimizer, partial_numel
+from .memory.train_flags import check_memory_flags, make_optimizer, partial_numel
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
 from .models.moe import moe_stats
 from .parallel.context import check_degrees, init_parallel
-from .parallelize import parallelize
+from .parallelize import ParallelOptions, parallelize
 from .parallelize.gpt_plan import gpt_plan
 from .planner.strategies import model_comm_per_step
 from .precision import DynamicLossScaler, optimizer_step, precision_policy
@@ -46,7 +46,7 @@ class TrainConfig:
     seq: int = 64
     lr: float = 3e-3
     seed: int = 0
-    attention: str = "auto"
+    attention: str = ParallelOptions.attention
     data: str | None = None
     out: str | None = None
     sample_tokens: int = 160
@@ -58,15 +58,22 @@ class TrainConfig:
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
     ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
     tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
-    sequence_parallel: bool = False  # memory (SPEC F7): see ops_transformer.memory
-    recompute: str = "none"
-    activation_cache: str = "none"
+    sequence_parallel: bool = ParallelOptions.sequence_parallel  # memory (SPEC F7)
+    recompute: str = ParallelOptions.recompute
+    activation_cache: str = ParallelOptions.activation_cache
     zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
     ckpt_dir: str | None = None  # sharded checkpoints (docs/checkpoints.md)
     save_every: int = 0  # checkpoint every N steps (0: only after the last step)
     resume: bool = False  # continue from the latest checkpoint in ckpt_dir, if there is one
     max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
     keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
+
+    def parallel_options(self, **more) -> ParallelOptions:
+        """The options ``parallelize`` runs this training with (``more``: e.g. the precision
+        policy's ``grad_reduce_dtype``)."""
+        return ParallelOptions(attention=self.attention, sequence_parallel=self.sequence_parallel,
+                               recompute=self.recompute, activation_cache=self.activation_cache,
+                               **more)
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -188,15 +195,12 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
-    attention = "heads" if cfg.sequence_parallel and cfg.attention == "auto" else cfg.attention
-    plan = gpt_plan(model_cfg, ctx.tp_size, attention, batch=cfg.batch // ctx.dp_ep_size,
-                    seq=cfg.seq, profile=ctx.profile)  # `auto`: for this run's shapes, on the
-    #                                                     profile every rank agreed on
     policy = precision_policy(cfg.precision)
-    model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan,
-                        grad_reduce_dtype=policy.grad_reduce_dtype,
-                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
-                        activation_cache=cfg.activation_cache)
+    options = cfg.parallel_options(grad_reduce_dtype=policy.grad_reduce_dtype)
+    plan = gpt_plan(model_cfg, ctx.tp_size, options.plan_attention,
+                    batch=cfg.batch // ctx.dp_ep_size, seq=cfg.seq,
+                    profile=ctx.profile)  # `auto`: for this run's shapes, on the agreed profile
+    model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan, options)
     opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
     return TrainState(cfg, ctx, model, opt, data, policy, scaler)

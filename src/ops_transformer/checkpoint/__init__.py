@@ -11,9 +11,9 @@ from .errors import CheckpointError
 from .layout import Entry, Layout, Replicated, SpecLayout, layout_of
 from .training import check_options, resume, save, should_save
 from .optim import OptimizerAdapter, TorchOptimizerAdapter, register_optimizer_adapter
-from .restart import launch_with_restarts
+from ..parallel.restart import launch_with_restarts
 from .store import latest_step, list_steps
-from .zero import ZERO_ADAPTER, ZeroOptimizerAdapter
+from .zero_adapter import ZERO_ADAPTER, ZeroOptimizerAdapter
 
 register_module_entries(ParallelExperts, expert_entries)
 register_module_entries(HFExperts, hf_expert_entries)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .. import __version__
+from .._version import __version__
 from ..comm import collectives as C
 from . import store
 from .chunked import LoadPlanner, SavePlanner

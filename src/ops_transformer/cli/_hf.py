@@ -21,7 +21,7 @@ from ..parallel import init_parallel, launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallelize import parallelize
 from ._common import under_torchrun
-from ._profile import command_profile
+from ._calibrated import command_profile
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..profiler.calibrate import calibrate
-from ..planner.profile import save_profile
-from ._profile import ENV_VAR, profile_path
+from ..planner.calibrated import save_profile
+from ._calibrated import ENV_VAR, profile_path
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_file, launch_timeout, print_json,
                       refuse_torchrun)

@@ -26,11 +26,11 @@ from ..parity.report import ParityReport
 from ..precision import PRECISIONS
 from ._common import (add_launch_timeout, launch_timeout, print_json, status, under_torchrun,
                       world_size)
-from ._profile import command_profile
+from ._calibrated import command_profile
 
 HELP = ("check that a model split over tp ranks computes what the unsplit model does; name the "
         "first module that does not")
-ZOO_PREFIX = "hf:"  # --preset hf:<model_type>: the model zoo's tiny random model of that family
+ZOO_PREFIX = "hf:"  # --preset hf:<model_type>: the zoo's tiny random model (testing/zoo.py)
 ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
 
 
@@ -148,7 +148,7 @@ def _check_zoo_family(family: str) -> None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from ..parallelize.hf_plans import has_family_plan
-    from ..parallelize.hf_zoo import not_applicable, prepare
+    from ..testing.zoo import not_applicable, prepare
 
     why = None
     if family not in CONFIG_MAPPING:
@@ -199,7 +199,7 @@ def _source(job: CheckJob, device):
 
         return build, _hf_inputs(cls, config, job, tokens)
     if job.preset.startswith(ZOO_PREFIX):
-        from ..parallelize.hf_zoo import build as zoo_build, prepare
+        from ..testing.zoo import build as zoo_build, prepare
 
         family = job.preset[len(ZOO_PREFIX):]
         cls, config = prepare(family)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..checkpoint import export as ex
 from ..checkpoint import store
+from ..train import TrainConfig
 from ..utils.progress import format_table
 from ._common import check_out_dir, check_out_file, print_json, refuse_torchrun
 
@@ -32,14 +33,16 @@ def add_parser(p) -> None:
 def add_checkpoint_arguments(p) -> None:
     """The checkpoint flags of ``train``."""
     p.add_argument("--ckpt-dir", help="write sharded checkpoints here (docs/checkpoints.md)")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps "
-                   "(default 0: only after the last step)")
+    defaults = TrainConfig()
+    p.add_argument("--save-every", type=int, default=defaults.save_every, help="checkpoint every "
+                   f"N steps (default {defaults.save_every}: only after the last step)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in "
                    "--ckpt-dir if there is one (the same command starts and restarts a job)")
-    p.add_argument("--max-restarts", type=int, default=0, help="with --nproc: restart all ranks "
-                   "after a failure this many times (torchrun: use its own --max-restarts)")
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept "
-                   "(default 3)")
+    p.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
+                   help="with --nproc: restart all ranks after a failure this many times "
+                   "(torchrun: use its own --max-restarts)")
+    p.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints,
+                   help=f"newest checkpoints kept (default {defaults.keep_checkpoints})")
 
 
 def checkpoint_settings(args) -> dict:

@@ -16,7 +16,7 @@ from ..parallel import launch
 from ..train import TrainConfig, train_worker, validate, write_outputs
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       refuse_torchrun, status)
-from ._profile import command_profile
+from ._calibrated import command_profile
 from .train import summary
 
 HELP = "train the tiny GPT at tp=2 on 2 local ranks and check it against tp=1"

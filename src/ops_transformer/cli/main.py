@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import __version__
+from .._version import __version__
 from . import calibrate, checkpoint, demo, embed, generate, plan, train
 from . import bench, diagnose, memory, profile, sweep
 from . import check

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from ..memory.tradeoff import MemoryRun, check_run, memory_worker
+from ..profiler.memory_tradeoff import MemoryRun, check_run, memory_worker
 from ..models.gpt import PRESETS
 from ..parallel import launch
 from ..utils.progress import format_table

@@ -7,15 +7,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..comm.topology import detect_topology
 from ..planner import catalogue
 from ..planner.efficiency import STACKS
+from ..planner.local import local_cluster, local_profile
 from ..planner.memory import ATTENTION_KERNELS, LOSS_KERNELS, RECOMPUTE
+from ..planner.published import print_report
 from ..planner.search import Options, evaluate_layout, execution, layout_problem, search
 from ..planner.specs import ClusterSpec, ModelSpec
 from ..planner.strategies import ATTENTION_STRATEGIES
+from ..profiler.validate import run_validation
 from ..utils.progress import format_table
 from ._common import check_out_file
-from ._profile import command_profile
+from ._calibrated import command_profile
 
 HELP = "predict step time and memory of every dp × tp × ep layout and pick the best"
 LAYOUT_FLAGS = ("tp", "dp", "ep", "zero", "recompute", "sequence_parallel", "micro_batch",
@@ -88,9 +92,7 @@ def _named(flag: str, value, call):
 
 def _cluster(args, gpus: int) -> ClusterSpec:
     if args.gpu == "local":
-        from ..planner.local import local_cluster
-
-        return local_cluster(gpus, command_profile("--gpu local"))
+        return local_cluster(gpus, command_profile("--gpu local"), topology=detect_topology())
     card = _named("--gpu", args.gpu, lambda: catalogue.gpu(args.gpu))
     for flag, name in (("--intra", args.intra), ("--inter", args.inter)):
         if name:
@@ -160,8 +162,6 @@ def _efficiency(args, cluster) -> tuple[float | None, str | None]:
                              f"got {args.efficiency}")
         return args.efficiency, "--efficiency"
     if args.stack is None and cluster.gpu.vendor != "cpu":
-        from ..planner.local import local_profile
-
         measured = getattr(local_profile(command_profile(None)), "gpu_efficiency", {}) or {}
         if cluster.gpu.name in measured:
             return measured[cluster.gpu.name], f"calibrated on this machine's {cluster.gpu.name}"
@@ -190,13 +190,8 @@ def _header(result: dict) -> str:
 
 def run(args) -> int:
     if args.validate:
-        from ..planner.local import local_profile
-        from ..profiler.validate import run_validation
-
         return run_validation(local_profile(command_profile("--validate")), json_output=args.json)
     if args.published or args.fit:
-        from ..planner.published import print_report
-
         return print_report(refit=args.fit, by_stack=args.stack is not None, json_output=args.json)
     _positive(args, "top", "gpus", "gpus_per_node", "nics_per_node", "seq", "batch", "tp", "dp",
               "ep", "micro_batch")

@@ -15,7 +15,7 @@ from ..utils.plot import write_bar_pairs_png
 from ..utils.progress import Progress, format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       refuse_torchrun)
-from ._profile import command_profile
+from ._calibrated import command_profile
 
 HELP = ("run several training configurations (comma-separated values per option, every "
         "combination) and compare step time, tokens/s, activation memory, communication and the "
@@ -29,7 +29,7 @@ def add_parser(p) -> None:
                    "largest --tp; dp fills the rest)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per configuration (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--data", help="training text (as train)")
     p.add_argument("--out", help="output directory for sweep.json and sweep.png (default "
                    "runs/sweep-<timestamp>)")

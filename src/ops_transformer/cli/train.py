@@ -10,41 +10,45 @@ from pathlib import Path
 import torch
 
 from ..models.gpt import PRESETS
-from ..checkpoint import launch_with_restarts
+from ..parallel.restart import launch_with_restarts
 from ..parallel import launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
+from ..parallelize.gpt_plan import ATTENTION_CHOICES
+from ..planner.search import chosen_layout
 from ..train import TrainConfig, train_worker, validate
-from ..memory.layers import ACTIVATION_CACHES
-from ..memory.options import ZERO_STAGES, memory_from_plan, memory_summary
+from ..memory.apply import ACTIVATION_CACHES
+from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       under_torchrun, world_size)
-from ._profile import command_profile
+from ._calibrated import command_profile
 from .checkpoint import add_checkpoint_arguments, checkpoint_settings
 
 HELP = "train the reference GPT with tensor (and data) parallelism"
-ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
+ATTENTION = ATTENTION_CHOICES
+D = TrainConfig()  # every default of train, defined once (the dataclass)
 
 
 def add_parser(p) -> None:
     p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
                    "run under torchrun (or as one process)")
-    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
+    p.add_argument("--tp", type=int, help=f"tensor-parallel degree (default {D.tp})")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (tp·ep))")
     p.add_argument("--ep", type=int, help="expert-parallel degree for MoE presets "
-                   "(moe-tiny, moe-small): n_experts/ep experts per rank (default 1)")
-    p.add_argument("--preset", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
+                   f"(moe-tiny, moe-small): n_experts/ep experts per rank (default {D.ep})")
+    p.add_argument("--preset", default=D.preset, help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--data", help="a text file or a directory (default: the Python standard "
                    "library's sources on this machine)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=8, help="global batch in sequences")
-    p.add_argument("--seq", type=int, default=64, help="sequence length in bytes")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention", choices=ATTENTION, help="attention strategy (default auto)")
+    p.add_argument("--steps", type=int, default=D.steps)
+    p.add_argument("--batch", type=int, default=D.batch, help="global batch in sequences")
+    p.add_argument("--seq", type=int, default=D.seq, help="sequence length in bytes")
+    p.add_argument("--lr", type=float, default=D.lr)
+    p.add_argument("--seed", type=int, default=D.seed)
+    p.add_argument("--attention", choices=ATTENTION,
+                   help=f"attention strategy (default {D.attention})")
     p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: torchrun's "
                    "LOCAL_WORLD_SIZE, else all on one node); e.g. 2 with --nproc 4 simulates 2 "
                    "nodes x 2 ranks")
@@ -55,18 +59,18 @@ def add_parser(p) -> None:
                    help="keep each rank's slice of "
                    "the sequence between tensor-parallel regions (needs --tp 2+, heads attention)")
     p.add_argument("--recompute", choices=RECOMPUTE, help="recompute activations in backward: "
-                   "the attention core or every layer (default none)")
-    p.add_argument("--activation-cache", default="none", choices=ACTIVATION_CACHES,
+                   f"the attention core or every layer (default {D.recompute})")
+    p.add_argument("--activation-cache", default=D.activation_cache, choices=ACTIVATION_CACHES,
                    help="keep the layers' saved activations as int8 (one scale per 128 values)")
     p.add_argument("--zero", type=int, choices=ZERO_STAGES,
                    help="ZeRO stage over the data-parallel ranks: 1 shards the optimizer state, 2 "
-                   "also the gradients (default 0: off)")
+                   f"also the gradients (default {D.zero}: off)")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+    p.add_argument("--precision", default=D.precision, choices=PRECISIONS,
                    help="compute dtype: fp32, or bf16 / fp16 autocast over fp32 master weights "
-                   "(fp16 with a dynamic loss scaler); default fp32")
+                   f"(fp16 with a dynamic loss scaler); default {D.precision}")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
     add_checkpoint_arguments(p)
@@ -82,12 +86,12 @@ def layout_from_plan(path: str) -> dict:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--plan {path!r} is not a readable JSON plan: {exc}") from None
-    best = data.get("best", data) if isinstance(data, dict) else None
-    if not isinstance(best, dict) or not {"tp", "dp", "attention"} <= set(best):
-        raise ValueError(f"--plan {path!r} has no layout (its 'best' is null: nothing fits, or it "
-                         f"is not a planner result)")
-    return {"tp": best["tp"], "dp": best["dp"], "ep": best.get("ep", 1),
-            "attention": best["attention"], **memory_from_plan(best, path)}
+    try:
+        layout = chosen_layout(data)
+    except ValueError as exc:
+        raise ValueError(f"--plan {path!r} has no layout ({exc})") from None
+    return {"tp": layout["tp"], "dp": layout["dp"], "ep": layout["ep"],
+            "attention": layout["attention"], **memory_from_plan(layout, path)}
 
 
 def config_from_args(args, out_prefix: str) -> TrainConfig:
@@ -96,11 +100,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
              "attention": args.attention,
              "sequence_parallel": getattr(args, "sequence_parallel", None),
              "recompute": getattr(args, "recompute", None), "zero": getattr(args, "zero", None)}
-    layout = {"tp": 1 if args.tp is None else args.tp, "dp": args.dp,
-              "ep": 1 if given["ep"] is None else given["ep"],
-              "attention": args.attention or "auto",
-              "sequence_parallel": bool(given["sequence_parallel"]),
-              "recompute": given["recompute"] or "none", "zero": given["zero"] or 0}
+    layout = {k: getattr(D, k) if v is None else v for k, v in given.items()}  # absent: defaults
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
         conflicts = [f"--{k.replace('_', '-')} {v} (the plan has {layout[k]})"
@@ -115,7 +115,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        precision=args.precision, clip_grad=args.clip_grad,
                        tensorboard=getattr(args, "tensorboard", None),
                        ranks_per_node=getattr(args, "ranks_per_node", None),
-                       activation_cache=getattr(args, "activation_cache", "none"),
+                       activation_cache=getattr(args, "activation_cache", D.activation_cache),
                        **checkpoint_settings(args))
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..planner.collective_algorithms import algorithm_times, choose_algorithm
 from ..planner.hardware import HardwareProfile
 
 _registry: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -118,8 +119,6 @@ class GroupAlgorithms:
         return choice
 
     def _decide(self, kind: str, elements: int, element_size: int) -> str:
-        from ..planner.collective_algorithms import choose_algorithm
-
         choice, _ = choose_algorithm(self.profile, kind, elements, self.per_node, self.nodes,
                                      element_size)
         if choice == "hierarchical" and self.intra is None:
@@ -138,8 +137,6 @@ def hierarchy_can_win(profile: HardwareProfile, per_node: int, nodes: int) -> bo
     """Whether hierarchical beats flat for some all-reduce, all-gather or reduce-scatter of up to
     1 GiB of fp32 on this profile (if not, its sub-groups need not exist). Both costs are linear
     in the size beyond the latencies, so the two ends decide."""
-    from ..planner.collective_algorithms import algorithm_times
-
     if nodes < 2 or per_node < 2:
         return False
     for kind in ("all_reduce", "all_gather", "reduce_scatter"):

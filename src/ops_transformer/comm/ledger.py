@@ -20,7 +20,7 @@ send / recv    the tensor sent / received
 
 With this convention a sequence-parallel reduce-scatter + all-gather pair reports the same volume as
 the all-reduce it replaces (``b·s·h`` each), as Korthikanti et al. (2022) count it. The bytes that a
-ring algorithm actually moves per rank are given by :func:`wire_elements`.
+ring algorithm actually moves per rank are given by :func:`~ops_transformer.planner.cost.wire_elements`.
 
 What ran: a collective that the communication engine (:mod:`.engine`) runs in several steps —
 hierarchically across nodes, or as a point-to-point exchange in a group of two — is still **one**
@@ -42,6 +42,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+
+from ..planner.cost import wire_elements  # the ring volumes: a cost-model formula
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
 
@@ -84,22 +86,6 @@ class CommRecord:
         """The collectives that ran: the steps, or the record itself when it ran flat."""
         return self.steps or (CommStep(self.kind, self.elements, self.bytes, self.group_ranks,
                                        self.level),)
-
-
-def wire_elements(kind: str, elements: int, group_size: int) -> float:
-    """Elements each rank sends with bandwidth-optimal ring algorithms (Patarasuk & Yuan 2009).
-
-    all-reduce ``2(p-1)/p·n``; all-gather and reduce-scatter ``(p-1)/p·n``; all-to-all ``(p-1)/p·n``
-    (the part of its input a rank keeps is not sent); broadcast/send/recv ``n``.
-    """
-    p = group_size
-    if p <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2.0 * (p - 1) / p * elements
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (p - 1) / p * elements
-    return float(elements)
 
 
 class CommLedger:

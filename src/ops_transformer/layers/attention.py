@@ -30,6 +30,7 @@ from torch import nn
 from ..comm.bucketing import mark_partial_grad
 from ..comm.primitives import (all_gather_along, copy_to_tp_region, gather_from_tp_region,
                                reduce_scatter_along)
+from ..models.gpt import apply_rope
 from .linear import ColumnParallelLinear, to_compute_dtype
 
 
@@ -52,7 +53,7 @@ class FeatureSplitAttention(nn.Module):
     gradient covers its query rows only: it is marked as partial
     (:func:`~ops_transformer.comm.bucketing.mark_partial_grad`), and ``parallelize`` sums it over
     the TP group once per backward, coalesced with the other small sums
-    (:func:`~ops_transformer.comm.bucketing.attach_grad_sums` for a module built by hand)."""
+    (:func:`~ops_transformer.parallel.state.attach_grad_sums` for a module built by hand)."""
 
     def __init__(self, attn: nn.Module, ctx, *, rope: bool):
         super().__init__()
@@ -79,8 +80,6 @@ class FeatureSplitAttention(nn.Module):
         return cos.index_select(-1, cols), sin.index_select(-1, cols)
 
     def forward(self, x, rope=None):
-        from ..models.gpt import apply_rope
-
         B, T, _ = x.shape
         p = self.tp_size
         if T % p:

@@ -32,8 +32,8 @@ and each of Q, K and V would save its own contiguous copy of it for backward.
 Replicated parameters used on a share — norm weights and biases, the row-parallel biases, the
 final norm — get a gradient from this rank's tokens only. They are marked
 (:func:`~ops_transformer.comm.bucketing.mark_partial_grad` over the TP group), and
-``parallelize``'s :class:`~ops_transformer.comm.bucketing.GradSums` sums them over the TP group in
-**one** coalesced all-reduce per backward (per 25 MB of such gradients).
+``parallelize``'s :class:`~ops_transformer.parallel.grad_reduce.GradSums` sums them over the TP
+group in **one** coalesced all-reduce per backward (per 25 MB of such gradients).
 
 Sequence parallelism saves the activations kept for backward. Without autograd (inference,
 ``generate``) nothing is kept, and every piece here runs as plain tensor parallelism, so any

@@ -1,10 +1,11 @@
 """Memory (SPEC F7): activation recompute, the 8-bit activation cache, TP-aware ZeRO and measured
 activation memory. Sequence parallelism lives with the layers
 (:mod:`ops_transformer.layers.sequence_parallel`) and plans
-(:mod:`ops_transformer.parallelize.sequence_parallel`)."""
+(:mod:`ops_transformer.parallelize.sequence_plan`)."""
 
 from .int8_cache import Int8ActivationCache
-from .layers import apply_memory_options, transformer_layers
+from ..models.hf import transformer_layers
+from .apply import apply_memory_options
 from .measure import activation_memory
 from .recompute import RECOMPUTE, apply_recompute, checkpointed
 from .zero import ZeroOptimizer, zero_optimizer

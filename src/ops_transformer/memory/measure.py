@@ -20,6 +20,8 @@ import threading
 import torch
 from torch import nn
 
+from ..models.hf import is_hf, transformer_layers
+
 _open_meters: list[ActivationMeter] = []
 _lock = threading.Lock()
 
@@ -99,7 +101,7 @@ def _attribute(meter: ActivationMeter, layers: list[nn.Module]) -> list:
 def run_forward(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor | None = None):
     """``model(idx, targets)`` for the reference GPT; ``input_ids=`` / ``labels=`` for Hugging
     Face models."""
-    if hasattr(model, "config") and hasattr(model.config, "model_type"):
+    if is_hf(model):
         return model(input_ids=idx, labels=targets) if targets is not None else model(input_ids=idx)
     return model(idx, targets)
 
@@ -116,8 +118,6 @@ def activation_memory(model: nn.Module, idx: torch.Tensor,
     A storage saved by several layers counts in the first. On a parallel model this is a collective
     call (the forward communicates): every rank must make it; each gets its own bytes.
     """
-    from .layers import transformer_layers
-
     layers = transformer_layers(model)
     meter = ActivationMeter(exclude=list(model.parameters()) + list(model.buffers()))
     handles = _attribute(meter, layers)

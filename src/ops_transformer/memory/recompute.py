@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers import is_hf, transformer_layers
+from ..layers.regions import wrap_own_forward
+from ..models.hf import is_hf, transformer_layers
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -61,8 +62,8 @@ def apply_recompute(model: nn.Module, recompute: str) -> None:
         _apply_hf(model, recompute)
         return
     for block in transformer_layers(model):
-        if recompute == "full":
-            block.forward = checkpointed(block.forward)
+        if recompute == "full":  # (a region's collectives stay outside the checkpoint)
+            wrap_own_forward(block, checkpointed)
             continue
         attn = getattr(block, "attn", None)
         if not callable(getattr(attn, "core", None)):

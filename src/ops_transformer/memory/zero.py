@@ -9,17 +9,20 @@ padded to a multiple of ``dp``; data-parallel rank ``r`` owns chunk ``r`` of eve
     parameters are views into their bucket; the inner optimizer sees one parameter per bucket:
     this rank's chunk (so its state — Adam's moments — is 1/dp of the unsharded state)
 
-* stage 1: gradients are averaged over ``dp`` as usual (:class:`GradSync`'s all-reduce); ``step``
+* stage 1: gradients are averaged over ``dp`` as usual (the model's
+  :class:`~ops_transformer.parallel.grad_reduce.GradSync` all-reduce); ``step``
   copies this rank's chunk of them, runs the inner optimizer on the chunks and all-gathers the
   updated chunks into the buckets (one all-gather per bucket, ``dp_group``).
 * stage 2: as stage 1, but the gradient all-reduce is replaced by a reduce-scatter
-  (:class:`~ops_transformer.memory.zero_grads.ReduceScatterGradSync`): each rank receives only its
-  chunk of the averaged gradients, and the full gradients are freed as each bucket is reduced.
+  (:class:`~ops_transformer.parallel.grad_reduce.ReduceScatterGradSync`, swapped into the model's
+  reducer chain, ``model.parallel_state.reducers``, where the averaging was): each rank receives
+  only its chunk of the averaged gradients, and the full gradients are freed as each bucket is
+  reduced.
 
 Parameters whose gradients are partial sums over a TP group (sequence parallelism's norms and row
 biases, replicated KV heads, strategy B's output projection: :func:`mark_partial_grad`) keep their
 own buckets: they are all-reduced over ``dp`` before the end-of-backward
-:class:`~ops_transformer.comm.bucketing.GradSums` completes them (a reduce-scatter would free them
+:class:`~ops_transformer.parallel.grad_reduce.GradSums` completes them (a reduce-scatter would free them
 before that), then sliced like stage 1's.
 
 Exactly the unsharded optimizer's arithmetic, element by element, for element-wise optimizers
@@ -37,7 +40,11 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, grad_sync_of
+from ..comm.bucketing import DEFAULT_BUCKET_BYTES, partial_grad_group
+from ..parallel.grad_reduce import GradSync, ReduceScatterGradSync, dp_buckets
+from ..parallel.state import parallel_state_of
+from ..precision.clip import (check_max_norm, clip_grads_with_norm_, counted_on_tp_rank,
+                              real_rows_mask, reduce_norm_parts, total_norm)
 
 STAGES = (1, 2)
 
@@ -73,8 +80,6 @@ class ZeroBucket:
         parameters this TP rank counts (:func:`~ops_transformer.precision.clip.counted_on_tp_rank`),
         without a padded vocabulary's zero rows and the bucket's padding. Every data-parallel rank
         counts its own chunk: together the chunks cover the bucket once."""
-        from ..precision.clip import counted_on_tp_rank, real_rows_mask
-
         if self.counted is None:
             mask = torch.zeros(self.padded, dtype=torch.bool, device=self.flat.device)
             for p, off in zip(self.params, self.offsets):
@@ -105,15 +110,13 @@ class ZeroBucket:
 
 
 def _make_buckets(model: nn.Module, ctx, bucket_bytes: int, stage: int) -> list[ZeroBucket]:
-    from ..layers.sequence_parallel import is_partial
-
     names = {id(p): n for n, p in model.named_parameters()}  # tied parameters once
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
     buckets = []
     for partial in (False, True):
-        group = [p for p in reversed(params) if is_partial(p) == partial]
-        for run in GradSync._make_buckets(group, bucket_bytes):
-            buckets.append(ZeroBucket([(names[id(p)], p) for p in run.params], ctx.dp_size,
+        group = [p for p in reversed(params) if (partial_grad_group(p) is not None) == partial]
+        for run in dp_buckets(group, bucket_bytes):
+            buckets.append(ZeroBucket([(names[id(p)], p) for p in run], ctx.dp_size,
                                       ctx.dp_rank, reduce_scattered=stage == 2 and not partial))
     return buckets
 
@@ -126,7 +129,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, **optimizer_kwargs):
         if stage not in STAGES:
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
-        sync = grad_sync_of(model)
+        reducers = parallel_state_of(model, create=True).reducers
+        sync = reducers.get("dp")
         if ctx.dp_size > 1 and sync is None:
             raise ValueError("zero_optimizer shards over data-parallel ranks and needs their "
                              "gradient averaging: build the model with parallelize(model, ctx) "
@@ -142,9 +146,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._model_params = [p for b in self.buckets for p in b.params]
         self._grads_gathered = False
         if stage == 2:
-            from .zero_grads import install_reduce_scatter
-
-            install_reduce_scatter(model, self.buckets, ctx.dp_group, bucket_bytes)
+            _swap_in_reduce_scatter(reducers, sync, self.buckets, ctx.dp_group, bucket_bytes)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -177,8 +179,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         float32 element, ``Σ|g|ᵖ``, or ``max|g|`` for ``inf``): summed (max) over every rank of the
         job it is ``‖g‖ᵖ`` — what :func:`~ops_transformer.precision.clip.grad_norm_partial` gives
         for the unsharded gradients."""
-        from ..precision.clip import reduce_norm_parts
-
         grads = self.gather_grad_shards()
         parts = [torch.linalg.vector_norm(b.shard.grad[b.norm_mask(self.ctx)], norm_type,
                                           dtype=torch.float32)
@@ -189,8 +189,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Clip the sharded gradients to the dense model's total norm ``max_norm`` and return the
         norm before clipping — equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded
         model's gradients. One all-reduce of one element over the job; then :meth:`step`."""
-        from ..precision.clip import check_max_norm, clip_grads_with_norm_, total_norm
-
         check_max_norm(max_norm, norm_type)
         share = self.grad_norm_partial(norm_type)
         C.all_reduce(share, self.ctx.world_group, label="grad_norm",
@@ -251,6 +249,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (f"ZeroOptimizer(stage={self.stage}, dp={self.ctx.dp_size}, "
                 f"buckets={len(self.buckets)}, inner={type(self.inner).__name__})")
+
+
+def _swap_in_reduce_scatter(reducers, sync, buckets, group, bucket_bytes: int) -> None:
+    """Stage 2's reduction in place of the model's data-parallel averaging ``sync`` (first in the
+    chain when there is none, dp = 1): a reduce-scatter for the plain buckets, the usual all-reduce
+    for the partial-gradient buckets (whose TP sums, later in the chain, must find their
+    gradients)."""
+    dtype = getattr(sync, "reduce_dtype", None)
+    swapped = [ReduceScatterGradSync(buckets, group, reduce_dtype=dtype)]
+    partial = [p for b in buckets if not b.reduce_scattered for p in b.params]
+    if partial and C.group_size(group) > 1:
+        swapped.append(GradSync(reversed(partial), group, bucket_bytes=bucket_bytes,
+                                reduce_dtype=dtype, name="dp_partial"))
+    if sync is None:
+        reducers.insert(0, swapped)
+    else:
+        reducers.replace(sync, swapped)
 
 
 def zero_optimizer(model: nn.Module, ctx, optimizer_cls, stage: int = 1,

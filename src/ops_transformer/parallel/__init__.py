@@ -2,7 +2,8 @@
 
 from .context import ParallelContext, init_parallel
 from .launch import RankError, launch
+from .restart import launch_with_restarts
 from .sharding import ShardSpec, gather_full, gather_full_state_dict
 
-__all__ = ["ParallelContext", "init_parallel", "RankError", "launch", "ShardSpec", "gather_full",
+__all__ = ["ParallelContext", "init_parallel", "RankError", "launch", "launch_with_restarts", "ShardSpec", "gather_full",
            "gather_full_state_dict"]

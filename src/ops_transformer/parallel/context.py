@@ -55,6 +55,7 @@ class ParallelContext:
     owned_group: dist.ProcessGroup | None = field(default=None, repr=False)  # made by init_parallel
     ranks_per_node: int | None = None  # None: every rank on one node
     profile: object | None = field(default=None, repr=False)  # the agreed HardwareProfile
+    _kv_replica_groups: dict = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelContext:
@@ -110,6 +111,28 @@ class ParallelContext:
         """Every rank of the job (``None`` for one process): for what all ranks must agree on,
         such as a skipped step."""
         return dist.group.WORLD if self.world_size > 1 else None
+
+    def kv_replica_group(self, replicas: int) -> dist.ProcessGroup | None:
+        """The group of this rank's ``replicas`` consecutive TP ranks, which hold the same KV heads
+        when there are fewer KV heads than TP ranks
+        (:func:`~ops_transformer.planner.strategies.kv_replicas`): their partial gradients are
+        summed over it. ``None`` for one replica. Made on first use, for every TP group at once
+        (``new_group`` is collective: every rank asks for the same ``replicas`` in the same
+        order, as ``parallelize`` does)."""
+        if replicas <= 1:
+            return None
+        if self.tp_size % replicas:
+            raise ValueError(f"replicas ({replicas}) must divide tp ({self.tp_size})")
+        if replicas not in self._kv_replica_groups:
+            mine = None
+            for tp_ranks in self.mesh.mesh.reshape(-1, self.tp_size).tolist():
+                for start in range(0, self.tp_size, replicas):
+                    ranks = tp_ranks[start:start + replicas]
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        mine = group
+            self._kv_replica_groups[replicas] = mine
+        return self._kv_replica_groups[replicas]
 
     def __str__(self) -> str:
         return (f"rank {self.rank}/{self.world_size} (dp {self.dp_rank}/{self.dp_size}, "

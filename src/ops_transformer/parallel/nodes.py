@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..comm import collectives as C
 from ..comm.engine import GroupAlgorithms, NodeLayout, hierarchy_can_win, register
+from ..planner.calibrated import load_profile
 from ..planner.hardware import A100_NVLINK, CPU_GLOO, HardwareProfile
 
 log = logging.getLogger("ops_transformer")
@@ -43,8 +44,6 @@ def resolve_profile_source(profile, backend: str | None) -> HardwareProfile:
     if isinstance(profile, HardwareProfile):
         return profile
     if isinstance(profile, (str, os.PathLike)):
-        from ..planner.profile import load_profile
-
         return load_profile(Path(profile).expanduser())
     raise ValueError(f"profile must be a HardwareProfile, a path to a calibrated profile or None, "
                      f"got {type(profile).__name__}")

@@ -17,6 +17,8 @@ import traceback
 
 import torch
 
+from .teardown import destroy_process_groups
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PARENT_POLL_S = 1.0  # outside Linux: how often a rank checks that its launcher still lives
 
@@ -92,8 +94,6 @@ def rank_main(rank, nprocs, port, parent_pid, conn, stack_conn, fn, args, kwargs
         data = pickle.dumps(("error", (error, "", time.time())))
     conn.send_bytes(data)  # before tearing down: peers then fail after the parent knows why
     conn.close()
-    from .teardown import destroy_process_groups
-
     destroy_process_groups()
 
 

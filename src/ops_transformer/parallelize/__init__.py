@@ -4,68 +4,41 @@ from __future__ import annotations
 
 import logging
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..comm.bucketing import GradSums, add_grad_reducer
-from ..memory.layers import apply_memory_options, check_memory_options
-from ..models.gpt import GPT
+from ..layers.loss import vocab_parallel_cross_entropy
 from ..layers.moe import scale_expert_grads, split_expert_params
-from ..parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradSync, no_sync
+from ..memory.apply import apply_memory_options
+from ..models.gpt import GPT
+from ..models.hf import is_hf
+from ..parallel.grad_reduce import GradSums, GradSync
+from ..parallel.state import GradReducers, ParallelState, no_sync
+from ..planner.search import chosen_layout, is_planner_output
 from ..precision.policy import resolve_grad_reduce_dtype
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
 from .moe_plan import check_expert_parallel
+from .options import ParallelOptions
 from .plan import Plan, apply_plan
-from .sequence_parallel import check_partial_marked, sequence_parallel_plan
+from .sequence_plan import check_partial_marked, sequence_parallel_plan
 
 log = logging.getLogger("ops_transformer")
 SUPPORTED = ("ops_transformer.models.GPT",) + tuple(f"Hugging Face {f}" for f in FAMILIES)
 
 
-class _Groups:
-    """What a style may need beyond the context: sibling modules and KV-replica groups."""
-
-    def __init__(self, model: nn.Module, ctx):
-        self.model, self.ctx, self._replica = model, ctx, {}
-
-    def module(self, name: str) -> nn.Module:
-        return self.model.get_submodule(name)
-
-    def replica_group(self, replicas: int):
-        """The group of the ``replicas`` consecutive TP ranks that hold the same KV heads. Every
-        rank creates every such group, in the same order (``new_group`` is collective)."""
-        if replicas not in self._replica:
-            tp = self.ctx.tp_size
-            mine = None
-            for tp_ranks in self.ctx.mesh.mesh.reshape(-1, tp).tolist():
-                for start in range(0, tp, replicas):
-                    ranks = tp_ranks[start:start + replicas]
-                    group = dist.new_group(ranks)
-                    if self.ctx.rank in ranks:
-                        mine = group
-            self._replica[replicas] = mine
-        return self._replica[replicas]
-
-
-def _is_hf(model: nn.Module) -> bool:
-    return hasattr(model, "config") and hasattr(model.config, "model_type")
-
-
 def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
                  loss_parallel: bool = False, vocab: str = "auto", tp_plan=None) -> Plan:
-    if tp_plan is not None and not (plan == "auto" and _is_hf(model)):
+    """The :class:`Plan` that ``parallelize`` applies: ``plan`` itself, its dict, or — for
+    ``"auto"`` or a planner result (:func:`~ops_transformer.planner.search.chosen_layout`, whose
+    degrees must be this job's) — the model's own plan (:func:`gpt_plan`, :func:`hf_plan`)."""
+    if tp_plan is not None and not (plan == "auto" and is_hf(model)):
         raise ValueError("tp_plan (Hugging Face style names) applies to a Hugging Face model with "
                          "plan='auto'")
     if isinstance(plan, Plan):
         return plan
-    if isinstance(plan, dict) and "best" in plan and "candidates" in plan:  # a planner result
-        if plan["best"] is None:
-            raise ValueError("the planner found no layout that fits (its 'best' is null)")
-        plan = plan["best"]
-    if isinstance(plan, dict) and {"tp", "dp", "attention"} <= set(plan):  # a planner layout
-        wanted = {"dp": plan["dp"], "ep": plan.get("ep", 1), "tp": plan["tp"]}
+    if is_planner_output(plan):  # a planner result, or one of its rows
+        layout = chosen_layout(plan)
+        wanted = {"dp": layout["dp"], "ep": layout["ep"], "tp": layout["tp"]}
         actual = {"dp": ctx.dp_size, "ep": ctx.ep_size, "tp": ctx.tp_size}
         if wanted != actual:
             axes = [a for a in wanted if a != "ep" or max(wanted["ep"], actual["ep"]) > 1]
@@ -74,8 +47,7 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
                 return " × ".join(f"{a}={degrees[a]}" for a in axes)
 
             raise ValueError(f"the plan is for {show(wanted)}, but this job runs {show(actual)}")
-        attention = plan["attention"]
-        plan = "auto"
+        attention, plan = layout["attention"], "auto"
     elif isinstance(plan, dict):
         return Plan.from_dict(plan)
     if plan != "auto":
@@ -83,7 +55,7 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
     if isinstance(model, GPT):
         return gpt_plan(model.cfg, ctx.tp_size, attention, vocab=vocab,
                         profile=getattr(ctx, "profile", None))  # agreed by every rank
-    if _is_hf(model):
+    if is_hf(model):
         if attention not in ("auto", "heads"):
             raise ValueError(f"Hugging Face models support attention='heads' (or 'auto'), got "
                              f"{attention!r}")
@@ -93,89 +65,81 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
                      f"{', '.join(SUPPORTED)} (or pass plan= a Plan / dict)")
 
 
-def parallelize(model: nn.Module, ctx, plan="auto", *, attention: str = "auto",
-                vocab: str = "auto", loss_parallel: bool = False,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                grad_reduce_dtype: torch.dtype | None = None, sequence_parallel: bool = False,
-                recompute: str = "none", activation_cache: str = "none",
-                tp_plan: dict | None = None) -> nn.Module:
-    """Apply tensor parallelism over ``ctx.tp_group`` and data-parallel gradient averaging over
-    ``ctx.dp_group`` to ``model`` (in place) and return it.
+def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | None = None,
+                **option_kwargs) -> nn.Module:
+    """Apply tensor (and expert) parallelism over ``ctx`` to ``model`` by a plan, with the
+    gradient reductions data parallelism needs, in place; return the model.
 
     Build the dense model with the same RNG seed on every rank first: each rank keeps its slices.
     Afterwards a plain loop — ``loss = model(x, y)[1]; loss.backward(); optimizer.step()`` — is
-    correct for any ``dp × tp``, each data-parallel rank feeding its own rows of the global batch.
-    The applied plan is ``model.parallel_plan``. For the reference GPT, ``attention`` and ``vocab``
-    (``"parallel"``, ``"replicated"`` or ``"auto"``: embedding and LM head split over the
-    vocabulary or not) choose the strategy; ``auto`` asks the cost model. ``vocab`` applies to
-    Hugging Face models too.
-
-    Hugging Face models (GPT-2, Llama, Mistral, Qwen2, Qwen3, BERT; others through their
-    ``base_model_tp_plan``) return what the unsharded model returns: full-vocabulary logits, so
-    ``generate`` works unchanged. With ``loss_parallel=True`` (and the vocabulary split) the
-    logits stay sharded and the loss (``labels=``) is the vocab-parallel cross-entropy — the full
-    logits are never gathered. ``tp_plan``, as in ``transformers`` (``{pattern: style}`` with
-    Hugging Face's style names), is merged over the model's own plan and translated.
-
-    ``grad_reduce_dtype`` is the dtype of the gradient reductions — data-parallel averaging and the
-    sums of replicated parameters' partial gradients (replicated KV heads, strategy B's output
-    projection), coalesced at the end of backward
-    (:class:`~ops_transformer.comm.bucketing.GradSums`). Default: float32 when the parameters are
-    16-bit, else the parameters' dtype.
-
-    Memory (SPEC F7, :mod:`ops_transformer.memory`): ``sequence_parallel=True`` keeps ``1/tp`` of
-    the activations between TP regions (reference GPT with ``attention="heads"``, Hugging Face
-    GPT-2/Llama/Mistral/Qwen2; the norms' partial gradients join the ``GradSums``);
-    ``recompute="selective"`` (attention core) or ``"full"`` (every layer) recomputes activations
-    in backward; ``activation_cache="int8"`` keeps each layer's saved activations as int8.
+    correct for any ``dp × ep × tp``, each data-parallel rank feeding its own rows of the global
+    batch. ``plan``: ``"auto"`` (the reference GPT; Hugging Face GPT-2, Llama, Mistral, Qwen2,
+    Qwen3, BERT, MoE families and every family with a ``base_model_tp_plan``), a :class:`Plan`
+    or its dict, or a planner result (:func:`resolve_plan`). ``options``: a
+    :class:`ParallelOptions` (attention, vocabulary split, loss parallelism, sequence parallelism,
+    recompute, activation cache, gradient-reduction dtype and bucket size, ``tp_plan``); keyword
+    arguments named like its fields build it or change it. Hugging Face models return what the
+    unsharded model returns (full logits, so ``generate`` works), unless ``loss_parallel``.
+    What was applied is ``model.parallel_state`` (plan, options, gradient reducers);
+    ``model.parallel_plan`` is its plan.
     """
-    if getattr(model, "parallel_plan", None) is not None:
-        raise ValueError("this model is already parallelised (model.parallel_plan is set)")
-    check_memory_options(recompute, activation_cache)
-    if sequence_parallel and attention == "auto":
-        attention = "heads"  # the one strategy with a sequence-parallel form
-    resolved = resolve_plan(model, ctx, plan, attention, loss_parallel, vocab, tp_plan)
+    if getattr(getattr(model, "parallel_state", None), "plan", None) is not None:
+        raise ValueError("this model is already parallelised (model.parallel_state is set)")
+    options = ParallelOptions.of(options, **option_kwargs)
+    resolved = resolve_plan(model, ctx, plan, options.plan_attention, options.loss_parallel,
+                            options.vocab, options.tp_plan)
     if ctx.ep_size > 1:
         check_expert_parallel(model, resolved, ctx)
-    if sequence_parallel and ctx.tp_size > 1:
+    if options.sequence_parallel and ctx.tp_size > 1:
         resolved = sequence_parallel_plan(resolved, model)
     if ctx.tp_size > 1:
-        apply_plan(model, resolved, ctx, _Groups(model, ctx))
-        if loss_parallel and _is_hf(model) and resolved.vocab == "parallel":
-            model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
-        elif loss_parallel and _is_hf(model):
-            log.warning("parallelize: loss_parallel=True has no effect: the vocabulary is "
-                        "replicated (%s); pass vocab='parallel' to split it", resolved.reason)
-        if sequence_parallel:
+        apply_plan(model, resolved, ctx)
+        _parallel_loss(model, ctx, resolved, options.loss_parallel)
+        if options.sequence_parallel:
             check_partial_marked(model)
     elif ctx.ep_size > 1:  # experts only
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items() if r["style"] == "moe"}),
-                   ctx, _Groups(model, ctx))
-    model.parallel_plan = resolved
-    reduce_dtype = resolve_grad_reduce_dtype(model, grad_reduce_dtype)
-    if ctx.dp_ep_size > 1:  # EP ranks read different micro-batches, like DP ranks
-        dense, experts = split_expert_params(model.parameters())
-        scale_expert_grads(experts, ctx.ep_size)
-        group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
-        model._ops_transformer_grad_sync = GradSync(dense, group, bucket_bytes=bucket_bytes,
-                                                    reduce_dtype=reduce_dtype)
-        if experts and ctx.dp_size > 1:
-            model._ops_transformer_expert_grad_sync = GradSync(
-                experts, ctx.dp_group, bucket_bytes=bucket_bytes, reduce_dtype=reduce_dtype)
-    # Built after the data-parallel averaging, so its end-of-backward sums run after it.
-    sums = GradSums.of_module(model, dtype=reduce_dtype, bucket_bytes=bucket_bytes)
-    if sums is not None:
-        add_grad_reducer(model, sums)
-    apply_memory_options(model, recompute=recompute, activation_cache=activation_cache)
+                   ctx)
+    model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options))
+    model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
+    apply_memory_options(model, recompute=options.recompute,
+                         activation_cache=options.activation_cache)
     log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
              ctx.ep_size, resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model
 
 
+def gradient_reducers(model: nn.Module, ctx, options: ParallelOptions) -> GradReducers:
+    """The model's gradient reductions, in the order they finish: data-parallel averaging of the
+    dense parameters over ``dp × ep`` (EP ranks read different micro-batches, like DP ranks) and of
+    the experts over ``dp``, then the sums of the partial gradients the plan marked."""
+    dtype = resolve_grad_reduce_dtype(model, options.grad_reduce_dtype)
+    buckets, reducers = options.bucket_bytes, GradReducers()
+    if ctx.dp_ep_size > 1:
+        dense, experts = split_expert_params(model.parameters())
+        scale_expert_grads(experts, ctx.ep_size)
+        group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
+        reducers.append(GradSync(dense, group, bucket_bytes=buckets, reduce_dtype=dtype))
+        if experts and ctx.dp_size > 1:
+            reducers.append(GradSync(experts, ctx.dp_group, bucket_bytes=buckets,
+                                     reduce_dtype=dtype, name="dp_experts"))
+    sums = GradSums.of_module(model, dtype=dtype, bucket_bytes=buckets)
+    if sums is not None:
+        reducers.append(sums)
+    return reducers
+
+
+def _parallel_loss(model: nn.Module, ctx, plan: Plan, loss_parallel: bool) -> None:
+    """``loss_parallel`` for a Hugging Face model: its loss on the sharded logits."""
+    if loss_parallel and is_hf(model) and plan.vocab == "parallel":
+        model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
+    elif loss_parallel and is_hf(model):
+        log.warning("parallelize: loss_parallel=True has no effect: the vocabulary is "
+                    "replicated (%s); pass vocab='parallel' to split it", plan.reason)
+
+
 def vocab_parallel_causal_lm_loss(model: nn.Module, ctx):
     """A drop-in for ``transformers``' ``ForCausalLMLoss`` on vocab-sharded logits."""
-    from ..layers.loss import vocab_parallel_cross_entropy
-
     vocab = model.config.vocab_size
 
     def loss_fn(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
@@ -192,4 +156,4 @@ def vocab_parallel_causal_lm_loss(model: nn.Module, ctx):
     return loss_fn
 
 
-__all__ = ["Plan", "parallelize", "no_sync", "gpt_plan", "resolve_plan"]
+__all__ = ["Plan", "ParallelOptions", "parallelize", "no_sync", "gpt_plan", "resolve_plan"]

@@ -22,21 +22,18 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..models.hf import base_prefix
+from ..planner.strategies import kv_replicas
 from .hf_translate import translated_plan
 from .hf_vocab import vocab_rules
 from .plan import Plan
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "bert", "qwen3")
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "phimoe")  # experts over ep: hf_moe_plan
 
 __all__ = ["FAMILIES", "gpt2_plan", "llama_plan", "bert_plan", "translated_plan", "hf_plan",
            "has_family_plan"]
-
-
-def _prefix(model: nn.Module) -> str:
-    """``"transformer."`` for a GPT2LMHeadModel, ``""`` for a bare GPT2Model, and so on."""
-    base = getattr(model, "base_model_prefix", "")
-    return f"{base}." if base and isinstance(getattr(model, base, None), nn.Module) else ""
 
 
 def _divides(what: str, size: int, tp: int, hint: str = "") -> None:
@@ -54,7 +51,7 @@ def _with_vocab(model, tp, rules: dict, reason: str, loss_parallel: bool, vocab:
 
 def gpt2_plan(model, tp: int, loss_parallel: bool = False, *, vocab: str = "auto",
               profile=None) -> Plan:
-    c, p = model.config, _prefix(model)
+    c, p = model.config, base_prefix(model)
     _divides("n_head", c.n_head, tp, "; each rank needs whole heads")
     h = c.n_embd
     rules = {
@@ -71,13 +68,10 @@ def gpt2_plan(model, tp: int, loss_parallel: bool = False, *, vocab: str = "auto
 def llama_plan(model, tp: int, loss_parallel: bool = False, *, vocab: str = "auto",
                profile=None) -> Plan:
     """Llama, Mistral, Qwen2 and Qwen3 share module names."""
-    c, p = model.config, _prefix(model)
+    c, p = model.config, base_prefix(model)
     heads, kv = c.num_attention_heads, c.num_key_value_heads
     _divides("num_attention_heads", heads, tp, "; each rank needs whole query heads")
-    if kv % tp and tp % kv:
-        raise ValueError(f"num_key_value_heads ({kv}) and tp ({tp}): KV heads can be split when tp "
-                         f"divides them or replicated when they divide tp; neither holds")
-    local_q, local_kv = heads // tp, max(kv // tp, 1)
+    local_q, local_kv = heads // tp, kv * kv_replicas(kv, tp, "num_key_value_heads") // tp
     no_reduce = {"style": "colwise", "reduce_input_grad": False}
     kv_rule = {**no_reduce, "kv_heads": kv}
     ffn = {"style": "colwise", "reduce_input_grad": False, "pad": True}
@@ -105,7 +99,7 @@ def llama_plan(model, tp: int, loss_parallel: bool = False, *, vocab: str = "aut
 
 def bert_plan(model, tp: int, loss_parallel: bool = False, *, vocab: str = "auto",
               profile=None) -> Plan:
-    c, p = model.config, _prefix(model)
+    c, p = model.config, base_prefix(model)
     _divides("num_attention_heads", c.num_attention_heads, tp, "; each rank needs whole heads")
     no_reduce = {"style": "colwise", "reduce_input_grad": False}
     layer = p + "encoder.layer.*."
@@ -121,11 +115,47 @@ def bert_plan(model, tp: int, loss_parallel: bool = False, *, vocab: str = "auto
     return _with_vocab(model, tp, rules, "Hugging Face BERT plan", loss_parallel, vocab, profile)
 
 
+def hf_moe_plan(model: nn.Module, tp: int, loss_parallel: bool = False, **options) -> Plan:
+    """Mixtral, Qwen2-MoE, Qwen3-MoE: the Llama plan's attention, embedding and head; per layer,
+    the experts (``moe``), a shared expert or a dense MLP (column→row).
+
+    Hugging Face MoE blocks (``transformers`` ≥ 5) share one shape: a router module ``gate``
+    returning ``(logits, top_k_weights, top_k_index)`` and an experts module with 3-D
+    ``gate_up_proj`` and ``down_proj`` called as ``experts(x, top_k_index, top_k_weights)``. The
+    plan keeps the router (replicated, so ``output_router_logits`` and Hugging Face's auxiliary
+    loss still work) and swaps the experts module for
+    :class:`~ops_transformer.layers.moe.ParallelExperts` (style ``moe``). Attention, embedding and
+    head follow the Llama plan; a shared expert (Qwen2-MoE) and dense layers are column→row like
+    Llama's MLP.
+    """
+    base, p = llama_plan(model, tp, loss_parallel, **options), base_prefix(model)  # vocab=, profile=
+    mlp = {k[len(p + "layers.*.mlp"):]: v for k, v in base.rules.items()
+           if k.startswith(p + "layers.*.mlp")}  # "", ".gate_proj", ... → rule
+    rules = {k: v for k, v in base.rules.items() if not k.startswith(p + "layers.*.mlp")}
+    per_layer = []
+    for layer in model.get_submodule(p + "layers"):
+        block, rule = layer.mlp, {}
+        if hasattr(block, "experts"):
+            rule[".experts"] = "moe"
+            if hasattr(block, "shared_expert"):
+                rule.update({".shared_expert" + k: v for k, v in mlp.items()})
+        else:
+            rule.update(mlp)
+        per_layer.append(rule)
+    uniform = all(r == per_layer[0] for r in per_layer)
+    head = {k: rules.pop(k) for k in ("lm_head",) if k in rules}  # the layers first, for reading
+    for i, layer_rules in enumerate(per_layer[:1] if uniform else per_layer):
+        name = f"{p}layers.{'*' if uniform else i}.mlp"
+        rules.update({name + k: v for k, v in layer_rules.items()})
+    rules.update(head)
+    return Plan(rules=rules, attention="heads", vocab=base.vocab,
+                reason=f"Hugging Face {model.config.model_type} plan (experts over ep, "
+                       f"each column→row over tp); {base.reason.split('; ', 1)[-1]}")
+
+
 def has_family_plan(model_type: str) -> bool:
     """Whether ``hf_plan`` uses a plan of ours for this family (else it translates Hugging
     Face's)."""
-    from .moe_plan import MOE_FAMILIES
-
     return model_type in FAMILIES or model_type in MOE_FAMILIES
 
 
@@ -143,8 +173,6 @@ def hf_plan(model, tp: int, loss_parallel: bool = False, *, vocab: str = "auto",
         return llama_plan(model, tp, loss_parallel, **options)
     if model_type == "bert":
         return bert_plan(model, tp, loss_parallel, **options)
-    from .moe_plan import MOE_FAMILIES, hf_moe_plan  # experts: their own module
-
     if model_type in MOE_FAMILIES:
         return hf_moe_plan(model, tp, loss_parallel, **options)
     if getattr(model.config, "base_model_tp_plan", None) or getattr(model, "tp_plan", None):

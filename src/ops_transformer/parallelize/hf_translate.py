@@ -50,9 +50,9 @@ width that does not divide by tp, as do gathered-output columns and split-input 
 
 from __future__ import annotations
 
-from torch import nn
-
 from ..layers.linear import dense_weight
+from ..models.hf import base_prefix
+from ..planner.strategies import kv_replicas
 from .hf_vocab import module_name, text_config, tied_embeddings, vocab_rules
 from .plan import Plan, matches
 
@@ -108,8 +108,7 @@ PLAN_FIXES = {
 def hf_tp_plan(model) -> dict[str, str]:
     """The model's whole Hugging Face plan: ``model.tp_plan`` (transformers ≥ 5), else the
     config's ``base_model_tp_plan`` under the base model's prefix."""
-    base = getattr(model, "base_model_prefix", "")
-    prefix = f"{base}." if base and isinstance(getattr(model, base, None), nn.Module) else ""
+    prefix = base_prefix(model)
     plan = getattr(model, "tp_plan", None)
     if not (isinstance(plan, dict) and plan):
         plan = {prefix + k: v for k, v in (getattr(model.config, "base_model_tp_plan", None)
@@ -216,10 +215,10 @@ def _check_heads(model, rules: dict, tp: int, targets: _Targets) -> None:
     if not kv_rules or all(kv % tp == 0 for kv in all_kv):
         return
     kv, heads = min(all_kv), min(all_heads, default=0)
-    if tp % kv or len(all_kv | all_heads) > 2:
-        raise ValueError(f"num_key_value_heads ({kv}) and tp ({tp}): KV heads can be split when "
-                         f"tp divides them or replicated when they divide tp (with one head "
-                         f"count for every layer); neither holds")
+    kv_replicas(kv, tp, "num_key_value_heads")  # the one rule: split, replicated, or an error
+    if len(all_kv | all_heads) > 2:
+        raise ValueError(f"num_key_value_heads ({kv}) < tp ({tp}): replicating KV heads needs one "
+                         f"head count for every layer, got {sorted(all_kv | all_heads)}")
     if any(n in FUSED_QKV for n in last.values()):
         raise ValueError(f"num_key_value_heads ({kv}) < tp ({tp}) with a fused QKV projection: "
                          f"its KV heads cannot be replicated; use a tp that divides {kv}")

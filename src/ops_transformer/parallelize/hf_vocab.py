@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 from torch import nn
 
+from ..planner.choose import choose_vocab
+
 AUTO_BATCH, MAX_AUTO_SEQ = 8, 2048  # the micro-batch the vocabulary choice assumes
 
 
@@ -38,8 +40,6 @@ def vocab_rules(model, tp: int, vocab: str = "auto", loss_parallel: bool = False
     full logits pays an all-gather of ``N·V`` elements, a ``loss_parallel`` head only the loss
     statistics, a model without a head only the embedding's all-reduce (so it stays
     replicated)."""
-    from ..planner.choose import choose_vocab
-
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     if type(embedding) is not nn.Embedding or (head is not None and not _head_ok(head)):
         # A subclass (Gemma's scaled embedding) or a head with a bias is not swapped.

@@ -26,45 +26,11 @@ from torch import nn
 
 from ..comm.primitives import all_gather_along, scatter_to_tp_region
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, dense_weight
-from ..planner.choose import resolve_profile
-from ..planner.cost import Comm
+from ..planner.choose import choose_split  # noqa: F401  (its home is the cost model)
 from ..planner.hardware import HardwareProfile
+from ..planner.strategies import LINEAR_LAYOUTS, split_comm  # noqa: F401
 
-LAYOUTS = ("replicated", "sharded")
-
-
-def split_comm(split: str, tokens: int, in_features: int, out_features: int,
-               input_layout: str, output_layout: str) -> dict[str, Comm]:
-    """``{"fwd": Comm, "bwd": Comm}`` for one option (ledger convention)."""
-    n_in, n_out = tokens * in_features, tokens * out_features
-    fwd, bwd = [], []
-    if split == "column":
-        if input_layout == "sharded":
-            fwd.append(("all_gather", n_in))
-            bwd.append(("reduce_scatter", n_in))
-        else:
-            bwd.append(("all_reduce", n_in))
-        if output_layout == "replicated":
-            fwd.append(("all_gather", n_out))
-    else:
-        fwd.append(("all_reduce", n_out))
-        if input_layout == "replicated":
-            bwd.append(("all_gather", n_in))
-        if output_layout == "sharded":
-            bwd.append(("all_gather", n_out))
-    return {"fwd": Comm.of(*fwd), "bwd": Comm.of(*bwd)}
-
-
-def choose_split(tokens: int, in_features: int, out_features: int, tp: int, input_layout: str,
-                 output_layout: str, profile: HardwareProfile | None = None,
-                 bytes_per_element: int = 4) -> tuple[str, dict[str, float]]:
-    """``(split, predicted seconds per option)``; ties go to column."""
-    profile = resolve_profile(profile)
-    times = {}
-    for split in ("column", "row"):
-        comm = split_comm(split, tokens, in_features, out_features, input_layout, output_layout)
-        times[split] = sum(profile.comm_time(c, tp, bytes_per_element) for c in comm.values())
-    return ("column" if times["column"] <= times["row"] else "row"), times
+LAYOUTS = LINEAR_LAYOUTS
 
 
 class _GatherInput(nn.Module):

@@ -72,6 +72,12 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
         report.reason += ("; in 16-bit precision a near-tied router can send a token to other "
                           "experts than the dense model does (an O(1) difference for that token, "
                           "not a plan fault): check in fp32 to tell them apart")
+    cache = parallelize_kwargs.get("activation_cache") or getattr(options, "activation_cache",
+                                                                   "none")
+    if not report.ok and cache not in (None, "none"):
+        report.reason += (f"; activation_cache={cache!r} keeps the saved activations quantised: "
+                          f"its gradients differ from the dense ones by design (a bounded error, "
+                          f"docs/memory.md)")
     report.layout = {"tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
                      "sequence_parallel": sequence_parallel,
                      "recompute": parallelize_kwargs.get("recompute", "none")}

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .cost import wire_elements
 from .hardware import CPU_GLOO, HardwareProfile
-from .strategies import ATTENTION_STRATEGIES, VOCAB_MODES, attention_cost, vocab_cost
+from .strategies import (ATTENTION_STRATEGIES, VOCAB_MODES, attention_cost, kv_problem,
+                         split_comm, vocab_cost)
 
 
 def resolve_profile(profile: HardwareProfile | None) -> HardwareProfile:
@@ -26,9 +28,8 @@ def attention_problem(cfg, tp: int, strategy: str, seq: int | None = None) -> st
         if heads % tp:
             return (f"n_heads ({heads}) is not divisible by tp ({tp}): head-parallel attention "
                     f"gives each rank whole heads")
-        if kv % tp and tp % kv:
-            return (f"n_kv_heads ({kv}) and tp ({tp}): KV heads can be split when tp divides "
-                    f"n_kv_heads or replicated when n_kv_heads divides tp; neither holds")
+        if kv_problem(kv, tp):
+            return kv_problem(kv, tp)
     elif strategy == "kv_split":
         need = 2 * tp if cfg.pos == "rope" else tp
         if d % need:
@@ -58,8 +59,6 @@ class Option:
 def attention_options(cfg, tp: int, *, batch: int, seq: int,
                       profile: HardwareProfile | None = None, dtype=torch.float32) -> list[Option]:
     """Predicted time of one layer's attention (training step, one rank) per strategy."""
-    from ..comm.ledger import wire_elements
-
     profile = resolve_profile(profile)
     size = torch.empty((), dtype=dtype).element_size()
     options = []
@@ -114,3 +113,16 @@ def choose_vocab(cfg, tp: int, *, batch: int, seq: int, profile: HardwareProfile
     other = next(m for m in VOCAB_MODES if m != mode)
     return mode, (f"vocab {mode}: predicted {times[mode] * 1e3:.3g} ms/step vs {other} "
                   f"{times[other] * 1e3:.3g} (V={cfg.vocab_size})")
+
+
+def choose_split(tokens: int, in_features: int, out_features: int, tp: int, input_layout: str,
+                 output_layout: str, profile: HardwareProfile | None = None,
+                 bytes_per_element: int = 4) -> tuple[str, dict[str, float]]:
+    """Column or row for a standalone linear (:func:`~.strategies.split_comm`'s collectives,
+    priced on ``profile``): ``(split, predicted seconds per option)``; ties go to column."""
+    profile = resolve_profile(profile)
+    times = {}
+    for split in ("column", "row"):
+        comm = split_comm(split, tokens, in_features, out_features, input_layout, output_layout)
+        times[split] = sum(profile.comm_time(c, tp, bytes_per_element) for c in comm.values())
+    return ("column" if times["column"] <= times["row"] else "row"), times

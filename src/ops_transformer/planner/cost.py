@@ -3,7 +3,7 @@ that turns it into time.
 
 :class:`Comm` is what every count of collectives in the package is: the strategies' per-layer
 costs (:mod:`.strategies`), the split of a standalone linear
-(:mod:`~ops_transformer.parallelize.linear_split`) and the predicted communication in the training
+(:func:`.strategies.split_comm`) and the predicted communication in the training
 metrics. It is a ``dict`` (JSON and ``==`` with the ledger's summaries work unchanged) that can be
 added, scaled and priced. Elements follow the ledger's convention (the full logical tensor: the
 gathered output of an all-gather, the unscattered input of a reduce-scatter).
@@ -25,7 +25,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from ..comm.ledger import wire_elements
+
+def wire_elements(kind: str, elements: int, group_size: int) -> float:
+    """Elements each rank sends with bandwidth-optimal ring algorithms (Patarasuk & Yuan 2009).
+
+    all-reduce ``2(p-1)/p·n``; all-gather and reduce-scatter ``(p-1)/p·n``; all-to-all ``(p-1)/p·n``
+    (the part of its input a rank keeps is not sent); broadcast/send/recv ``n``.
+    """
+    p = group_size
+    if p <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (p - 1) / p * elements
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (p - 1) / p * elements
+    return float(elements)
+
 
 AlphaBeta = Callable[[str, int], "tuple[float, float]"]  # (kind, group size) -> (α s, β bytes/s)
 

@@ -11,7 +11,7 @@ The defaults are **fitted** by :func:`ops_transformer.planner.published.fit` on 
 ``planner/data/published_runs.json`` — published runs of Megatron-LM (Narayanan et al. 2021,
 Table 1), MosaicML llm-foundry (its benchmarking README) and torchtitan (its performance docs) —
 and checked on the ``holdout`` rows (``ops-transformer plan --published``, docs/planner.md).
-``tests/test_planner_published.py`` re-runs the fit and fails if these numbers drift from it.
+``tests/planner/test_planner_published.py`` re-runs the fit and fails if these numbers drift from it.
 A card with no published run gets the figure of the card with the same compute die, or the median
 of the fitted cards, as its ``source`` says.
 """

@@ -3,7 +3,9 @@
 Throughput and link figures come from the profile it is given (the command line passes the calibrated
 one, ``ops-transformer calibrate``, when it exists), else from the rough
 :data:`~ops_transformer.planner.hardware.CPU_GLOO`; memory is this machine's RAM shared by the
-ranks; the topology is what :func:`detect_topology` finds.
+ranks; the topology is the one the caller detected
+(:func:`~ops_transformer.comm.topology.detect_topology`: the command line runs it), so the planner
+itself probes nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import os
 from .catalogue import GPU, Link
 from .hardware import CPU_GLOO
 from .specs import ClusterSpec
-from ..comm.topology import detect_topology
 
 
 def _ram_bytes() -> int:
@@ -29,12 +30,12 @@ def local_profile(profile=None):
     return profile if profile is not None else CPU_GLOO
 
 
-def local_cluster(ranks: int, profile=None) -> ClusterSpec:
-    """``ranks`` local processes: the detected topology's link (loopback on a CPU machine) with
-    the profile's α and β, the profile's matmul rate, and the RAM shared by the ranks."""
+def local_cluster(ranks: int, profile=None, *, topology) -> ClusterSpec:
+    """``ranks`` local processes: the link of ``topology`` (a detected
+    :class:`~ops_transformer.comm.topology.Topology`; loopback on a CPU machine) with the
+    profile's α and β, the profile's matmul rate, and the RAM shared by the ranks."""
     if ranks < 1:
         raise ValueError(f"--gpus must be at least 1, got {ranks}")
-    topology = detect_topology()
     profile = local_profile(profile)
     flops = profile.matmul_flops
     device = GPU(f"local-{topology.kind} ({topology.source})", bf16_flops=flops, fp16_flops=flops, fp32_flops=flops,

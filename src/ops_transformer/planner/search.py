@@ -209,6 +209,32 @@ def search(model, cluster, *, top: int = 10, run: Execution | None = None) -> di
             "best": best, "advice": advice(model, cluster, best, rows)}
 
 
+LAYOUT_KEYS = {"tp", "dp", "attention"}
+
+
+def is_planner_output(data) -> bool:
+    """Whether ``data`` is what :func:`search` returns (``plan --out``) or one of its rows."""
+    return isinstance(data, dict) and (("best" in data and "candidates" in data)
+                                       or LAYOUT_KEYS <= set(data))
+
+
+def chosen_layout(data) -> dict:
+    """The one reader of a planner result: the layout it chose (its ``best``, or the row itself)
+    as ``{"tp", "dp", "ep", "attention", "sequence_parallel", "recompute", "zero_stage"}``.
+    ``ValueError`` when nothing fits (``best`` is null) or ``data`` is not a planner result."""
+    if isinstance(data, dict) and "best" in data:
+        if data["best"] is None:
+            raise ValueError("the planner found no layout that fits (its 'best' is null)")
+        data = data["best"]
+    if not (isinstance(data, dict) and LAYOUT_KEYS <= set(data)):
+        raise ValueError("not a planner result: it has neither a 'best' layout nor 'tp', 'dp' "
+                         "and 'attention'")
+    return {"tp": data["tp"], "dp": data["dp"], "ep": data.get("ep", 1),
+            "attention": data["attention"],
+            "sequence_parallel": bool(data.get("sequence_parallel", False)),
+            "recompute": data.get("recompute", "none"), "zero_stage": data.get("zero_stage", 0)}
+
+
 def _gb(x: float) -> str:
     return f"{x / 1e9:,.1f} GB" if x < 1e12 else f"{x / 1e12:,.2f} TB"
 

@@ -3,7 +3,7 @@
 Pure functions of the shapes — ``b`` micro-batch, ``s`` sequence, ``h`` hidden, ``heads``,
 ``kv_heads``, ``ffn`` (the FFN width), ``tp`` — that count exactly what the layers in this package
 issue, in the communication ledger's convention (``all_reduce``: the tensor; ``all_gather``: the
-gathered output; ``reduce_scatter``: the unscattered input). ``tests/test_strategy_costs.py``
+gathered output; ``reduce_scatter``: the unscattered input). ``tests/planner/test_strategy_costs.py``
 checks every formula against the ledger of real runs.
 
 FLOPs count multiply-adds as 2 and a training step as forward + backward = 3 × forward (Narayanan et
@@ -66,7 +66,27 @@ def grad_sum_calls_per_step(strategy: str, kv_heads: int, tp: int) -> int:
     if tp == 1:
         return 0
     return int(strategy == "kv_split" or (strategy in ("heads", "heads_allgather")
-                                          and tp > kv_heads))
+                                          and kv_replicas(kv_heads, tp) > 1))
+
+
+def kv_problem(kv_heads: int, tp: int, name: str = "n_kv_heads") -> str | None:
+    """Why ``kv_heads`` KV heads cannot be laid out over ``tp`` ranks, or ``None`` (the one
+    KV-replication rule, see :func:`kv_replicas`)."""
+    if kv_heads % tp and tp % kv_heads:
+        return (f"{name} ({kv_heads}) and tp ({tp}): KV heads can be split when tp divides "
+                f"{name} or replicated when {name} divides tp; neither holds")
+    return None
+
+
+def kv_replicas(kv_heads: int, tp: int, name: str = "n_kv_heads") -> int:
+    """The ranks that hold each KV head (SPEC F5): 1 when ``tp`` divides ``kv_heads`` (split with
+    the query heads); ``tp // kv_heads`` when ``kv_heads`` divides ``tp`` (each KV head replicated
+    on that many consecutive TP ranks, whose partial gradients are summed); otherwise a
+    ``ValueError`` naming both. Plans, layers and cost formulas all read this rule."""
+    problem = kv_problem(kv_heads, tp, name)
+    if problem:
+        raise ValueError(problem)
+    return max(tp // kv_heads, 1)
 
 
 def _bytes(dtype) -> int:
@@ -123,11 +143,11 @@ def attention_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: 
     if tp == 1:
         return LayerCost(flops=_attention_flops(b, s, h, kv_dim, 1),
                          activation_bytes=_attention_activations(b, s, h, heads, 1, dtype, 1))
-    replica = Comm()
-    if strategy in ("heads", "heads_allgather") and tp > kv_heads:  # wk.weight, wv.weight, wv.bias
+    head_parallel = strategy in ("heads", "heads_allgather")
+    replica, replicas = Comm(), kv_replicas(kv_heads, tp) if head_parallel else 1
+    if replicas > 1:  # wk.weight, wv.weight, wv.bias
         replica = _summed_per_step("all_reduce", 2 * head_dim * h + (head_dim if bias else 0))
-    groups = {"group_size": tp, "subgroup": replica,
-              "subgroup_size": tp // kv_heads if replica else 1}
+    groups = {"group_size": tp, "subgroup": replica, "subgroup_size": replicas if replica else 1}
     if strategy == "heads":
         return LayerCost(Comm.of(("all_reduce", bsh)), Comm.of(("all_reduce", bsh)) + replica,
                          _attention_flops(b, s, h, kv_dim, tp),
@@ -174,6 +194,33 @@ def layer_cost(strategy: str, b: int, s: int, h: int, heads: int, kv_heads: int,
     """One Transformer layer: attention under ``strategy`` plus the column→row FFN."""
     return (attention_cost(strategy, b, s, h, heads, kv_heads, tp, dtype, bias=bias)
             + ffn_cost(b, s, h, ffn, tp, dtype, swiglu=swiglu))
+
+
+LINEAR_LAYOUTS = ("replicated", "sharded")
+
+
+def split_comm(split: str, tokens: int, in_features: int, out_features: int,
+               input_layout: str, output_layout: str) -> dict[str, Comm]:
+    """The collectives of a standalone linear split by ``column`` or ``row`` (SPEC F3; the table
+    is in :mod:`ops_transformer.parallelize.linear_split`): ``{"fwd": Comm, "bwd": Comm}`` in the
+    ledger's convention, for ``tokens`` rows and the given input and output layouts."""
+    n_in, n_out = tokens * in_features, tokens * out_features
+    fwd, bwd = [], []
+    if split == "column":
+        if input_layout == "sharded":
+            fwd.append(("all_gather", n_in))
+            bwd.append(("reduce_scatter", n_in))
+        else:
+            bwd.append(("all_reduce", n_in))
+        if output_layout == "replicated":
+            fwd.append(("all_gather", n_out))
+    else:
+        fwd.append(("all_reduce", n_out))
+        if input_layout == "replicated":
+            bwd.append(("all_gather", n_in))
+        if output_layout == "sharded":
+            bwd.append(("all_gather", n_out))
+    return {"fwd": Comm.of(*fwd), "bwd": Comm.of(*bwd)}
 
 
 VOCAB_MODES = ("parallel", "replicated")

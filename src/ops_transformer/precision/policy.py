@@ -66,10 +66,16 @@ def resolve_grad_reduce_dtype(model: nn.Module,
     floating-point parameter is 16-bit (its gradient is too); otherwise ``None`` — each gradient
     in its own dtype."""
     if grad_reduce_dtype is not None:
-        if not (isinstance(grad_reduce_dtype, torch.dtype) and grad_reduce_dtype.is_floating_point):
-            raise ValueError(f"grad_reduce_dtype must be a floating-point torch.dtype, got "
-                             f"{grad_reduce_dtype!r}")
+        check_grad_reduce_dtype(grad_reduce_dtype)
         return grad_reduce_dtype
     if any(p.dtype in _SIXTEEN_BIT for p in model.parameters()):
         return torch.float32
     return None
+
+
+def check_grad_reduce_dtype(grad_reduce_dtype) -> None:
+    """``None`` or a floating-point ``torch.dtype``; otherwise a ``ValueError`` naming it."""
+    if grad_reduce_dtype is not None and not (isinstance(grad_reduce_dtype, torch.dtype)
+                                              and grad_reduce_dtype.is_floating_point):
+        raise ValueError(f"grad_reduce_dtype must be a floating-point torch.dtype, got "
+                         f"{grad_reduce_dtype!r}")

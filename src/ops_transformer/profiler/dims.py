@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..planner.choose import attention_problem
+from ..planner.strategies import kv_problem
 
 TILE, MINIMUM = 64, 8
 
@@ -44,8 +45,7 @@ def _attention(sizes: dict, tp: int) -> list[dict]:
         fallback = attention_problem(sizes["gpt"], tp, "kv_split") is None
     else:
         problem = (f"n_heads ({heads}) is not divisible by tp ({tp})" if heads % tp else
-                   f"n_kv_heads ({kv}) and tp ({tp}) divide neither way" if kv % tp and tp % kv
-                   else None)
+                   kv_problem(kv, tp))
         fallback = False
     if problem is None:
         return []

@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from ..models.gpt import GPT
 from ..train import TrainConfig, join, setup_training
 from .diagnose import Diagnostic, diagnose
 from .dims import dimension_checks
@@ -87,8 +88,6 @@ def diagnose_worker(cfg: TrainConfig, steps: bool = True, profile=None) -> list[
 def dense_diagnostics(cfg: TrainConfig, tp: int) -> list[dict]:
     """The model-only diagnostics of ``cfg``'s GPT at ``tp`` (no rank started, meta tensors)."""
     import torch
-
-    from ..models.gpt import GPT
 
     with torch.device("meta"):
         model = GPT(cfg.model_config())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..comm.ledger import CommLedger
-from ..memory.layers import transformer_layers
-from ..memory.options import partial_numel
+from ..memory.apply import transformer_layers
+from ..memory.train_flags import partial_numel
 from ..memory.recompute import checkpointed
 from ..planner.strategies import model_comm_per_step
 from .profile import gather_objects, profile_step, world_group
@@ -83,7 +83,9 @@ def recompute_of(model) -> str:
     except ValueError:
         return "none"
     replay = checkpointed(len).__code__  # every function checkpointed() wraps runs this code
-    wrapped = [getattr(getattr(b, "forward", None), "__code__", None) is replay for b in layers]
+    # a layer that is a region (layers/regions.py) checkpoints its own forward inside it
+    wrapped = [any(getattr(getattr(b, name, None), "__code__", None) is replay
+                   for name in ("forward", "own_forward")) for b in layers]
     return "full" if wrapped and all(wrapped) else "none"
 
 

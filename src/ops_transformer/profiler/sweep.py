@@ -20,6 +20,11 @@ import statistics
 import time
 from dataclasses import fields, replace
 
+from ..comm.topology import detect_topology
+from ..memory.measure import activation_memory
+from ..planner.local import local_cluster
+from ..planner.search import Options, evaluate_layout, execution
+from ..planner.specs import ModelSpec
 from ..train import TrainConfig, join, setup_training, validate
 
 # flag -> how its values parse; the TrainConfig field is the flag with "_" for "-".
@@ -79,8 +84,6 @@ def sweep_worker(cfg: TrainConfig, warmup: int, profile=None) -> dict | None:
 
 
 def _timed(state, warmup: int) -> dict | None:
-    import ops_transformer
-
     cfg = state.cfg
     times, ledger, report = [], None, None
     for i in range(warmup + cfg.steps):
@@ -88,10 +91,9 @@ def _timed(state, warmup: int) -> dict | None:
         start = time.perf_counter()
         report, ledger = state.step(x, y)
         times.append(time.perf_counter() - start)
-    measure = getattr(ops_transformer, "activation_memory", None)
     x, y = state.batch(0)
     with state.policy.autocast(state.ctx.device):  # the activations the step keeps
-        activation = measure(state.model, x, y)["total_bytes"] if measure else None
+        activation = activation_memory(state.model, x, y)["total_bytes"]
     if state.ctx.rank != 0:
         return None
     step = statistics.median(times[warmup:])
@@ -107,14 +109,10 @@ def predicted_step_s(cfg: TrainConfig, nproc: int, attention: str, dp: int,
                      profile=None) -> float | None:
     """The planner's step time for this layout on ``nproc`` local ranks (``plan --gpu local``,
     with ``profile``: the calibrated one, else the built-in CPU figures)."""
-    from ..planner.local import local_cluster
-    from ..planner.search import Options, evaluate_layout, execution
-    from ..planner.specs import ModelSpec
-
     model = ModelSpec.from_gpt_config(cfg.model_config(), seq=cfg.seq, global_batch=cfg.batch,
                                       micro_batch=cfg.batch // dp,
                                       dtype=getattr(cfg, "precision", "fp32"))
-    cluster = local_cluster(nproc, profile)
+    cluster = local_cluster(nproc, profile, topology=detect_topology())
     layout = Options(dp=dp, tp=cfg.tp, ep=getattr(cfg, "ep", 1), attention=attention,
                      sequence_parallel=getattr(cfg, "sequence_parallel", False),
                      recompute=getattr(cfg, "recompute", "none"),

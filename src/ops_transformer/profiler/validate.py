@@ -24,6 +24,7 @@ from ..utils.progress import Progress, format_table
 from ..planner.cost import comm_time
 from ..planner.hardware import CPU_GLOO, HardwareProfile
 from ..planner.strategies import layer_cost, model_comm_per_step
+from ..parallelize.gpt_plan import gpt_plan
 
 RUNS = (  # preset, ranks, tp, attention, batch, seq
     ("tiny", 2, 2, "heads", 8, 64),
@@ -58,8 +59,6 @@ def _cores() -> int:
 
 
 def _plan(cfg: TrainConfig, tp: int):
-    from ..parallelize.gpt_plan import gpt_plan
-
     return gpt_plan(cfg.model_config(), tp, cfg.attention, batch=cfg.batch, seq=cfg.seq)
 
 

@@ -32,6 +32,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm.ledger import CommLedger
+from ..layers.embedding import check_token_range
+from ..layers.moe import ParallelExperts
 
 SYNC_METHODS = {"item": ".item()", "tolist": ".tolist()", "cpu": ".cpu()", "numpy": ".numpy()",
                 "__bool__": "bool(tensor)", "__float__": "float(tensor)", "__int__": "int(tensor)",
@@ -48,8 +50,6 @@ BACKWARD = "backward: "  # what autograd's backward issued: "backward: <node>"
 def _deliberate_codes() -> frozenset:
     """Library checks that read CPU tensors only (they return early on an accelerator), so on a
     GPU they cost no synchronisation: the token-range check of the embeddings and the loss."""
-    from ..layers.embedding import check_token_range
-
     return frozenset({check_token_range.__code__})
 
 
@@ -57,8 +57,6 @@ def _needed_codes() -> dict:
     """Library code whose synchronisation is the price of what it does, with the reason: the
     dropless expert-parallel all-to-all sizes its messages from the per-expert token counts, which
     the host must read (Megatron-Core's dropless MoE reads them the same way)."""
-    from ..layers.moe import ParallelExperts
-
     return {ParallelExperts._routes.__code__: (
         "the dropless expert-parallel all-to-all needs the per-expert token counts on the host "
         "to size its messages: one read per MoE layer and step is its price; a fixed-capacity "

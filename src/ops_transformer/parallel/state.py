@@ -1,0 +1,120 @@
+"""What a parallelised model carries: ``model.parallel_state``.
+
+:func:`~ops_transformer.parallelize` leaves one attribute on the model, a :class:`ParallelState`:
+the plan it applied, the options it ran with, and the ordered gradient reducers
+(:class:`GradReducers`: data-parallel averaging, then the sums of partial gradients; the reducers
+themselves are in :mod:`.grad_reduce`). ``model.parallel_plan`` is the same plan, kept for readers
+of the earlier attribute. ZeRO (:mod:`ops_transformer.memory.zero`) swaps the averaging in the
+chain for its reduce-scatter, and :func:`no_sync` pauses every reducer in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .grad_reduce import BucketedReducer, GradSums
+
+
+class GradReducers:
+    """A model's reducers in the order they finish; one end-of-backward callback for all."""
+
+    def __init__(self, reducers=()):
+        self._reducers: list[BucketedReducer] = []
+        self._queued = False
+        for r in reducers:
+            self.append(r)
+
+    def append(self, reducer: BucketedReducer) -> None:
+        reducer.chain = self
+        self._reducers.append(reducer)
+
+    def get(self, name: str) -> BucketedReducer | None:
+        return next((r for r in self._reducers if r.name == name), None)
+
+    def insert(self, at: int, new: list[BucketedReducer]) -> None:
+        for r in new:
+            r.chain = self
+        self._reducers[at:at] = new
+
+    def replace(self, old: BucketedReducer, new: list[BucketedReducer]) -> None:
+        """Put ``new`` where ``old`` was (``old``'s hooks are removed)."""
+        at = self._reducers.index(old)
+        old.remove()
+        self._reducers.remove(old)
+        self.insert(at, new)
+
+    def __iter__(self):
+        return iter(list(self._reducers))
+
+    def __len__(self) -> int:
+        return len(self._reducers)
+
+    def schedule(self) -> None:
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+
+    def _finish(self) -> None:
+        self._queued = False
+        for r in list(self._reducers):
+            r.finish_backward()
+
+    def __repr__(self) -> str:
+        return f"GradReducers({', '.join(repr(r) for r in self._reducers)})"
+
+
+@dataclass
+class ParallelState:
+    """``plan``: the applied :class:`~ops_transformer.parallelize.Plan` (``None`` for a model
+    prepared by hand); ``options``: the :class:`~ops_transformer.parallelize.ParallelOptions`;
+    ``reducers``: the gradient reducers, in the order they finish at the end of backward."""
+
+    plan: object = None
+    options: object = None
+    reducers: GradReducers = field(default_factory=GradReducers)
+
+
+def parallel_state_of(model: nn.Module, *, create: bool = False) -> ParallelState | None:
+    """``model.parallel_state``; with ``create``, a plan-less one is made for a module prepared by
+    hand that has none yet."""
+    state = getattr(model, "parallel_state", None)
+    if state is None and create:
+        state = model.parallel_state = ParallelState()
+    return state
+
+
+def add_grad_reducer(model: nn.Module, reducer: BucketedReducer) -> None:
+    """Append an end-of-backward gradient reducer to ``model``'s chain (created, plan-less, for a
+    module prepared by hand), so that it finishes after those before it and :func:`no_sync`
+    pauses it."""
+    parallel_state_of(model, create=True).reducers.append(reducer)
+
+
+def attach_grad_sums(module: nn.Module, *, dtype: torch.dtype | None = None) -> GradSums | None:
+    """Sum the marked partial gradients of a module built by hand (``parallelize`` does this for
+    the models it prepares); call it after any data-parallel averaging is attached."""
+    sums = GradSums.of_module(module, dtype=dtype)
+    if sums is not None:
+        add_grad_reducer(module, sums)
+    return sums
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Accumulate gradients locally inside this context: no data-parallel averaging and no
+    end-of-backward sums of partial gradients; the first backward outside it reduces everything
+    accumulated."""
+    state = parallel_state_of(model)
+    reducers = list(state.reducers) if state is not None else []
+    previous = [r.enabled for r in reducers]
+    for r in reducers:
+        r.enabled = False
+    try:
+        yield
+    finally:
+        for r, enabled in zip(reducers, previous):
+            r.enabled = enabled

@@ -1,0 +1,107 @@
+"""How :func:`~ops_transformer.parallelize` prepares a model: one frozen, validated options object.
+
+``parallelize(model, ctx, plan, ParallelOptions(sequence_parallel=True, recompute="selective"))``
+is the same call as ``parallelize(model, ctx, plan, sequence_parallel=True,
+recompute="selective")``: the keyword arguments build the options (or change the given ones,
+:meth:`ParallelOptions.of`). Every field is checked once, when the options are built; a bad value
+is a ``ValueError`` naming the field, the value and what is valid.
+
+To add an option: add a field with its default here, its valid values to :data:`CHOICES` (or a
+check in :meth:`ParallelOptions.__post_init__`), read it where it takes effect (a style, a
+reducer, a memory option), and document it in the class docstring; ``parallelize``'s keyword arguments, ``TrainConfig`` (if ``train`` exposes it) and
+``model.parallel_state.options`` follow without further change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..comm.bucketing import DEFAULT_BUCKET_BYTES
+from ..memory.apply import ACTIVATION_CACHES
+from ..memory.recompute import RECOMPUTE
+from ..planner.strategies import VOCAB_MODES
+from ..precision.policy import check_grad_reduce_dtype
+from .gpt_plan import ATTENTION_CHOICES
+
+VOCAB_CHOICES = ("auto",) + VOCAB_MODES
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """What ``parallelize`` does besides applying the plan.
+
+    * ``attention`` — the reference GPT's attention strategy (SPEC F5): ``heads``,
+      ``heads_allgather``, ``kv_split``, ``naive`` or ``auto`` (the cost model chooses; with
+      ``sequence_parallel``, ``heads``: :attr:`plan_attention`). Hugging Face models: ``heads``.
+    * ``vocab`` — embedding and LM head split over the vocabulary (``parallel``), kept whole
+      (``replicated``) or chosen by the cost model (``auto``).
+    * ``loss_parallel`` — Hugging Face models with a split vocabulary keep their logits sharded and
+      compute the loss (``labels=``) as the vocab-parallel cross-entropy.
+    * ``sequence_parallel`` — keep ``1/tp`` of the activations between TP regions (SPEC F7; the
+      reference GPT with ``heads`` attention, Hugging Face GPT-2/Llama/Mistral/Qwen2).
+    * ``recompute`` — ``none``, ``selective`` (the attention core) or ``full`` (every layer)
+      recomputed in backward.
+    * ``activation_cache`` — ``none`` or ``int8`` (each layer's saved activations as int8).
+    * ``grad_reduce_dtype`` — the dtype of every gradient reduction (data-parallel averaging, the
+      sums of replicated parameters' partial gradients); ``None``: float32 when a parameter is
+      16-bit, else the parameters' own.
+    * ``bucket_bytes`` — the size of a gradient-reduction bucket (DDP's ``bucket_cap_mb``).
+    * ``tp_plan`` — Hugging Face style names (``{pattern: style}``, as in ``transformers``) merged
+      over a Hugging Face model's own plan and translated (``plan="auto"`` only).
+    """
+
+    attention: str = "auto"
+    vocab: str = "auto"
+    loss_parallel: bool = False
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    activation_cache: str = "none"
+    grad_reduce_dtype: torch.dtype | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    tp_plan: Mapping[str, str] | None = None
+
+    def __post_init__(self):
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if not any(value is c or (type(value) is type(c) and value == c) for c in choices):
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        check_grad_reduce_dtype(self.grad_reduce_dtype)
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) \
+                or self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
+        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
+            raise ValueError(f"tp_plan must be a {{pattern: style}} dict, got "
+                             f"{type(self.tp_plan).__name__}")
+
+    @property
+    def plan_attention(self) -> str:
+        """The strategy the plan is asked for: ``heads`` for ``auto`` under sequence parallelism
+        (the one strategy with a sequence-parallel form), else :attr:`attention` as given (``auto``:
+        the cost model decides when the plan is made)."""
+        return "heads" if self.sequence_parallel and self.attention == "auto" else self.attention
+
+    @classmethod
+    def of(cls, options: ParallelOptions | None = None, **changes) -> ParallelOptions:
+        """``options`` (default: the defaults) with ``changes``: the keyword arguments of
+        ``parallelize``, one per field."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise TypeError(f"parallelize() got unexpected keyword argument(s) {unknown}; its "
+                            f"options are {names}")
+        if options is None:
+            return cls(**changes)
+        if not isinstance(options, cls):
+            raise TypeError(f"options must be a ParallelOptions, got {type(options).__name__}")
+        return dataclasses.replace(options, **changes) if changes else options
+
+
+# The fields with a fixed set of values (a new value of one, e.g. sequence_parallel="regather", is
+# one more entry here, and a field of that kind one more line).
+CHOICES = {"attention": ATTENTION_CHOICES, "vocab": VOCAB_CHOICES,
+           "loss_parallel": (False, True), "sequence_parallel": (False, True),
+           "recompute": RECOMPUTE, "activation_cache": ACTIVATION_CACHES}

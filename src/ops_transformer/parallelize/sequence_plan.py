@@ -1,0 +1,101 @@
+"""Sequence parallelism as a transformation of a tensor-parallel plan (SPEC F4, F7).
+
+:func:`sequence_parallel_plan` turns a Megatron-layout plan (``attention="heads"``) into its
+sequence-parallel variant, rule by rule, for the reference GPT and Hugging Face GPT-2, Llama,
+Mistral and Qwen2 — the plans stay data, and the variant prints and serialises like any plan:
+
+================================ ==================================================================
+TP rule inside the layers        sequence-parallel rule
+================================ ==================================================================
+``region`` (Q/K/V, gate/up share ``sequence_region``: all-gather the sequence on entry (backward:
+one input)                       reduce-scatter), replacing the backward all-reduce
+``colwise`` reducing its own     ``colwise_sequence``: the same column layer behind an all-gather of
+input gradient (GPT-2's c_attn)  the sequence, no input-gradient all-reduce
+``rowwise``                      ``rowwise_sequence``: :class:`SequenceParallelRowLinear`
+                                 (reduce-scatter instead of all-reduce)
+(added) first layer              ``sequence_scatter``: keep this rank's slice of its input
+(added) norms in each layer      ``sequence_partial``: gradients summed over TP once per step
+(added) final norm               ``sequence_gather``: runs on the slice, output all-gathered for
+                                 the LM head
+================================ ==================================================================
+
+The embedding and LM head keep their TP rules. The styles are in :mod:`.styles`; their regions
+(:mod:`ops_transformer.layers.regions`) name their collectives in ``print(model)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from ..layers.sequence_parallel import is_partial
+from ..models.hf import DECODER_LAYOUTS, decoder_layout, model_type
+from ..parallel.sharding import shard_spec
+
+
+def sequence_parallel_layout(model: nn.Module) -> tuple[str, str]:
+    """``(layers, final norm)`` module names of a model sequence parallelism supports."""
+    layout = decoder_layout(model)
+    if layout is None:
+        kind = model_type(model)
+        raise ValueError(f"sequence_parallel=True supports the reference GPT and Hugging Face "
+                         f"{', '.join(DECODER_LAYOUTS)} models; got {type(model).__name__}"
+                         + (f" (model_type {kind!r})" if kind else ""))
+    return layout
+
+
+def _transform(pattern: str, rule: dict) -> dict:
+    # no padded sequence-parallel layers: a width that does not divide by tp is refused by them
+    rule = {k: v for k, v in rule.items() if k != "pad"}
+    style = rule["style"]
+    if style == "region":
+        return {**rule, "style": "sequence_region"}
+    if style == "rowwise":
+        return {**rule, "style": "rowwise_sequence"}
+    if style == "colwise" and rule.get("gather_output"):
+        raise ValueError(f"sequence parallelism cannot combine with the gathered output of plan "
+                         f"rule {pattern!r}")
+    if style == "colwise" and rule.get("reduce_input_grad", True):
+        options = {k: v for k, v in rule.items() if k != "reduce_input_grad"}
+        return {**options, "style": "colwise_sequence"}
+    if style in ("colwise", "attrs"):
+        return rule
+    raise ValueError(f"sequence parallelism has no variant of style {style!r} (plan rule "
+                     f"{pattern!r})")
+
+
+def sequence_parallel_plan(plan, model: nn.Module):
+    """The sequence-parallel variant of a tensor-parallel ``plan`` for ``model`` (see the module
+    docstring). The attention must be head-parallel with a row-parallel output (``heads``)."""
+    if plan.attention != "heads":
+        raise ValueError(f"sequence_parallel=True needs attention='heads' (head-parallel with a "
+                         f"row-parallel output projection); the plan has attention="
+                         f"{plan.attention!r}, whose collectives have no sequence-parallel form")
+    layers, final_norm = sequence_parallel_layout(model)
+    inside = layers + "."
+    rules = {pattern: (_transform(pattern, rule) if pattern.startswith(inside) else rule)
+             for pattern, rule in plan.rules.items()}
+    parts = [p[len(inside):].split(".", 1) for p in plan.rules if p.startswith(inside)]
+    targeted = {rest[1] for rest in parts if len(rest) == 2}  # names inside one layer
+    first = model.get_submodule(layers + ".0")
+    rules[layers + ".0"] = {"style": "sequence_scatter"}
+    for name, module in first.named_modules():
+        if name and name not in targeted and any(True for _ in module.parameters(recurse=False)):
+            rules[f"{layers}.*.{name}"] = {"style": "sequence_partial"}
+    rules[final_norm] = {"style": "sequence_gather"}
+    return dataclasses.replace(plan, rules=rules,
+                               reason=(plan.reason + "; " if plan.reason else "")
+                               + "sequence parallel")
+
+
+def check_partial_marked(model: nn.Module) -> None:
+    """After a sequence-parallel plan is applied: every replicated parameter inside the layers and
+    the final norm sees only this rank's tokens, so each must be marked for the TP sum (an internal
+    invariant: a plan rule missing would silently leave a partial gradient)."""
+    layers, final_norm = sequence_parallel_layout(model)
+    for name, p in model.named_parameters():
+        inside = name.startswith(layers + ".") or name.startswith(final_norm + ".")
+        if inside and shard_spec(p) is None and not is_partial(p):
+            raise AssertionError(f"sequence parallelism: replicated parameter {name} is used on "
+                                 f"a share of the tokens but its gradient is not summed over TP")

@@ -63,24 +63,25 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
             reference = run_reference(build_model, inputs, schedule)
     say(f"parity: the parallel model on {ctx.world_size} rank(s)")
     model = parallelize(build_model(), ctx, plan, **parallelize_kwargs)
-    options = parallelize_kwargs.get("options")
-    sequence_parallel = bool(parallelize_kwargs.get("sequence_parallel")
-                             or getattr(options, "sequence_parallel", False))
+    def option(name, default):  # a keyword of parallelize, or a field of its options=
+        return parallelize_kwargs.get(name, getattr(parallelize_kwargs.get("options"), name,
+                                                    default))
+
+    sequence_parallel = bool(option("sequence_parallel", False))
     report = _check(model, ctx, reference, inputs, schedule, tol, sequence_parallel, say)
     report.precision, report.tolerance = precision, tol.to_dict()
     if not report.ok and precision != "fp32" and _about_experts(report):
         report.reason += ("; in 16-bit precision a near-tied router can send a token to other "
                           "experts than the dense model does (an O(1) difference for that token, "
                           "not a plan fault): check in fp32 to tell them apart")
-    cache = parallelize_kwargs.get("activation_cache") or getattr(options, "activation_cache",
-                                                                   "none")
+    cache = option("activation_cache", "none")
     if not report.ok and cache not in (None, "none"):
         report.reason += (f"; activation_cache={cache!r} keeps the saved activations quantised: "
                           f"its gradients differ from the dense ones by design (a bounded error, "
                           f"docs/memory.md)")
     report.layout = {"tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
                      "sequence_parallel": sequence_parallel,
-                     "recompute": parallelize_kwargs.get("recompute", "none")}
+                     "recompute": option("recompute", "none")}
     b = batch_size(inputs)
     report.reference = (f"the dense model on rank 0, alone ({schedule.micro_batches} "
                         f"micro-batch{'es' if schedule.micro_batches > 1 else ''} of "

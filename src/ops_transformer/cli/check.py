@@ -19,6 +19,7 @@ import torch
 
 from ..memory.recompute import RECOMPUTE
 from ..models.gpt import GPT, PRESETS, preset
+from ..loading import from_pretrained
 from ..parallel import init_parallel, launch
 from ..parallelize.plan import Plan
 from ..parity import check_parity
@@ -32,6 +33,7 @@ HELP = ("check that a model split over tp ranks computes what the unsplit model 
         "first module that does not")
 ZOO_PREFIX = "hf:"  # --preset hf:<model_type>: the zoo's tiny random model (testing/zoo.py)
 ATTENTION = ("auto", "heads", "heads_allgather", "kv_split", "naive")
+CHECK_OPTIONS = ("steps", "lr", "precision", "tolerance")  # check_parity's own; others: the plan's
 
 
 def add_parser(p) -> None:
@@ -184,26 +186,37 @@ def job_from_args(args) -> CheckJob:
                     args.seed, options)
 
 
-def _source(job: CheckJob, device):
-    """``(build_model, inputs)`` on this rank: the same dense model and tokens everywhere."""
+def _source(job: CheckJob, ctx) -> tuple:
+    """``(build_model, inputs, check_parity's keyword arguments)`` on this rank: the same dense
+    model and tokens everywhere; a model directory's parallel side through ``from_pretrained``
+    (each rank reads its own shards), the others through ``parallelize``."""
     tokens = torch.Generator().manual_seed(job.seed + 1)
+    device = ctx.device
     if job.model:
         import transformers
 
-        config = _without_dropout(transformers.AutoConfig.from_pretrained(job.model))
-        auto = getattr(transformers, "AutoModelForCausalLM" if _is_causal(config) else "AutoModel")
-        cls = auto._model_mapping[type(config)]
+        config = transformers.AutoConfig.from_pretrained(job.model)
+        auto = "AutoModelForCausalLM" if _is_causal(config) else "AutoModel"
+        cls = getattr(transformers, auto)._model_mapping[type(config)]
+        parallel = {k: v for k, v in job.options.items() if k not in CHECK_OPTIONS}
 
         def build():
-            return cls.from_pretrained(job.model, config=config, dtype=torch.float32).to(device)
+            return cls.from_pretrained(job.model, dtype=torch.float32).to(device)
 
-        return build, _hf_inputs(cls, config, job, tokens)
+        def build_parallel():
+            return from_pretrained(job.model, ctx, auto_class=auto, dtype=torch.float32,
+                                   **parallel)
+
+        options = {k: v for k, v in job.options.items() if k in CHECK_OPTIONS}
+        return build, _hf_inputs(cls, config, job, tokens), \
+            {**options, "build_parallel": build_parallel}
     if job.preset.startswith(ZOO_PREFIX):
         from ..testing.zoo import build as zoo_build, prepare
 
         family = job.preset[len(ZOO_PREFIX):]
         cls, config = prepare(family)
-        return (lambda: zoo_build(family).to(device)), _hf_inputs(cls, config, job, tokens)
+        return (lambda: zoo_build(family).to(device)), _hf_inputs(cls, config, job, tokens), \
+            job.options
     cfg = preset(job.preset)
 
     def build_gpt():
@@ -211,17 +224,7 @@ def _source(job: CheckJob, device):
         return GPT(cfg).to(device)
 
     ids = torch.randint(0, cfg.vocab_size, (job.batch, job.seq + 1), generator=tokens)
-    return build_gpt, (ids[:, :-1], ids[:, 1:])
-
-
-def _without_dropout(config):
-    """Every dropout probability of the config (and its sub-configs) set to 0: a mask drawn on a
-    shard cannot equal the dense one."""
-    for sub in [config] + [v for v in vars(config).values() if hasattr(v, "to_dict")]:
-        for key, value in list(vars(sub).items()):
-            if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-                setattr(sub, key, 0.0)
-    return config
+    return build_gpt, (ids[:, :-1], ids[:, 1:]), job.options
 
 
 def _is_causal(config) -> bool:
@@ -252,8 +255,8 @@ def check_worker(job: CheckJob, profile=None) -> dict:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with init_parallel(tp=job.tp, dp=job.dp, ep=job.ep, profile=profile) as ctx:
-        build, inputs = _source(job, ctx.device)
-        report = check_parity(build, ctx, inputs, progress=status, **job.options)
+        build, inputs, options = _source(job, ctx)
+        report = check_parity(build, ctx, inputs, progress=status, **options)
         return report.to_dict()
 
 

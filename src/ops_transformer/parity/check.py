@@ -3,8 +3,10 @@ module, and say where they part.
 
 The reference is **the dense model on rank 0**, run there alone (micro-batch by micro-batch) before
 rank 0 builds its own shard: the whole model's weights, gradients and activations exist on one
-rank only; every other rank holds its shards (and, while ``parallelize`` slices it, the dense model
-it was built from — as in any run). The other ranks wait in the first collective meanwhile.
+rank only; every other rank holds its shards — and, while ``parallelize`` slices it, the dense
+model it was built from, unless ``build_parallel`` builds the parallel side directly
+(``from_pretrained`` reads each rank's shards only). The other ranks wait in the first collective
+meanwhile.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .tolerance import logits_kl, tolerance_for
 
 def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_fn=None,
                  precision: str = "fp32", lr: float = 0.1, tolerance: float | None = None,
-                 progress=None, **parallelize_kwargs) -> ParityReport:
+                 progress=None, build_parallel=None, **parallelize_kwargs) -> ParityReport:
     """Check, on every rank of ``ctx``, that ``parallelize(build_model(), ctx, plan,
     **parallelize_kwargs)`` computes what ``build_model()`` computes on one device.
 
@@ -38,7 +40,10 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
     target. ``steps`` optimizer steps (SGD at ``lr``) add the loss of each, side by side;
     ``precision`` (``fp32``, ``bf16``, ``fp16``: autocast over fp32 weights) picks the tolerance
     (:mod:`.tolerance`; ``tolerance`` overrides the output bound). ``progress(message)``, if
-    given, is called on rank 0 as each phase starts.
+    given, is called on rank 0 as each phase starts. ``build_parallel()``, instead of a plan and
+    options, returns the parallel model already made (e.g. ``lambda: ot.from_pretrained(path,
+    ctx, dtype=torch.float32, sequence_parallel=True)``: the parallel side then never holds the
+    dense model); its options are read from its ``parallel_state``.
 
     Returns the same :class:`ParityReport` on every rank: per module call in forward-finish
     order the output's (and input's, and output gradient's) difference in dense coordinates, per
@@ -50,6 +55,10 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
     if not lr > 0:
         raise ValueError(f"lr must be positive, got {lr}")
+    if build_parallel is not None and (plan != "auto" or parallelize_kwargs):
+        given = ["plan"] * (plan != "auto") + list(parallelize_kwargs)
+        raise ValueError(f"build_parallel makes the parallel model itself: pass the plan and "
+                         f"options ({', '.join(given)}) to it, not to check_parity")
     tol = tolerance_for(precision, tolerance)
     policy = precision_policy(precision)
     autocast = None if precision == "fp32" else (lambda: policy.autocast(ctx.device))
@@ -62,31 +71,35 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
         with restoring_rng():  # the parallel model is built from the same draws as the reference
             reference = run_reference(build_model, inputs, schedule)
     say(f"parity: the parallel model on {ctx.world_size} rank(s)")
-    model = parallelize(build_model(), ctx, plan, **parallelize_kwargs)
-    def option(name, default):  # a keyword of parallelize, or a field of its options=
-        return parallelize_kwargs.get(name, getattr(parallelize_kwargs.get("options"), name,
-                                                    default))
-
-    sequence_parallel = bool(option("sequence_parallel", False))
+    model = build_parallel() if build_parallel is not None else \
+        parallelize(build_model(), ctx, plan, **parallelize_kwargs)
+    options = getattr(getattr(model, "parallel_state", None), "options", None)
+    sequence_parallel = bool(getattr(options, "sequence_parallel", False))
     report = _check(model, ctx, reference, inputs, schedule, tol, sequence_parallel, say)
+    return _describe(report, ctx, inputs, schedule, precision, tol, options)
+
+
+def _describe(report: ParityReport, ctx, inputs, schedule: Schedule, precision: str, tol,
+              options) -> ParityReport:
+    """The run's description, and what explains a mismatch that is not a plan fault."""
     report.precision, report.tolerance = precision, tol.to_dict()
     if not report.ok and precision != "fp32" and _about_experts(report):
         report.reason += ("; in 16-bit precision a near-tied router can send a token to other "
                           "experts than the dense model does (an O(1) difference for that token, "
                           "not a plan fault): check in fp32 to tell them apart")
-    cache = option("activation_cache", "none")
+    cache = getattr(options, "activation_cache", "none")
     if not report.ok and cache not in (None, "none"):
         report.reason += (f"; activation_cache={cache!r} keeps the saved activations quantised: "
                           f"its gradients differ from the dense ones by design (a bounded error, "
                           f"docs/memory.md)")
     report.layout = {"tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
-                     "sequence_parallel": sequence_parallel,
-                     "recompute": option("recompute", "none")}
-    b = batch_size(inputs)
-    report.reference = (f"the dense model on rank 0, alone ({schedule.micro_batches} "
-                        f"micro-batch{'es' if schedule.micro_batches > 1 else ''} of "
-                        f"{(b or 0) // schedule.micro_batches} rows, one after another"
-                        + ("; once more in fp32 for its own rounding" if autocast else "") + ")")
+                     "sequence_parallel": bool(getattr(options, "sequence_parallel", False)),
+                     "recompute": getattr(options, "recompute", "none")}
+    n, b = schedule.micro_batches, batch_size(inputs) or 0
+    report.reference = (f"the dense model on rank 0, alone ({n} micro-batch"
+                        f"{'es' if n > 1 else ''} of {b // n} rows, one after another"
+                        + ("; once more in fp32 for its own rounding" if schedule.autocast else "")
+                        + ")")
     return report
 
 

@@ -7,10 +7,8 @@ dense reference runs all ``n`` one after another and averages their gradients â€
 model's data-parallel averaging computes (and, for a mixture of experts with a capacity, the same
 routing: capacity is per micro-batch on both sides).
 
-Dropout is off on both sides (every dropout module's ``p`` is 0): a mask drawn on a shard cannot
-equal the dense one. Dropout inside a model's own code (a float attribute such as
-``attention_dropout``) must be 0 in its config; ``check --model`` sets every ``*dropout*`` /
-``*pdrop*`` entry of the config to 0.
+Dropout is off on both sides (:func:`prepare`): a mask drawn on a shard cannot equal the dense
+one.
 """
 
 from __future__ import annotations
@@ -106,13 +104,25 @@ def primary_output(output) -> torch.Tensor | None:
     return None
 
 
+def _no_dropout_attributes(obj) -> None:
+    for key, value in list(vars(obj).items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(obj, key, 0.0)
+
+
 def prepare(model: nn.Module) -> nn.Module:
-    """Train mode, dropout off: every ``nn.Dropout``'s ``p`` set to 0 (attention code that reads
-    ``self.dropout.p`` sees it too)."""
+    """Train mode, dropout off: every dropout module's ``p``, every float attribute of a module
+    named ``*dropout*`` / ``*pdrop*`` (Hugging Face attention's ``attention_dropout``) and the
+    same entries of a Hugging Face config and its sub-configs set to 0."""
     model.train()
     for m in model.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd):
             m.p = 0.0
+        _no_dropout_attributes(m)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        for sub in [config] + [v for v in vars(config).values() if hasattr(v, "to_dict")]:
+            _no_dropout_attributes(sub)
     return model
 
 

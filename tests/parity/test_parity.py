@@ -67,6 +67,7 @@ def test_reference_gpt_at_tp2_matches_module_by_module(run_ranks):
     (2, {"recompute": "selective", "sequence_parallel": True, "vocab": "parallel"}),
     (2, {"precision": "bf16", "sequence_parallel": True, "recompute": "full"}),
     (2, {"attention": "kv_split"}),
+    (2, {"sequence_parallel": "regather", "cfg": CFG.with_(dropout=0.2)}),  # dropout off
     (4, {"dp": 2}),
     (4, {"tp": 4, "cfg": preset("llama-tiny", d_ff=128), "vocab": "parallel"}),  # KV replicas
     (4, {"ep": 2, "cfg": preset("moe-tiny")}),

@@ -46,8 +46,10 @@ def add_parser(p) -> None:
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (default 1)")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="keep each rank's share of the tokens between tensor-parallel regions")
+    p.add_argument("--sequence-parallel", nargs="?", const=True, default=False,
+                   metavar="regather", help="keep each rank's share of the tokens between "
+                   "tensor-parallel regions; 'regather' keeps only that share of each region's "
+                   "input too, all-gathered again in backward")
     p.add_argument("--recompute", default="none", choices=RECOMPUTE,
                    help="recompute activations in backward (default none)")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
@@ -176,6 +178,9 @@ def job_from_args(args) -> CheckJob:
     if args.batch % (args.dp * args.ep):
         raise ValueError(f"--batch ({args.batch}) must be divisible by dp × ep "
                          f"({args.dp * args.ep}): each data rank runs its own rows")
+    if args.sequence_parallel not in (False, True, "regather"):
+        raise ValueError(f"--sequence-parallel takes no value or 'regather', got "
+                         f"{args.sequence_parallel!r}")
     if args.sequence_parallel and args.seq % args.tp:
         raise ValueError(f"--sequence-parallel splits the sequence over tp: --seq ({args.seq}) "
                          f"must be divisible by --tp ({args.tp})")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..layers.dropout import ParallelDropout
 from .noise import rounding_noise
 from .record import Call, Recorder
 
@@ -116,7 +117,7 @@ def prepare(model: nn.Module) -> nn.Module:
     same entries of a Hugging Face config and its sub-configs set to 0."""
     model.train()
     for m in model.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd):
+        if isinstance(m, (nn.modules.dropout._DropoutNd, ParallelDropout)):
             m.p = 0.0
         _no_dropout_attributes(m)
     config = getattr(model, "config", None)

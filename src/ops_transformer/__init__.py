@@ -47,3 +47,7 @@ __all__ += ["save_checkpoint", "load_checkpoint", "CheckpointError"]
 from .loading import from_pretrained  # noqa: E402
 
 __all__ += ["from_pretrained"]
+
+from .parity import ParityReport, check_parity  # noqa: E402
+
+__all__ += ["check_parity", "ParityReport"]

@@ -174,8 +174,8 @@ def _check_supported(model: nn.Module, name: str, module: nn.Module) -> None:
                          f"parallelism it is vocabulary-parallel); target the attention and FFN "
                          f"linears")
     if adapter_kind(module) is None:
-        raise ValueError(f"lora: {name} is a {type(module).__name__}, which LoRA does not "
-                         f"support; LoRA adapts {SUPPORTED}")
+        raise ValueError(f"lora: {name} ({type(module).__name__}) is a layer type LoRA does "
+                         f"not support; LoRA adapts {SUPPORTED}")
 
 
 def default_targets(model: nn.Module) -> list[str]:

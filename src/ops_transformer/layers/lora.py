@@ -187,6 +187,11 @@ def base_class(module: nn.Module) -> type:
 
 
 def is_conv1d(module: nn.Module) -> bool:
+    """Whether the dense layer is a GPT-2 ``Conv1D`` (weight ``[in, out]``; PEFT's
+    ``fan_in_fan_out``), before or after it was parallelised."""
+    spec = getattr(module, "weight_spec", None)
+    if spec is not None:
+        return spec.transposed
     return base_class(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
@@ -201,7 +206,7 @@ def adapter_kind(module: nn.Module) -> type[LoRA] | None:
         return LoRAColumn if all(r is GatherSequenceRegion for r in regions) else None
     if issubclass(base, RowParallelLinear):
         return LoRARow if not regions else None
-    if base is nn.Linear or is_conv1d(module):
+    if base is nn.Linear or (base.__name__ == "Conv1D" and hasattr(module, "nf")):
         return LoRADense if all(r in DENSE_REGIONS for r in regions) else None
     return None
 

@@ -27,6 +27,7 @@ from .models.moe import moe_stats
 from .parallel.context import check_degrees, init_parallel
 from .parallelize import ParallelOptions, parallelize
 from .parallelize.gpt_plan import gpt_plan
+from .parallelize.lora import check_lora_args, check_rank, lora, resolve_targets
 from .planner.strategies import model_comm_per_step
 from .precision import DynamicLossScaler, optimizer_step, precision_policy
 from .utils.plot import write_line_plot_png
@@ -67,6 +68,10 @@ class TrainConfig:
     resume: bool = False  # continue from the latest checkpoint in ckpt_dir, if there is one
     max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
     keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
+    lora_rank: int | None = None  # LoRA adapters of this rank; every other weight frozen
+    lora_alpha: float | None = None  # None: the rank (scaling 1)
+    lora_targets: tuple[str, ...] | None = None  # module names / fnmatch patterns; None: default
+    lora_dropout: float = 0.0
 
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
@@ -109,10 +114,49 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
                          f"--batch ({cfg.batch}) must be divisible by dp ({dp}) × ep ({ep}): "
                          f"each of the {dp * ep} ranks reads its own rows")
     check_memory_flags(cfg, dp, tp)
+    with torch.device("meta"):
+        check_lora_flags(cfg, GPT(model_cfg))
     gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
     check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
     return dp, tp
+
+
+def check_lora_flags(cfg: TrainConfig, model: torch.nn.Module) -> None:
+    """The ``--lora-*`` flags: a rank to go with the others; rank, alpha, dropout and targets
+    valid for ``model`` (the dense model, on ``meta``)."""
+    if cfg.lora_rank is None:
+        given = [flag for flag, value in (("--lora-alpha", cfg.lora_alpha),
+                                          ("--lora-targets", cfg.lora_targets),
+                                          ("--lora-dropout", cfg.lora_dropout)) if value]
+        if given:
+            raise ValueError(f"{' and '.join(given)} configure LoRA adapters: add --lora-rank R")
+        return
+    check_lora_args(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
+    check_rank(model, resolve_targets(model, cfg.lora_targets), cfg.lora_rank)
+
+
+def with_lora(cfg: TrainConfig, ctx, model: torch.nn.Module, base: dict) -> torch.nn.Module:
+    """``model`` with LoRA adapters when ``cfg.lora_rank`` is set (before the optimizer is built:
+    only the adapters then get gradients and optimizer state)."""
+    if cfg.lora_rank is None:
+        return model
+    return lora(model, ctx, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
+                dropout=cfg.lora_dropout, seed=cfg.seed, base=base)
+
+
+def lora_report(model: torch.nn.Module, opt) -> dict | None:
+    """What a LoRA run trains on this rank: its adapters' configuration, the parameters that
+    train and those that stay frozen, and the bytes of the optimizer's state (the adapters')."""
+    config = model.parallel_state.lora
+    if config is None:
+        return None
+    params = list(dict.fromkeys(model.parameters()))
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {**config.to_dict(), "modules": len(config.targets),
+            "trainable_params_per_rank": sum(p.numel() for p in params if p.requires_grad),
+            "frozen_params_per_rank": sum(p.numel() for p in params if not p.requires_grad),
+            "optimizer_state_bytes_per_rank": sum(t.numel() * t.element_size() for t in state)}
 
 
 def check_train_ep(model_cfg: GPTConfig, preset_name: str, ep: int) -> None:
@@ -201,6 +245,7 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
                     batch=cfg.batch // ctx.dp_ep_size, seq=cfg.seq,
                     profile=ctx.profile)  # `auto`: for this run's shapes, on the agreed profile
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan, options)
+    model = with_lora(cfg, ctx, model, {"preset": cfg.preset, "seed": cfg.seed})
     opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
     return TrainState(cfg, ctx, model, opt, data, policy, scaler)
@@ -259,6 +304,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                      "grad_norm_last": report.grad_norm if report else None,
                      "comm_by_dtype": last.by_dtype(),
                      "resumed_from": first if cfg.resume else None,
+                     "lora": lora_report(model, opt),
                      **({} if scaler is None else {"loss_scale": scaler.scale_value,
                                                    "skipped_steps": scaler.skipped_steps}),
                      **({"moe": {k: [m[k] for m in moe_history]
@@ -324,7 +370,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "comm_per_step": comm,
         "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()),
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
-        "expected_tp_comm_per_step": expected_comm_per_step(
+        "expected_tp_comm_per_step": None if cfg.lora_rank else expected_comm_per_step(
             model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_ep_size,
             cfg.seq, model.parallel_plan.vocab, sequence_parallel=cfg.sequence_parallel,
             recompute=cfg.recompute, partial_elements=partial_numel(model, ctx.tp_group)),

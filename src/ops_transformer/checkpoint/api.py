@@ -23,8 +23,8 @@ from .._version import __version__
 from ..comm import collectives as C
 from . import store
 from .chunked import LoadPlanner, SavePlanner
-from .contents import (MODEL, OPTIM, RNG, ModelTensors, check_picklable, commit_model,
-                       describe_model, model_entries, model_targets, unclaimed)
+from .contents import (MODEL, OPTIM, RNG, ModelTensors, check_lora, check_picklable,
+                       commit_model, describe_model, model_entries, model_targets, unclaimed)
 from .errors import CheckpointError
 from .optim import adapter_for
 from .rng import rng_state, set_rng_state
@@ -192,6 +192,7 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
     saved = reader.read_metadata().state_dict_metadata
     tensors, adapter, targets, error = ModelTensors(model), None, {}, None
     try:
+        check_lora(manifest["model"], model, path)
         targets = model_targets(tensors, saved)
         if optimizer is not None:
             adapter = adapter_for(optimizer)

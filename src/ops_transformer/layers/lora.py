@@ -239,6 +239,8 @@ def add_adapter(module: nn.Module, ctx, *, rank: int, alpha: float, dropout: flo
     for role, dense, spec in (("A", a_dense, specs[0]), ("B", b_dense, specs[1])):
         local = dense if spec is None else spec.shard(dense)
         factors[role] = LoRAFactor(role, local.to(base.device, base.dtype), spec)
+    for factor in factors.values():
+        factor.train(module.training)
     _mark_partial(module, kind, factors, ctx)
     _set_class(module, kind)
     module.lora_A, module.lora_B = factors["A"], factors["B"]

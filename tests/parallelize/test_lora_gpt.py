@@ -181,3 +181,21 @@ def _errors():
 
 def test_lora_errors(run_ranks):
     run_ranks(_errors, 2)
+
+
+def _eval_mode_kept():
+    ctx = init_parallel(tp=2)
+    torch.manual_seed(0)
+    model = lora(parallelize(GPT(CFG.with_(dropout=0.1)).eval(), ctx, attention="heads"), ctx,
+                 rank=4, dropout=0.1)
+    x = torch.randint(0, CFG.vocab_size, (1, 8))
+    with torch.no_grad():  # no dropout anywhere: the same logits twice
+        assert torch.equal(model(x)[0], model(x)[0])
+    return [n for n, m in model.named_modules() if m.training]
+
+
+def test_parallelize_and_lora_keep_eval_mode(run_ranks):
+    """The parallel layers a plan builds, and the adapters, take the mode of the module they
+    replace or adapt (they used to start in training mode, so the adapters' dropout ran in an
+    ``eval()`` model)."""
+    assert run_ranks(_eval_mode_kept, 2)[0] == []

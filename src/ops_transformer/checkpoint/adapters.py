@@ -25,6 +25,7 @@ from torch import nn
 
 from ..models.gpt import GPT, GPTConfig
 from .errors import CheckpointError
+from .export import copy_side_files
 
 PEFT_PREFIX = "base_model.model."  # PeftModel → LoraModel → the base model
 
@@ -117,6 +118,7 @@ def export_merged(state: dict[str, torch.Tensor], manifest: dict, out: Path, pat
     model = merge_adapters(base_model(manifest, path, base_dir), state, info)
     if manifest["model"].get("kind") == "huggingface":
         model.save_pretrained(out)
+        copy_side_files(Path(base_dir or info["base"]["model_dir"]), out)  # the tokenizer
         return out
     from safetensors.torch import save_model
 

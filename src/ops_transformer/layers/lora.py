@@ -66,7 +66,7 @@ from ..comm.bucketing import mark_partial_grad, partial_grad_group
 from ..comm.primitives import copy_to_tp_region
 from ..parallel.sharding import ShardSpec, set_shard_spec, shard_spec
 from .linear import ColumnParallelLinear, RowParallelLinear, dense_weight, to_compute_dtype
-from .linear_variants import _mask_padding
+from .linear_variants import without_padding_grad
 from .regions import GatherInput, GatherSequenceRegion, Region, RopeGradRegion
 
 SUPPORTED = ("nn.Linear, GPT-2's Conv1D, ColumnParallelLinear and RowParallelLinear (with their "
@@ -85,6 +85,14 @@ class LoRAFactor(nn.Module):
         self.weight = nn.Parameter(local)
         if spec is not None:
             set_shard_spec(self.weight, spec)
+
+    def value(self) -> torch.Tensor:
+        """``weight`` for the forward: on a padded layer, the gradient of this rank's padding is
+        zeroed (as the layer's own weight's), so the padding stays zero."""
+        spec = shard_spec(self.weight)
+        if spec is None or not spec.padded_size:
+            return self.weight
+        return without_padding_grad(self.weight, spec)
 
     @property
     def dense_shape(self) -> tuple[int, ...]:
@@ -118,8 +126,8 @@ class LoRA(nn.Module):
     def adapter(self, x: torch.Tensor) -> torch.Tensor:
         """``s · B A drop(x)`` on this rank's factors, PEFT's ``lora_B(lora_A(dropout(x))) *
         scaling``."""
-        h = F.linear(self.lora_input(x), self.lora_A.weight)  # (..., rank), partial for a row layer
-        return F.linear(h, self.lora_B.weight) * self.lora_scaling
+        h = F.linear(self.lora_input(x), self.lora_A.value())  # (…, rank): partial for a row
+        return F.linear(h, self.lora_B.value()) * self.lora_scaling  # layer
 
     def lora_input(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
@@ -263,15 +271,11 @@ def _factor_specs(module, kind, rank) -> tuple[ShardSpec | None, ShardSpec | Non
 
 def _mark_partial(module, kind, factors, ctx) -> None:
     """The replicated factor's gradient is partial over the TP group; the split one's is partial
-    where the base weight's is (KV heads replicated over a subgroup). Padding stays zero."""
+    where the base weight's is (KV heads replicated over a subgroup)."""
     group = partial_grad_group(module.weight)
-    split, replicated = {LoRAColumn: ("B", "A"), LoRARow: ("A", "B")}.get(kind, (None, None))
+    replicated = {LoRAColumn: "A", LoRARow: "B"}.get(kind)
     for role, factor in factors.items():
-        param = factor.weight
-        mark_partial_grad(param, ctx.tp_group if role == replicated else group)
-        spec = shard_spec(param)
-        if role == split and spec is not None and spec.padded_size:
-            _mask_padding(param, spec)
+        mark_partial_grad(factor.weight, ctx.tp_group if role == replicated else group)
 
 
 def _set_class(module: nn.Module, kind: type[LoRA]) -> None:

@@ -31,7 +31,6 @@ from .models.moe import moe_stats
 from .parallel.context import check_degrees, init_parallel
 from .parallelize import ParallelOptions, parallelize
 from .parallelize.gpt_plan import gpt_plan
-from .parallelize.lora import check_lora_args, check_rank, lora, resolve_targets
 from .parallelize.moe_plan import n_experts_of
 from .planner.strategies import model_comm_per_step
 from .precision import DynamicLossScaler, optimizer_step, precision_policy
@@ -128,7 +127,7 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
                          f"--batch ({cfg.batch}) must be divisible by dp ({dp}) × ep ({ep}): "
                          f"each of the {dp * ep} ranks reads its own rows")
     check_memory_flags(cfg, dp, tp)
-    check_lora_flags(cfg, model_cfg)
+    finetune.check_lora(cfg, model_cfg)
     if cfg.model:
         finetune.check_data(cfg, model_cfg, say=say)
     else:
@@ -136,54 +135,6 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
         check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
     return dp, tp
-
-
-def check_lora_flags(cfg: TrainConfig, model_cfg) -> None:
-    """The ``--lora-*`` flags: a rank to go with the others; rank, alpha, dropout and targets
-    valid for the model (built on ``meta`` from ``model_cfg``, or ``cfg.model``'s config)."""
-    if cfg.lora_rank is None:
-        given = [flag for flag, value in (("--lora-alpha", cfg.lora_alpha),
-                                          ("--lora-targets", cfg.lora_targets),
-                                          ("--lora-dropout", cfg.lora_dropout)) if value]
-        if given:
-            raise ValueError(f"{' and '.join(given)} configure LoRA adapters: add --lora-rank R")
-        return
-    check_lora_args(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
-    if cfg.model:
-        model = finetune.meta_model(cfg.model)
-    else:
-        with torch.device("meta"):
-            model = GPT(model_cfg)
-    check_rank(model, resolve_targets(model, cfg.lora_targets), cfg.lora_rank)
-
-
-def with_lora(cfg: TrainConfig, ctx, model: torch.nn.Module, base: dict) -> torch.nn.Module:
-    """``model`` with LoRA adapters when ``cfg.lora_rank`` is set (before the optimizer is built:
-    only the adapters then get gradients and optimizer state)."""
-    if cfg.lora_rank is None:
-        return model
-    return lora(model, ctx, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
-                dropout=cfg.lora_dropout, seed=cfg.seed, base=base)
-
-
-def lora_report(model: torch.nn.Module, opt, measured: dict | None) -> dict | None:
-    """What a LoRA run trains on this rank: its adapters' configuration, the parameters that
-    train and those that stay frozen, the bytes of the optimizer's state (the adapters'), and
-    next to the measured model state (``measured``: parameters, gradients, optimizer state) what
-    full fine-tuning would hold with AdamW (every parameter's gradient and two moments)."""
-    config = model.parallel_state.lora
-    if config is None:
-        return None
-    params = list(dict.fromkeys(model.parameters()))
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    return {**config.to_dict(), "modules": len(config.targets),
-            "trainable_params_per_rank": sum(p.numel() for p in params if p.requires_grad),
-            "frozen_params_per_rank": sum(p.numel() for p in params if not p.requires_grad),
-            "optimizer_state_bytes_per_rank": sum(t.numel() * t.element_size() for t in state),
-            "state_bytes_per_rank": measured,
-            "full_finetune_state_bytes_per_rank": {"params": param_bytes, "grads": param_bytes,
-                                                   "optimizer": 2 * param_bytes}}
 
 
 def check_train_ep(model_cfg: GPTConfig, preset_name: str, ep: int) -> None:
@@ -284,9 +235,7 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
 
 
 def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
-    base = ({"model_dir": str(Path(cfg.model).resolve())} if cfg.model
-            else {"preset": cfg.preset, "seed": cfg.seed})
-    model = with_lora(cfg, ctx, model, base)  # before the optimizer: it sees what trains
+    model = finetune.with_lora(cfg, ctx, model)  # before the optimizer: it sees what trains
     opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
     return TrainState(cfg, ctx, model, opt, data, policy, scaler)
@@ -349,7 +298,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                      "comm_by_dtype": last.by_dtype(),
                      "resumed_from": first if cfg.resume else None,
                      "model_state_bytes_per_rank": state.state_bytes,
-                     "lora": lora_report(model, opt, state.state_bytes),
+                     "lora": finetune.lora_report(model, opt, state.state_bytes),
                      **({} if scaler is None else {"loss_scale": scaler.scale_value,
                                                    "skipped_steps": scaler.skipped_steps}),
                      **({"moe": {k: [m[k] for m in moe_history]

@@ -1,5 +1,5 @@
 """LoRA checkpoints: they hold the adapters and a reference to the base; ``train --lora-rank``
-resumes bit-identically; ``checkpoint export --adapter`` is a PEFT adapter directory that
+on a preset resumes bit-identically (slow); ``checkpoint export --adapter`` is a PEFT adapter directory that
 ``PeftModel.from_pretrained`` loads onto the plain base with equal logits; ``--merge`` is the base
 with the adapters merged, equal to PEFT's ``merge_and_unload``."""
 
@@ -29,26 +29,34 @@ IDS = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(3))
 
 @pytest.fixture(scope="module")
 def preset_runs(tmp_path_factory):
-    """4 steps straight (saving after 2 and 4), and the run resumed from its step 2."""
+    """4 steps, saving after 2 and 4."""
     root = tmp_path_factory.mktemp("lora-train")
     assert main(TRAIN + ["--steps", "4", "--ckpt-dir", str(root / "a"),
                          "--out", str(root / "ra")]) == 0
+    return root
+
+
+@pytest.mark.slow  # (the default suite resumes a LoRA run of train --model: test_lora_finetune)
+def test_preset_lora_training_resumes_bit_identically(preset_runs, capsys):
+    root = preset_runs
     (root / "b").mkdir()
     shutil.copytree(root / "a" / "step-00000002", root / "b" / "step-00000002")
     (root / "b" / "latest").write_text("step-00000002\n")
     assert main(TRAIN + ["--steps", "4", "--ckpt-dir", str(root / "b"), "--resume",
                          "--out", str(root / "rb")]) == 0
-    return root
+    capsys.readouterr()
+    ref = json.loads((root / "ra" / "metrics.json").read_text())
+    got = json.loads((root / "rb" / "metrics.json").read_text())
+    assert got["resumed_from"] == 2 and got["losses"] == ref["losses"]
+    a, _ = ex.dense_state_dict(root / "a")
+    b, _ = ex.dense_state_dict(root / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_lora_training_resumes_and_saves_only_the_adapters(preset_runs, capsys):
+def test_lora_training_saves_only_the_adapters(preset_runs, capsys):
     capsys.readouterr()
     ref = json.loads((preset_runs / "ra" / "metrics.json").read_text())
-    got = json.loads((preset_runs / "rb" / "metrics.json").read_text())
-    assert got["resumed_from"] == 2 and got["losses"] == ref["losses"]
     a, manifest = ex.dense_state_dict(preset_runs / "a")
-    b, _ = ex.dense_state_dict(preset_runs / "b")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     report = ref["lora"]
     assert sorted(a) == sorted(f"{t}.lora_{r}.weight" for t in report["targets"] for r in "AB")
     assert len(report["targets"]) == 12 and report["scaling"] == 2.0

@@ -1,5 +1,5 @@
-"""ot.lora on the reference GPT: the same adapter at every tp, trained to the same adapter as PEFT
-on the dense model (5 AdamW steps, clipped), frozen weights with no gradient and no optimizer
+"""ot.lora on the reference GPT: the same adapter at tp 1, 2, 4 and dp 2 × tp 2, trained to the
+same adapter as PEFT on the dense model (5 AdamW steps, clipped), frozen weights with no gradient and no optimizer
 state, the step's ledger against the base model's, and one-line errors for bad arguments."""
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ def _train(tp):
     batches = _batches()
     ledgers = {"base": _step_ledgers(base, ctx, batches[-1], tp_ranks),
                "lora": _step_ledgers(model, ctx, batches[-1], tp_ranks)}
-    norms = []
+    norms, rows = [], slice(ctx.dp_rank * B // ctx.dp_size, (ctx.dp_rank + 1) * B // ctx.dp_size)
     for batch in batches[:STEPS]:
+        batch = batch[rows]  # this data-parallel rank's rows
         model(batch[:, :-1], batch[:, 1:])[1].backward()
         frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
         assert frozen and all(model.get_parameter(n).grad is None for n in frozen)
@@ -105,7 +106,9 @@ def _peft_reference(initial, targets):
 def runs(request):
     from conftest import _run_ranks
 
-    return {tp: _run_ranks(_train, tp, tp)[0] for tp in (1, 2, 4)}
+    runs = {tp: _run_ranks(_train, tp, tp)[0] for tp in (1, 2, 4)}
+    runs["dp2xtp2"] = _run_ranks(_train, 4, 2)[0]
+    return runs
 
 
 def test_same_adapter_at_every_tp_and_as_peft(runs):
@@ -114,7 +117,7 @@ def test_same_adapter_at_every_tp_and_as_peft(runs):
     assert all(torch.count_nonzero(v) == 0 for k, v in initial.items() if "lora_B" in k)
     reference, ref_norms = _peft_reference(initial, targets)
     assert sorted(reference) == sorted(final)
-    for tp in (1, 2, 4):
+    for tp in (1, 2, 4, "dp2xtp2"):
         tp_initial, tp_final, tp_norms, *_ = runs[tp]
         for key in initial:  # drawn from one generator in dense coordinates, then sliced
             assert torch.equal(tp_initial[key], initial[key]), (tp, key)

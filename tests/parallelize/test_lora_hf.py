@@ -79,7 +79,8 @@ def _compare(family, sequence_parallel):
 
 
 @pytest.mark.parametrize("family,tp,sequence_parallel", [
-    ("llama", 1, False), ("llama", 2, False), ("llama", 4, False), ("llama", 2, True),
+    pytest.param("llama", 1, False, marks=pytest.mark.slow), ("llama", 2, False),
+    ("llama", 4, False), pytest.param("llama", 2, True, marks=pytest.mark.slow),
     ("gpt2", 2, False)])
 def test_lora_on_hf_models_equals_peft(run_ranks, family, tp, sequence_parallel):
     targets, fan_in_fan_out = run_ranks(_compare, tp, family, sequence_parallel)[0]

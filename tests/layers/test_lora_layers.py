@@ -1,6 +1,6 @@
 """LoRA adapters on column, row and fused sub-block linears against a dense PEFT-style reference
 (``base(x) + lora_B(lora_A(dropout(x))) * scaling``): forward, input gradient and every adapter
-gradient at tp 1, 2, 4 and dp 2 × tp 2; frozen weights get no gradient; the ledger: the forward
+gradient at tp 1, 2, 4 and dp 2 × tp 2 (with and without dropout); frozen weights get no gradient; the ledger: the forward
 equals the base model's, the backward adds one coalesced all-reduce of the replicated factors."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 
 from helpers import assert_rel
 from ops_transformer import CommLedger, gather_full_state_dict, init_parallel, lora, parallelize
+from ops_transformer.layers.dropout import Layout, dropout
 from ops_transformer.parallel.sharding import shard_spec
 
 B, S, IN, HID, RANK, ALPHA = 4, 3, 16, 32, 4, 8.0
@@ -54,7 +55,7 @@ def _reference(net, factors, x, grad_out, dropout, dp):
 
     def adapted(name, h):
         a, b = params[name]
-        return getattr(net, name)(h) + F.linear(F.linear(F.dropout(h, dropout), a), b) * (
+        return getattr(net, name)(h) + F.linear(F.linear(one_device(h, dropout), a), b) * (
             ALPHA / RANK)
 
     torch.manual_seed(5)  # the dropout masks, drawn in the layers' order
@@ -158,7 +159,13 @@ def test_lora_linears_match_dense_reference(run_ranks, tp, world):
         assert "dp_grads" not in lora_bwd
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_lora_dropout_matches_dense_masks(run_ranks, tp):
-    """Dropout 0.2 on the adapters' input: each rank applies its part of the dense masks."""
-    run_ranks(_run, tp, tp, 0.2)
+@pytest.mark.parametrize("tp,world", [(1, 1), (2, 2), (2, 4)])
+def test_lora_dropout_matches_one_device_masks(run_ranks, tp, world):
+    """Dropout 0.2 on the adapters' input: each rank applies its part of the one-device masks
+    (its rows of the global batch; a row layer: its input features)."""
+    run_ranks(_run, world, tp, 0.2)
+
+
+def one_device(x, p):
+    """The one-device dropout of the global batch (layers/dropout.py)."""
+    return dropout(x, p, Layout())

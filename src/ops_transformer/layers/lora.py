@@ -40,10 +40,11 @@ marked (:func:`~ops_transformer.comm.bucketing.mark_partial_grad`) so that the m
 all-reduce per backward. The cost: the replicated factor's matmul (``rank`` columns) is repeated
 on every rank.
 
-Dropout (``drop``) is PEFT's: on the adapter's input. A column layer's input is replicated, so the
-ranks draw the dense mask itself; a row layer's rank draws the mask of the dense input
-(``[…, in]``) and keeps its features, so the product equals the dense model's whenever the TP ranks
-share their generator state (as :func:`~ops_transformer.parallelize` assumes of the dense init).
+Dropout (``drop``) is on the adapter's input, as PEFT's ``lora_dropout``, with the one-device
+masks of :mod:`.dropout` (a counter-based hash of each element's index in the one-device tensor):
+a column layer's input is replicated over TP, and its rows are this data-parallel rank's rows of
+the global batch; a row layer's rank takes the indices of the dense input (``[…, in]``) cut as
+``A`` is. So the masks at any ``dp × tp`` are those of one device running the global batch.
 
 A layer gets its adapter in place (:func:`add_adapter`): its class becomes a small subclass of its
 own (``LoRA[ColumnParallelLinear]``, made once per class, as a region is) with two children,
@@ -65,6 +66,7 @@ from ..comm import collectives as C
 from ..comm.bucketing import mark_partial_grad, partial_grad_group
 from ..comm.primitives import copy_to_tp_region
 from ..parallel.sharding import ShardSpec, set_shard_spec, shard_spec
+from .dropout import Layout, dropout, dropout_at
 from .linear import ColumnParallelLinear, RowParallelLinear, dense_weight, to_compute_dtype
 from .linear_variants import without_padding_grad
 from .regions import GatherInput, GatherSequenceRegion, Region, RopeGradRegion
@@ -121,6 +123,7 @@ class LoRA(nn.Module):
     lora_A: LoRAFactor
     lora_B: LoRAFactor
     lora_rank, lora_alpha, lora_scaling, lora_dropout = 0, 0.0, 0.0, 0.0
+    lora_layout = Layout()  # where this rank's rows sit in the global batch (dropout masks)
     lora_comm = ""  # how the adapter rides on the layer's collectives (extra_repr)
 
     def adapter(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +133,9 @@ class LoRA(nn.Module):
         return F.linear(h, self.lora_B.value()) * self.lora_scaling  # layer
 
     def lora_input(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        """Dropout on the adapter's input: the one-device mask (:mod:`.dropout`) of this rank's
+        rows of the global batch (the input is replicated over TP)."""
+        return dropout(x, self.lora_dropout, self.lora_layout, self.training)
 
     def extra_repr(self) -> str:
         mine = (f"lora: rank={self.lora_rank}, alpha={self.lora_alpha:g} "
@@ -160,15 +165,15 @@ class LoRARow(LoRA):
         return super().partial_output(x_local, weight, bias) + self.adapter(x_local)
 
     def lora_input(self, x_local: torch.Tensor) -> torch.Tensor:
-        """Dropout on this rank's input features: its part of the dense input's mask."""
+        """Dropout on this rank's input features: their part of the one-device mask (the
+        indices of the dense input's elements, cut as ``A`` is)."""
         if not (self.training and self.lora_dropout) or self.tp_size == 1:
             return super().lora_input(x_local)
         spec = shard_spec(self.lora_A.weight)  # [rank, in], split over in as the layer's input
         dense = (*x_local.shape[:-1], spec.full_shape[1])
-        mask = F.dropout(torch.ones(dense, dtype=x_local.dtype, device=x_local.device),
-                         self.lora_dropout)  # the draw of the dense model's dropout(x)
         x_spec = dataclasses.replace(spec, full_shape=dense, split_dim=len(dense) - 1)
-        return x_local * x_spec.shard(mask)
+        index = x_spec.shard(self.lora_layout.index(dense, x_local.device))
+        return dropout_at(x_local, self.lora_dropout, index)
 
 
 class LoRADense(LoRA):
@@ -253,6 +258,8 @@ def add_adapter(module: nn.Module, ctx, *, rank: int, alpha: float, dropout: flo
     _set_class(module, kind)
     module.lora_A, module.lora_B = factors["A"], factors["B"]
     module.lora_rank, module.lora_alpha, module.lora_dropout = rank, float(alpha), float(dropout)
+    module.lora_layout = Layout("replicated", ctx.tp_rank, ctx.tp_size, ctx.dp_ep_rank,
+                                ctx.dp_ep_size)
     module.lora_scaling = alpha / rank
     return module
 

@@ -202,3 +202,30 @@ def test_parallelize_and_lora_keep_eval_mode(run_ranks):
     replace or adapt (they used to start in training mode, so the adapters' dropout ran in an
     ``eval()`` model)."""
     assert run_ranks(_eval_mode_kept, 2)[0] == []
+
+
+def _sequence_parallel(mode):
+    ctx = init_parallel(tp=2)
+    torch.manual_seed(0)
+    model = lora(parallelize(GPT(CFG), ctx, attention="heads", sequence_parallel=mode), ctx,
+                 rank=RANK)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B non-zero, so that every factor gets a gradient
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    batch = _batches()[0]
+    loss = model(batch[:, :-1], batch[:, 1:])[1]
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_lora_under_sequence_parallelism_and_regather(run_ranks):
+    """The adapters join the sequence-parallel layers too, the re-gathering column layers
+    included (their local matmul is where the adapter adds its part)."""
+    loss, grads = run_ranks(_sequence_parallel, 2, True)[0]
+    loss_rg, grads_rg = run_ranks(_sequence_parallel, 2, "regather")[0]
+    assert_rel(loss_rg, loss, what="loss")
+    assert grads.keys() == grads_rg.keys() and len(grads) == 24
+    for name in grads:
+        assert_rel(grads_rg[name], grads[name], what=name)

@@ -111,7 +111,8 @@ def check_lora(cfg, model_cfg) -> None:
                                           ("--lora-targets", cfg.lora_targets),
                                           ("--lora-dropout", cfg.lora_dropout)) if value]
         if given:
-            raise ValueError(f"{' and '.join(given)} configure LoRA adapters: add --lora-rank R")
+            verb = "configure" if len(given) > 1 else "configures"
+            raise ValueError(f"{' and '.join(given)} {verb} LoRA adapters: add --lora-rank R")
         return
     check_lora_args(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
     if cfg.model:

@@ -154,7 +154,7 @@ def test_lora_checkpoint_errors(preset_runs, tmp_path, capsys):
                  str(tmp_path / "x.safetensors")]) == 2
     assert "holds LoRA adapters only" in capsys.readouterr().err
     assert main(["train", "--steps", "2", "--lora-alpha", "8"]) == 2
-    assert "--lora-alpha configure LoRA adapters: add --lora-rank R" in capsys.readouterr().err
+    assert "--lora-alpha configures LoRA adapters: add --lora-rank R" in capsys.readouterr().err
     assert main(["train", "--steps", "2", "--lora-rank", "0"]) == 2
     assert "rank must be a positive integer, got 0" in capsys.readouterr().err
     assert main(["train", "--steps", "2", "--lora-rank", "4", "--lora-targets", "*.q_proj"]) == 2

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..models.gpt import GPT, GPTConfig
 from .errors import CheckpointError
-from .export import copy_side_files
+from .export import copy_side_files, default_modes
 
 PEFT_PREFIX = "base_model.model."  # PeftModel → LoraModel → the base model
 
@@ -70,6 +70,7 @@ def export_peft_adapter(state: dict[str, torch.Tensor], manifest: dict, out: Pat
     config.save_pretrained(str(out))
     tensors = {PEFT_PREFIX + k: state[k].contiguous() for k in adapter_keys(info)}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    default_modes([out])  # safetensors writes 0o600
     return out
 
 
@@ -119,10 +120,12 @@ def export_merged(state: dict[str, torch.Tensor], manifest: dict, out: Path, pat
     if manifest["model"].get("kind") == "huggingface":
         model.save_pretrained(out)
         copy_side_files(Path(base_dir or info["base"]["model_dir"]), out)  # the tokenizer
+        default_modes([out])
         return out
     from safetensors.torch import save_model
 
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", "step": str(manifest["step"]), "merged_lora": json.dumps(info)}
     save_model(model, str(out), metadata=meta)  # tied weights once; load_model re-ties them
+    default_modes([out])
     return out

@@ -27,6 +27,10 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
                          f"{cfg.activation_cache!r}")
     if cfg.zero not in ZERO_STAGES:
         raise ValueError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero!r}")
+    if cfg.zero == 3 and getattr(cfg, "lora_rank", None) is not None:
+        raise ValueError(f"--zero 3 with --lora-rank {cfg.lora_rank} is not supported yet (LoRA "
+                         f"adapters on FSDP2-sharded layers are untested): use --zero 0, 1 or 2 "
+                         f"with --lora-rank")
     try:
         sequence_parallel_mode(cfg.sequence_parallel)
     except ValueError:
@@ -54,12 +58,12 @@ def shard_for_zero(model: nn.Module, ctx, zero: int, policy=None) -> nn.Module:
 
 
 def make_optimizer(model: nn.Module, ctx, zero: int, **adamw_kwargs) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s parameters, sharded with ZeRO ``zero``: 1 or 2 through
-    :func:`~.zero.zero_optimizer`; 3 (a model :func:`shard_for_zero` sharded) a plain AdamW,
-    whose state is sharded with the parameters it steps."""
+    """AdamW over ``model``'s trainable parameters (a LoRA model: its adapters), sharded with
+    ZeRO ``zero``: 1 or 2 through :func:`~.zero.zero_optimizer`; 3 (a model :func:`shard_for_zero`
+    sharded) a plain AdamW, whose state is sharded with the parameters it steps."""
     if zero in (1, 2):
         return zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, **adamw_kwargs)
-    return torch.optim.AdamW(model.parameters(), **adamw_kwargs)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **adamw_kwargs)
 
 
 def memory_from_plan(layout: dict, path: str) -> dict:
@@ -87,9 +91,10 @@ def memory_from_plan(layout: dict, path: str) -> dict:
 
 def partial_numel(model: nn.Module, group) -> int:
     """Elements of the parameters whose partial gradients are summed over ``group`` (sequence
-    parallelism's norms and row biases on the TP group)."""
+    parallelism's norms and row biases on the TP group; a LoRA model's replicated factors); a
+    frozen parameter has no gradient to sum."""
     return sum(p.numel() for p in dict.fromkeys(model.parameters())
-               if group is not None and partial_grad_group(p) is group)
+               if group is not None and p.requires_grad and partial_grad_group(p) is group)
 
 
 def memory_summary(config: dict) -> str:

@@ -87,12 +87,14 @@ class ParallelState:
     prepared by hand); ``options``: the :class:`~ops_transformer.parallelize.ParallelOptions`;
     ``reducers``: the gradient reducers, in the order they finish at the end of backward;
     ``sharding``: the parameters' data-parallel sharding (:class:`DataSharding`, ZeRO-3), or
-    ``None``."""
+    ``None``; ``lora``: the :class:`~ops_transformer.parallelize.lora.LoRAConfig` of the adapters
+    :func:`~ops_transformer.lora` added (``None``: none)."""
 
     plan: object = None
     options: object = None
     reducers: GradReducers = field(default_factory=GradReducers)
     sharding: DataSharding | None = None
+    lora: object = None
 
 
 def parallel_state_of(model: nn.Module, *, create: bool = False) -> ParallelState | None:

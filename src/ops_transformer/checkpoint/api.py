@@ -67,7 +67,7 @@ def _save_entries(model: ModelTensors, optimizer, ctx, extra, scaler,
     if optimizer is not None:
         state = adapter_for(optimizer).save_state(optimizer, model, ctx)
         entries.update({OPTIM + k: v for k, v in state.items()})
-    entries[f"{RNG}{ctx.rank}"] = rng_state()
+    entries[f"{RNG}{ctx.rank}"] = rng_state(ctx.device)
     if ctx.rank == 0:  # the same on every rank: written once
         singles = {"extra": extra, "scaler": scaler.state_dict() if scaler is not None else None,
                    **{f"stateful/{k}": v.state_dict() for k, v in (stateful or {}).items()}}
@@ -229,6 +229,6 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
             obj.load_state_dict(targets[key])
     commit_model(tensors, targets)
     if restore_rng:
-        set_rng_state(targets[rng_key])
+        set_rng_state(targets[rng_key], ctx.device)
     return {"step": manifest["step"], "extra": targets.get("extra"), "path": str(path),
             "saved_layout": manifest["layout"], "resharded": manifest["layout"] != _layout(ctx)}

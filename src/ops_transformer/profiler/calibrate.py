@@ -246,8 +246,8 @@ def _p2p_worker(message_bytes, quick: bool, progress: bool) -> list[list]:
             mine, theirs, both = (torch.zeros(n, device=dev), torch.zeros(n, device=dev),
                                   torch.zeros(2 * n, device=dev))
 
-            def swap():
-                for work in (C.send(mine, peer, group), C.recv(theirs, peer, group)):
+            def swap():  # one batched send + receive, as the p2p algorithms post it
+                for work in C.run_swap(mine, theirs, peer, group, "calibrate.p2p"):
                     work.wait()
 
             reps = repeats_for(n * FP32, quick)

@@ -144,11 +144,12 @@ def section_hf(limit, info, tmp):
 def section_checkpoint(limit, info, tmp):
     ckpt = tmp / "ckpt"
     base = CLI + ["train", "--preset", "tiny", "--no-progress", "--json", "--ckpt-dir", str(ckpt),
-                  "--save-every", "2", "--out", str(tmp / "ckpt-run")]
-    rc, out, t1 = run(base + ["--steps", "4"], limit / 3)
+                  "--save-every", "2"]
+    rc, out, t1 = run(base + ["--steps", "4", "--out", str(tmp / "ckpt-run")], limit / 3)
     if rc:
         return rc, out, {}
-    rc, out2, t2 = run(base + ["--steps", "6", "--resume"], limit / 3)
+    rc, out2, t2 = run(base + ["--steps", "6", "--resume", "--out", str(tmp / "ckpt-resume")],
+                       limit / 3)
     if rc:
         return rc, out + out2, {}
     rc, out3, t3 = run(CLI + ["checkpoint", "export", str(ckpt), "--out",

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import os
 import subprocess
 import sys
 import warnings
@@ -167,7 +169,7 @@ def test_gpu_check_without_a_gpu_says_so(tmp_path):
     out = tmp_path / "gpu.json"
     done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(out)],
                           capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 2
     assert "gpu-check: no GPU is visible" in done.stderr
     assert not out.exists()
@@ -199,20 +201,22 @@ def test_tp1_step_exact_on_device(ot_device):
 def test_train_and_checkpoint_across_devices(ot_device, tmp_path, capsys):
     """``train`` with a checkpoint on ``ot_device``, resumed there, then exported by a process
     that sees no GPU (a CUDA checkpoint loads on the CPU)."""
-    if ot_device == "cpu":
-        pytest.skip("the CPU path is tested by tests/checkpoint and tests/cli")
     args = ["train", "--preset", "tiny", "--batch", "2", "--seq", "16", "--no-progress",
-            "--json", "--ckpt-dir", str(tmp_path / "ckpt"), "--save-every", "2",
-            "--out", str(tmp_path / "run")]
-    with DeviceCheck(torch.device("cuda", 0)):
-        assert cli_main(args + ["--steps", "2"]) == 0
-        assert cli_main(args + ["--steps", "4", "--resume"]) == 0
-    capsys.readouterr()
+            "--json", "--ckpt-dir", str(tmp_path / "ckpt"), "--save-every", "2"]
+    device = torch.device("cuda", 0) if ot_device == "cuda" else torch.device("cpu")
+    with DeviceCheck(device) as check:
+        assert cli_main(args + ["--steps", "2", "--out", str(tmp_path / "run")]) == 0
+        capsys.readouterr()
+        assert cli_main(args + ["--steps", "4", "--resume", "--out", str(tmp_path / "again")]) == 0
+    assert check.seen["parameter"] > 0
+    resumed = json.loads(capsys.readouterr().out)
+    assert len(resumed["losses"]) == 4  # two saved, two run after the resume
     done = subprocess.run([sys.executable, "-m", "ops_transformer", "checkpoint", "export",
                            str(tmp_path / "ckpt"), "--out", str(tmp_path / "x.safetensors")],
                           capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr
+    assert (tmp_path / "x.safetensors").stat().st_size > 0
 
 
 def test_activation_memory_reports_the_allocator_on_cuda(ot_device):

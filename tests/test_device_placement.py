@@ -47,13 +47,15 @@ def _meta_readback(exc: BaseException) -> bool:
 
 # --- meta standing in for CUDA -----------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["tiny", "llama-tiny", "moe-tiny"])
-def test_train_step_keeps_everything_on_ctx_device(name):
+@pytest.mark.parametrize("name,extra", [("tiny", {}), ("llama-tiny", {}), ("moe-tiny", {}),
+                                        ("llama-tiny", {"lora_rank": 4})],
+                         ids=["tiny", "llama-tiny", "moe-tiny", "lora"])
+def test_train_step_keeps_everything_on_ctx_device(name, extra):
     """``train``'s set-up and step on a ``meta`` context: parameters, buffers, the batch and every
     module input on ``meta``; the step stops only at its host read of the loss (an MoE model at
     its dispatch, whose split sizes are read on the host)."""
     ctx = ParallelContext.single(META)
-    state = setup_training(TrainConfig(preset=name, batch=2, seq=16, steps=1), ctx)
+    state = setup_training(TrainConfig(preset=name, batch=2, seq=16, steps=1, **extra), ctx)
     assert {p.device for p in state.model.parameters()} == {META}
     x, y = state.batch(0)
     assert x.device == y.device == META

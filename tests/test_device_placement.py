@@ -152,6 +152,8 @@ def test_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch, capsys):
 def test_launch_spawns_where_a_gpu_is_visible(monkeypatch):
     """``torch.cuda.is_available()`` initialises the driver without ``is_initialized()``
     saying so; a rank forked after it cannot use CUDA: fork only where no GPU is visible."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert launch_mod._fork_is_safe() == sys.platform.startswith("linux")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert not launch_mod._fork_is_safe()

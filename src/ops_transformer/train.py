@@ -4,11 +4,13 @@
 every rank (under ``launch`` or ``torchrun``) and returns the metrics on rank 0. The loop is the plain
 one a user writes — ``loss = model(x, y)[1]; loss.backward(); opt.step()`` — on a model that
 :func:`parallelize` prepared; each data-parallel rank feeds its rows of the global batch, which
-depends only on ``(seed, step)``.
+depends only on ``(seed, step)``, in ``grad_accum`` micro-batches (gradient accumulation: the
+data-parallel reductions run once per step, on the accumulated gradients).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -25,6 +27,7 @@ from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corp
 from .models.gpt import GPT, GPTConfig, preset
 from .models.moe import moe_stats
 from .parallel.context import check_degrees, init_parallel
+from .parallel.state import no_sync
 from .parallelize import ParallelOptions, parallelize
 from .parallelize.gpt_plan import gpt_plan
 from .planner.strategies import model_comm_per_step
@@ -36,7 +39,9 @@ from .utils.tensorboard import ScalarLog, check_log_dir
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run. ``batch`` is the global batch in sequences (split over ``dp``)."""
+    """One training run. ``batch`` is the global batch in sequences: each of the ``dp × ep``
+    ranks that read data runs its rows in ``grad_accum`` micro-batches of
+    ``batch / (grad_accum · dp · ep)`` sequences (:func:`micro_batch`)."""
 
     preset: str = "tiny"
     tp: int = 1
@@ -67,6 +72,9 @@ class TrainConfig:
     resume: bool = False  # continue from the latest checkpoint in ckpt_dir, if there is one
     max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
     keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
+    grad_accum: int = 1  # micro-batches per step and rank; gradients reduced once per step
+    rebalance: str = "auto"  # resume on another size: "auto" re-plans (rebalance.py), "off"
+    elastic: bool = False  # local ranks (--nproc): a restart drops the node whose ranks died
 
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
@@ -85,9 +93,10 @@ class TrainConfig:
 
 def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     """Every check that needs no process group; returns ``(dp, tp)``."""
-    for name in ("steps", "batch", "seq"):
+    for name in ("steps", "batch", "seq", "grad_accum"):
         if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
+                             f"{getattr(cfg, name)}")
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be positive, got {cfg.lr}")
     precision_policy(cfg.precision)  # names the valid choices
@@ -104,15 +113,31 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     if model_cfg.vocab_size < VOCAB_SIZE:
         raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; byte-level "
                          f"data needs at least {VOCAB_SIZE}")
-    if cfg.batch % (dp * ep):
-        raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})" if ep == 1 else
-                         f"--batch ({cfg.batch}) must be divisible by dp ({dp}) × ep ({ep}): "
-                         f"each of the {dp * ep} ranks reads its own rows")
+    check_batch(cfg.batch, dp, ep, cfg.grad_accum)
     check_memory_flags(cfg, dp, tp)
-    gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
+    gpt_plan(model_cfg, tp, cfg.attention, batch=micro_batch(cfg, dp * ep), seq=cfg.seq)
     check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
     return dp, tp
+
+
+def check_batch(batch: int, dp: int, ep: int, grad_accum: int) -> None:
+    """The global batch splits into ``grad_accum`` micro-batches on each of the ``dp × ep``
+    ranks that read data."""
+    readers = ("dp ({dp})" if ep == 1 else "dp ({dp}) × ep ({ep})").format(dp=dp, ep=ep)
+    if batch % (dp * ep):
+        raise ValueError(f"--batch ({batch}) must be divisible by {readers}" if ep == 1 else
+                         f"--batch ({batch}) must be divisible by {readers}: each of the "
+                         f"{dp * ep} ranks reads its own rows")
+    if batch % (dp * ep * grad_accum):
+        raise ValueError(f"--batch ({batch}) must be divisible by {readers} × --grad-accum "
+                         f"({grad_accum}): each rank runs {batch // (dp * ep)} rows in "
+                         f"{grad_accum} equal micro-batches")
+
+
+def micro_batch(cfg: TrainConfig, dp_ep: int) -> int:
+    """Sequences per forward on one rank: ``batch / (grad_accum · dp · ep)``."""
+    return cfg.batch // (cfg.grad_accum * dp_ep)
 
 
 def check_train_ep(model_cfg: GPTConfig, preset_name: str, ep: int) -> None:
@@ -130,7 +155,8 @@ def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch:
                            **memory) -> dict[str, dict[str, int]]:
     """The tensor-parallel collectives the cost model predicts for one training step on one rank
     (:func:`ops_transformer.planner.strategies.model_comm_per_step`, checked against the ledger by
-    the tests); ``memory``: its ``sequence_parallel``, ``recompute`` and ``partial_elements``."""
+    the tests) at a micro-batch of ``batch``; ``memory``: its ``sequence_parallel``,
+    ``recompute``, ``partial_elements`` and ``grad_accum``."""
     return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab, **memory)
 
 
@@ -159,18 +185,53 @@ class TrainState:
     def step(self, x: torch.Tensor, y: torch.Tensor):
         """Forward, backward, clipping and the optimizer step: ``(report, ledger)``, the
         optimizer's report (``report.metrics["loss"]``: the global-batch loss) and the step's
-        collectives."""
+        collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
-            with self.policy.autocast(self.ctx.device):
-                loss = self.model(x, y)[1]
-            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+            metrics = self.accumulate(x, y)
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
-                                    max_norm=self.cfg.clip_grad,
-                                    metrics={"loss": loss, **_moe_metrics(self.model,
-                                                                          self.model.cfg)})
+                                    max_norm=self.cfg.clip_grad, metrics=metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)
         self.opt.zero_grad(set_to_none=True)
         return report, ledger
+
+    def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        """Forward and backward of each micro-batch of ``x, y``, the gradients accumulating
+        locally (:func:`no_sync`) until the last one's backward reduces their sum; each backward
+        of ``loss / grad_accum`` (scaled, with fp16), so the accumulated gradient is the one of
+        the mean loss. Every micro-batch starts from the random state the step started with, as
+        every data-parallel rank does: dropout draws alike whichever rank or micro-step runs a
+        micro-batch. Returns the step's metrics (loss and MoE statistics: micro-batch means)."""
+        n = self.cfg.grad_accum
+        if x.shape[0] % n:
+            raise ValueError(f"{x.shape[0]} rows do not split into grad_accum ({n}) micro-batches")
+        rng = _RandomState(self.ctx.device) if n > 1 else None
+        parts = []
+        for i, (x_micro, y_micro) in enumerate(zip(x.chunk(n), y.chunk(n))):
+            if i:
+                rng.restore()
+            with no_sync(self.model) if i < n - 1 else contextlib.nullcontext():
+                with self.policy.autocast(self.ctx.device):
+                    loss = self.model(x_micro, y_micro)[1]
+                scaled = loss / n if n > 1 else loss
+                (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
+            parts.append({"loss": loss.detach(), **_moe_metrics(self.model, self.model.cfg)})
+        return {k: sum(torch.as_tensor(p[k], dtype=torch.float32) for p in parts) / n
+                if n > 1 else parts[0][k] for k in parts[0]}
+
+
+class _RandomState:
+    """The default generators' state (CPU, and ``device``'s when it is a GPU), to start each
+    micro-batch of a step from."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.gpu = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.gpu is not None:
+            torch.cuda.set_rng_state(self.gpu, self.device)
 
 
 def train_worker(cfg: TrainConfig, profile=None) -> dict | None:
@@ -198,7 +259,7 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
     policy = precision_policy(cfg.precision)
     options = cfg.parallel_options(grad_reduce_dtype=policy.grad_reduce_dtype)
     plan = gpt_plan(model_cfg, ctx.tp_size, options.plan_attention,
-                    batch=cfg.batch // ctx.dp_ep_size, seq=cfg.seq,
+                    batch=micro_batch(cfg, ctx.dp_ep_size), seq=cfg.seq,
                     profile=ctx.profile)  # `auto`: for this run's shapes, on the agreed profile
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan, options)
     opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -236,7 +297,8 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
             moe_history.append(_moe_report(report.metrics))
         if cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every):
             ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
-                      keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history})
+                      keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
+                      meta=batch_layout(cfg, ctx))
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
                                        "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"},
                    **_precision_stats(report, scaler),
@@ -284,6 +346,13 @@ def _moe_report(averaged: dict) -> dict:
             "dropped_fraction": averaged["moe_dropped"] / slots if slots else 0.0}
 
 
+def batch_layout(cfg: TrainConfig, ctx) -> dict:
+    """How the global batch was split (a checkpoint's manifest records it, :mod:`.rebalance`
+    reads it): ``{"global_batch", "micro_batch", "grad_accum"}``."""
+    return {"global_batch": cfg.batch, "micro_batch": micro_batch(cfg, ctx.dp_ep_size),
+            "grad_accum": cfg.grad_accum}
+
+
 def data_position(cfg: TrainConfig) -> dict:
     """What the batch of a step depends on besides the step (:func:`get_batch`)."""
     return {"seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq, "data": cfg.data}
@@ -314,7 +383,8 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
     tp_ranks = tuple(range(ctx.rank, ctx.rank + ctx.tp_size))  # rank 0's TP group
     metrics = {
         "preset": cfg.preset, "tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
-        "steps": cfg.steps,
+        "steps": cfg.steps, "grad_accum": cfg.grad_accum,
+        "micro_batch": micro_batch(cfg, ctx.dp_ep_size),
         "batch": cfg.batch, "seq": cfg.seq, "lr": cfg.lr, "seed": cfg.seed,
         "attention": model.parallel_plan.attention, "vocab": model.parallel_plan.vocab,
         "attention_reason": model.parallel_plan.reason,
@@ -325,9 +395,10 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()),
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
         "expected_tp_comm_per_step": expected_comm_per_step(
-            model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_ep_size,
-            cfg.seq, model.parallel_plan.vocab, sequence_parallel=cfg.sequence_parallel,
-            recompute=cfg.recompute, partial_elements=partial_numel(model, ctx.tp_group)),
+            model.cfg, ctx.tp_size, model.parallel_plan.attention,
+            micro_batch(cfg, ctx.dp_ep_size), cfg.seq, model.parallel_plan.vocab,
+            sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+            partial_elements=partial_numel(model, ctx.tp_group), grad_accum=cfg.grad_accum),
         "params": _dense_param_count(model.cfg),
         "ranks_per_node": ctx.ranks_per_node,
         "comm_by_level": ledger.by_level(),  # what ran inside a node and across nodes

@@ -15,15 +15,25 @@ from .api import load_checkpoint, save_checkpoint
 from .store import latest_step
 
 
+REBALANCE = ("auto", "off")  # train --rebalance: re-plan a resume on another size, or not
+
+
 def check_options(cfg) -> None:
     """The checkpoint settings of a ``TrainConfig`` (``ckpt_dir``, ``save_every``, ``resume``,
-    ``max_restarts``, ``keep_checkpoints``), named as the ``train`` flags."""
+    ``max_restarts``, ``keep_checkpoints``, ``rebalance``, ``elastic``), named as the ``train``
+    flags."""
     for name in ("save_every", "max_restarts"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got "
                              f"{getattr(cfg, name)}")
     if cfg.keep_checkpoints < 1:
         raise ValueError(f"--keep-checkpoints must be at least 1, got {cfg.keep_checkpoints}")
+    if getattr(cfg, "rebalance", "auto") not in REBALANCE:
+        raise ValueError(f"--rebalance must be one of {', '.join(REBALANCE)}, got "
+                         f"{cfg.rebalance!r}")
+    if getattr(cfg, "elastic", False) and not cfg.max_restarts:
+        raise ValueError("--elastic continues on the nodes left after a failure: it needs "
+                         "--max-restarts 1 or more (and --resume)")
     if not cfg.ckpt_dir:
         used = [flag for flag, on in (("--save-every", cfg.save_every), ("--resume", cfg.resume),
                                       ("--max-restarts", cfg.max_restarts)) if on]
@@ -58,6 +68,7 @@ def resume(ckpt_dir, model, optimizer, ctx, data_position: dict, **objects) -> t
 
 def save(ckpt_dir, model, optimizer, ctx, step: int, data_position: dict, *, keep: int | None,
          extra: dict | None = None, **objects):
-    """A checkpoint of ``step`` whose ``extra`` records the data position."""
+    """A checkpoint of ``step`` whose ``extra`` records the data position (``objects``: the
+    scaler, stateful objects and the manifest's ``meta``, see :func:`save_checkpoint`)."""
     return save_checkpoint(ckpt_dir, model, optimizer, ctx, step, keep=keep,
                            extra={**(extra or {}), "data_position": data_position}, **objects)

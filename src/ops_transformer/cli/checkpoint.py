@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..checkpoint import export as ex
 from ..checkpoint import store
+from ..checkpoint.training import REBALANCE
 from ..train import TrainConfig
 from ..utils.progress import format_table
 from ._common import check_out_dir, check_out_file, print_json, refuse_torchrun
@@ -43,11 +44,20 @@ def add_checkpoint_arguments(p) -> None:
                    "(torchrun: use its own --max-restarts)")
     p.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints,
                    help=f"newest checkpoints kept (default {defaults.keep_checkpoints})")
+    p.add_argument("--rebalance", choices=REBALANCE, default=defaults.rebalance,
+                   help="--resume on another number of ranks: 'auto' re-plans the layout (tp "
+                   "and ep kept when they fit) and the gradient accumulation so that the global "
+                   "batch, the micro-batch and the sample order stay the run's; 'off' runs the "
+                   f"layout given (default {defaults.rebalance})")
+    p.add_argument("--elastic", action="store_true", help="with --nproc, --ranks-per-node and "
+                   "--max-restarts: a restart drops the node whose ranks died and continues on "
+                   "the others, rebalanced (torchrun: --nnodes MIN:MAX)")
 
 
 def checkpoint_settings(args) -> dict:
     """The ``TrainConfig`` fields of the checkpoint flags (absent flags: the defaults)."""
-    names = ("ckpt_dir", "save_every", "resume", "max_restarts", "keep_checkpoints")
+    names = ("ckpt_dir", "save_every", "resume", "max_restarts", "keep_checkpoints",
+             "rebalance", "elastic")
     return {n: getattr(args, n) for n in names if hasattr(args, n)}
 
 

@@ -9,20 +9,23 @@ from pathlib import Path
 
 import torch
 
+from ..comm.topology import detect_topology
 from ..models.gpt import PRESETS
-from ..parallel.restart import launch_with_restarts
+from ..parallel.restart import check_elastic, launch_with_restarts
 from ..parallel import launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
 from ..parallelize.gpt_plan import ATTENTION_CHOICES
+from ..planner.local import local_cluster
 from ..planner.search import chosen_layout
+from ..rebalance import LAYOUT_FIELDS, layout_text, rebalance
 from ..train import TrainConfig, train_worker, validate
 from ..memory.apply import ACTIVATION_CACHES
 from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..utils.progress import format_table
-from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
+from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json, status,
                       under_torchrun, world_size)
 from ._calibrated import command_profile
 from .checkpoint import add_checkpoint_arguments, checkpoint_settings
@@ -44,6 +47,10 @@ def add_parser(p) -> None:
                    "library's sources on this machine)")
     p.add_argument("--steps", type=int, default=D.steps)
     p.add_argument("--batch", type=int, default=D.batch, help="global batch in sequences")
+    p.add_argument("--grad-accum", type=int, metavar="N", help="gradient accumulation: each "
+                   "rank runs its rows of --batch in N micro-batches of batch / (N·dp·ep) and "
+                   f"reduces the gradients once per step (default {D.grad_accum}; a --resume on "
+                   "another number of ranks sets it, see --rebalance)")
     p.add_argument("--seq", type=int, default=D.seq, help="sequence length in bytes")
     p.add_argument("--lr", type=float, default=D.lr)
     p.add_argument("--seed", type=int, default=D.seed)
@@ -109,7 +116,9 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
             raise ValueError(f"--plan {args.plan!r} sets --tp, --dp, --ep, --attention, "
                              f"--sequence-parallel, --recompute and --zero, but also "
                              f"{', '.join(conflicts)}: drop the flag or the plan")
+    accum = getattr(args, "grad_accum", None)
     return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
+                       grad_accum=D.grad_accum if accum is None else accum,
                        lr=args.lr, seed=args.seed, data=args.data, out=out,
                        progress=not args.no_progress, **layout,
                        precision=args.precision, clip_grad=args.clip_grad,
@@ -119,17 +128,57 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        **checkpoint_settings(args))
 
 
+def stated_layout(args) -> set[str]:
+    """The layout flags the command line gave (``--plan`` gives the degrees): a ``--resume`` on
+    another size prefers them to the checkpoint's (:func:`~ops_transformer.rebalance.rebalance`)."""
+    stated = {k for k in LAYOUT_FIELDS if getattr(args, k, None) is not None}
+    return stated | ({"tp", "dp", "ep"} if getattr(args, "plan", None) else set())
+
+
+def rebalanced(cfg: TrainConfig, ranks: int, stated=None, record=None) -> TrainConfig:
+    """``cfg`` re-planned for a resume on ``ranks`` (:mod:`ops_transformer.rebalance`), what it
+    changed said on stderr, and validated; ``record`` (a list) receives the
+    :class:`~ops_transformer.rebalance.Rebalanced`."""
+    cluster = None
+    if cfg.resume and cfg.ckpt_dir and cfg.rebalance == "auto":
+        cluster = local_cluster(ranks, command_profile(None), topology=detect_topology())
+    plan = rebalance(cfg, ranks, stated=stated, cluster=cluster)
+    if plan.message():
+        status(f"ops-transformer train: {plan.message()}")
+    validate(plan.cfg, ranks)
+    if record is not None:
+        record[:] = [plan]
+    return plan.cfg
+
+
 def run_training(cfg: TrainConfig, nproc: int | None,
                  timeout: float = DEFAULT_LAUNCH_TIMEOUT, worker=None,
-                 args: tuple = ()) -> dict | None:
+                 args: tuple = (), stated=None) -> dict | None:
     """Validate (the output directory included), then run ``worker(cfg, *args)`` (training by
     default) on ``nproc`` local ranks, on the ranks of this torchrun job, or in this one process
     (with the launcher's thread policy), with the calibrated profile if there is one (needed for
-    ``--attention auto``) as its ``profile=``."""
+    ``--attention auto``) as its ``profile=``. A ``--resume`` is first re-planned for the ranks
+    it has (:func:`rebalanced`; ``stated``: the layout flags given, see :func:`stated_layout`),
+    again after an ``--elastic`` restart lost a node; the metrics then record ``rebalanced``."""
     worker = worker or train_worker
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
-    validate(cfg, world_size() if nproc is None else nproc)
+    if cfg.elastic:
+        if nproc is None:
+            raise ValueError("--elastic drops a node of local ranks (--nproc); under torchrun "
+                             "use torchrun --nnodes MIN:MAX, whose restarts train rebalances")
+        check_elastic(nproc, cfg.ranks_per_node)
+    record: list = []
+    planned = rebalanced(cfg, world_size() if nproc is None else nproc, stated, record)
+    metrics = _run_planned(planned, nproc, timeout, worker, args,
+                           lambda n: (rebalanced(cfg, n, stated, record), *args))
+    if metrics is not None and record and record[0].to_dict():
+        metrics["rebalanced"] = record[0].to_dict()
+    return metrics
+
+
+def _run_planned(cfg: TrainConfig, nproc: int | None, timeout: float, worker, args: tuple,
+                 resize) -> dict | None:
     profile = command_profile("--attention auto" if cfg.attention == "auto" else None)
     if cfg.out:
         check_out_dir(cfg.out)
@@ -138,7 +187,9 @@ def run_training(cfg: TrainConfig, nproc: int | None,
     extra = {} if profile is None else {"profile": profile}  # none: the built-in profile
     if nproc is not None:
         return launch_with_restarts(worker, nproc, cfg, *args, max_restarts=cfg.max_restarts,
-                                    launcher=launch, timeout=timeout, **extra)[0]
+                                    launcher=launch, elastic=cfg.elastic,
+                                    ranks_per_node=cfg.ranks_per_node, resize=resize,
+                                    timeout=timeout, **extra)[0]
     if cfg.max_restarts:
         raise ValueError("--max-restarts restarts local ranks (--nproc); under torchrun use "
                          "torchrun's own --max-restarts")
@@ -165,7 +216,7 @@ def summary(metrics: dict) -> str:
     rows = [
         {"": "layout", "value": f"dp={metrics['dp']} × "
                                 + (f"ep={metrics['ep']} × " if metrics.get("ep", 1) > 1 else "")
-                                + f"tp={metrics['tp']}"},
+                                + f"tp={metrics['tp']}" + _accumulation(metrics)},
         {"": "attention", "value": metrics["attention"]},
         {"": "precision", "value": _precision_line(metrics)},
         {"": "parameters", "value": f"{metrics['params']:,}"},
@@ -184,6 +235,19 @@ def summary(metrics: dict) -> str:
     return format_table(rows)
 
 
+def _accumulation(metrics: dict) -> str:
+    """``", accumulation 2 × micro-batch 2"`` with gradient accumulation; what a rebalanced
+    resume changed."""
+    text = (f", accumulation {metrics['grad_accum']} × micro-batch {metrics['micro_batch']}"
+            if metrics.get("grad_accum", 1) > 1 else "")
+    moved = metrics.get("rebalanced")
+    if moved:
+        old = moved["from"]
+        text += (f" (rebalanced from {layout_text(old['dp'], old['ep'], old['tp'])}, "
+                 f"accumulation {old['grad_accum']})")
+    return text
+
+
 def _precision_line(metrics: dict) -> str:
     line = metrics.get("precision", "fp32")
     if "loss_scale" in metrics:
@@ -195,7 +259,8 @@ def _precision_line(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
-    metrics = run_training(cfg, launch_size(args, cfg), launch_timeout(args))
+    metrics = run_training(cfg, launch_size(args, cfg), launch_timeout(args),
+                           stated=stated_layout(args))
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:

@@ -28,11 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .checkpoint.errors import CheckpointError
-from .checkpoint.store import list_steps, read_manifest, step_dirname
-from .checkpoint.training import REBALANCE
+from .checkpoint.training import REBALANCE, saved_split
 from .comm.topology import cpu_topology
 from .planner.local import local_cluster
 from .planner.search import Options, evaluate, layout_problem
@@ -69,42 +66,10 @@ class Rebalanced:
                 f"rank kept)")
         return "; ".join([text, *self.notes])
 
-    def to_dict(self) -> dict | None:
-        """``{"from", "to", "notes"}`` for ``metrics.json`` (``None``: nothing changed)."""
-        if not self.changed:
-            return None
-        c = self.cfg
-        keys = ("world_size", "dp", "ep", "tp", "grad_accum", "micro_batch")
-        return {"from": {k: self.saved[k] for k in keys},
-                "to": {"world_size": self.world_size, "dp": self.world_size // (c.tp * c.ep),
-                       "ep": c.ep, "tp": c.tp, "grad_accum": c.grad_accum,
-                       "micro_batch": self.saved["micro_batch"]},
-                "notes": list(self.notes)}
-
 
 def layout_text(dp: int, ep: int, tp: int) -> str:
     """``"dp 2 × tp 2"`` (``"dp 1 × ep 2 × tp 1"`` with experts over ranks)."""
     return f"dp {dp} × " + (f"ep {ep} × " if ep > 1 else "") + f"tp {tp}"
-
-
-def saved_split(ckpt_dir, batch: int) -> dict | None:
-    """The layout and batch split of the newest checkpoint in ``ckpt_dir`` whose manifest reads:
-    ``{"step", "world_size", "dp", "ep", "tp", "global_batch", "micro_batch", "grad_accum"}``;
-    ``None`` when there is none. A checkpoint saved without ``meta`` ran each rank's rows in one
-    micro-batch of ``batch`` (the run's global batch) over its ``dp × ep``."""
-    for step in reversed(list_steps(ckpt_dir)):
-        try:
-            manifest = read_manifest(Path(ckpt_dir) / step_dirname(step))
-        except CheckpointError:
-            continue  # damaged: the resume falls back past it
-        layout = manifest["layout"]
-        readers = layout["dp"] * layout.get("ep", 1)
-        split = {"global_batch": batch, "micro_batch": batch // readers, "grad_accum": 1,
-                 **{k: v for k, v in (manifest.get("meta") or {}).items()
-                    if k in ("global_batch", "micro_batch", "grad_accum")}}
-        return {"step": manifest["step"], "world_size": layout["world_size"],
-                "dp": layout["dp"], "ep": layout.get("ep", 1), "tp": layout["tp"], **split}
-    return None
 
 
 def stated_fields(cfg: TrainConfig) -> set[str]:
@@ -185,7 +150,7 @@ def _planned_row(cfg, world: int, tp: int, ep: int, micro: int, cluster) -> dict
 def _with_layout(cfg, world: int, tp: int, ep: int, micro: int) -> tuple[TrainConfig, list]:
     """``cfg`` at ``tp × ep`` on ``world`` ranks with the accumulation that keeps ``micro``; the
     notes say what else had to change (ZeRO at dp 1, sequence parallelism at tp 1)."""
-    dp = world // (tp * ep)
+    dp = max(world // (tp * ep), 1)  # (0 when tp × ep does not fit: _problem says so)
     accum = max(cfg.batch // (micro * dp * ep), 1)
     changes, notes = {"tp": tp, "ep": ep, "dp": None, "grad_accum": accum}, []
     if cfg.zero and dp == 1:
@@ -238,18 +203,13 @@ def _result(cfg, planned, world, saved, stated, prefer, notes, problems) -> Reba
 
 
 def _no_layout(cfg, world: int, micro: int, problems: dict) -> ValueError:
-    """The one-line error: the size against the global batch, or against the model."""
-    where = f"cannot resume {cfg.ckpt_dir} on {world} ranks"
-    micro_batches = cfg.batch // micro
-    model = {k: why for k, (kind, why) in problems.items() if kind == "model"}
-    if not model:
-        return ValueError(
-            f"{where}: the global batch of {cfg.batch} sequences runs as {micro_batches} "
-            f"micro-batches of {micro}, and no layout of {world} ranks has data-parallel readers "
-            f"(dp × ep) that divide {micro_batches}; resume on a number of ranks whose dp × ep "
-            f"divides it, or pass --rebalance off (the micro-batch then changes)")
-    shown = "; ".join(f"tp {tp}" + (f" × ep {ep}" if ep > 1 else "") + f": {why}"
-                      for (tp, ep), why in list(model.items())[:3])
-    return ValueError(f"{where}: the model ({cfg.preset}) fits no layout of {world} ranks that "
-                      f"also splits the global batch of {cfg.batch} sequences into micro-batches "
-                      f"of {micro} ({shown})")
+    """The one-line error: the size against the global batch and the model, with why each
+    layout tried does not hold them (a layout of ``tp = world`` always splits the batch, so at
+    least one reason is the model's)."""
+    tried = "; ".join(f"tp {tp}" + (f" × ep {ep}" if ep > 1 else "") + f": {why}"
+                      for (tp, ep), (_, why) in list(problems.items())[:4])
+    return ValueError(f"cannot resume {cfg.ckpt_dir} on {world} ranks: no layout of {world} "
+                      f"ranks holds both the global batch of {cfg.batch} sequences (as "
+                      f"{cfg.batch // micro} micro-batches of {micro}) and the model "
+                      f"({cfg.preset}): {tried}; resume on another number of ranks, or pass "
+                      f"--rebalance off (the micro-batch then changes)")

@@ -272,6 +272,8 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
     model, opt, scaler, model_cfg = state.model, state.opt, state.scaler, state.model.cfg
     lead = ctx.rank == 0
     position = data_position(cfg)
+    moved = (rebalanced_from(cfg, ctx) if cfg.resume and cfg.ckpt_dir and cfg.rebalance == "auto"
+             else None)
     first, saved = (ckpt.resume(cfg.ckpt_dir, model, opt, ctx, position, scaler=scaler)
                     if cfg.resume else (0, {}))
     losses, moe_history = list(saved.get("losses", [])), list(saved.get("moe", []))
@@ -321,6 +323,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                      "grad_norm_last": report.grad_norm if report else None,
                      "comm_by_dtype": last.by_dtype(),
                      "resumed_from": first if cfg.resume else None,
+                     **({"rebalanced": moved} if first and moved else {}),
                      **({} if scaler is None else {"loss_scale": scaler.scale_value,
                                                    "skipped_steps": scaler.skipped_steps}),
                      **({"moe": {k: [m[k] for m in moe_history]
@@ -351,6 +354,17 @@ def batch_layout(cfg: TrainConfig, ctx) -> dict:
     reads it): ``{"global_batch", "micro_batch", "grad_accum"}``."""
     return {"global_batch": cfg.batch, "micro_batch": micro_batch(cfg, ctx.dp_ep_size),
             "grad_accum": cfg.grad_accum}
+
+
+def rebalanced_from(cfg: TrainConfig, ctx) -> dict | None:
+    """``{"from", "to"}``: the layout and batch split of the checkpoint a resume starts from and
+    of this run, when they differ (``None`` when not, or without a checkpoint)."""
+    saved = ckpt.saved_split(cfg.ckpt_dir, cfg.batch)
+    now = {"world_size": ctx.world_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
+           "tp": ctx.tp_size, "grad_accum": cfg.grad_accum,
+           "micro_batch": micro_batch(cfg, ctx.dp_ep_size)}
+    old = None if saved is None else {k: saved[k] for k in now}
+    return None if old in (None, now) else {"from": old, "to": now}
 
 
 def data_position(cfg: TrainConfig) -> dict:

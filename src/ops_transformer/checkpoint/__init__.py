@@ -9,7 +9,7 @@ from .contents import ModelTensors, register_module_entries
 from .experts import expert_entries, hf_expert_entries
 from .errors import CheckpointError
 from .layout import Entry, Layout, Replicated, SpecLayout, layout_of
-from .training import check_options, resume, save, should_save
+from .training import check_options, resume, save, saved_split, should_save
 from .optim import OptimizerAdapter, TorchOptimizerAdapter, register_optimizer_adapter
 from ..parallel.restart import launch_with_restarts
 from .store import latest_step, list_steps

@@ -10,9 +10,11 @@ saved and compared on resume.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 from .api import load_checkpoint, save_checkpoint
-from .store import latest_step
+from .errors import CheckpointError
+from .store import latest_step, list_steps, read_manifest, step_dirname
 
 
 REBALANCE = ("auto", "off")  # train --rebalance: re-plan a resume on another size, or not
@@ -72,3 +74,24 @@ def save(ckpt_dir, model, optimizer, ctx, step: int, data_position: dict, *, kee
     scaler, stateful objects and the manifest's ``meta``, see :func:`save_checkpoint`)."""
     return save_checkpoint(ckpt_dir, model, optimizer, ctx, step, keep=keep,
                            extra={**(extra or {}), "data_position": data_position}, **objects)
+
+
+def saved_split(ckpt_dir, batch: int) -> dict | None:
+    """The layout and batch split (``meta``, ``train.batch_layout``) of the newest checkpoint in
+    ``ckpt_dir`` whose manifest reads:
+    ``{"step", "world_size", "dp", "ep", "tp", "global_batch", "micro_batch", "grad_accum"}``;
+    ``None`` when there is none. A checkpoint saved without ``meta`` ran each rank's rows in one
+    micro-batch of ``batch`` (the run's global batch) over its ``dp × ep``."""
+    for step in reversed(list_steps(ckpt_dir)):
+        try:
+            manifest = read_manifest(Path(ckpt_dir) / step_dirname(step))
+        except CheckpointError:
+            continue  # damaged: the resume falls back past it
+        layout = manifest["layout"]
+        readers = layout["dp"] * layout.get("ep", 1)
+        split = {"global_batch": batch, "micro_batch": batch // readers, "grad_accum": 1,
+                 **{k: v for k, v in (manifest.get("meta") or {}).items()
+                    if k in ("global_batch", "micro_batch", "grad_accum")}}
+        return {"step": manifest["step"], "world_size": layout["world_size"],
+                "dp": layout["dp"], "ep": layout.get("ep", 1), "tp": layout["tp"], **split}
+    return None

@@ -135,10 +135,9 @@ def stated_layout(args) -> set[str]:
     return stated | ({"tp", "dp", "ep"} if getattr(args, "plan", None) else set())
 
 
-def rebalanced(cfg: TrainConfig, ranks: int, stated=None, record=None) -> TrainConfig:
+def rebalanced(cfg: TrainConfig, ranks: int, stated=None) -> TrainConfig:
     """``cfg`` re-planned for a resume on ``ranks`` (:mod:`ops_transformer.rebalance`), what it
-    changed said on stderr, and validated; ``record`` (a list) receives the
-    :class:`~ops_transformer.rebalance.Rebalanced`."""
+    changed said on stderr, and validated."""
     cluster = None
     if cfg.resume and cfg.ckpt_dir and cfg.rebalance == "auto":
         cluster = local_cluster(ranks, command_profile(None), topology=detect_topology())
@@ -146,8 +145,6 @@ def rebalanced(cfg: TrainConfig, ranks: int, stated=None, record=None) -> TrainC
     if plan.message():
         status(f"ops-transformer train: {plan.message()}")
     validate(plan.cfg, ranks)
-    if record is not None:
-        record[:] = [plan]
     return plan.cfg
 
 
@@ -159,7 +156,7 @@ def run_training(cfg: TrainConfig, nproc: int | None,
     (with the launcher's thread policy), with the calibrated profile if there is one (needed for
     ``--attention auto``) as its ``profile=``. A ``--resume`` is first re-planned for the ranks
     it has (:func:`rebalanced`; ``stated``: the layout flags given, see :func:`stated_layout`),
-    again after an ``--elastic`` restart lost a node; the metrics then record ``rebalanced``."""
+    again after an ``--elastic`` restart lost a node (the metrics then record ``rebalanced``)."""
     worker = worker or train_worker
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
@@ -168,13 +165,9 @@ def run_training(cfg: TrainConfig, nproc: int | None,
             raise ValueError("--elastic drops a node of local ranks (--nproc); under torchrun "
                              "use torchrun --nnodes MIN:MAX, whose restarts train rebalances")
         check_elastic(nproc, cfg.ranks_per_node)
-    record: list = []
-    planned = rebalanced(cfg, world_size() if nproc is None else nproc, stated, record)
-    metrics = _run_planned(planned, nproc, timeout, worker, args,
-                           lambda n: (rebalanced(cfg, n, stated, record), *args))
-    if metrics is not None and record and record[0].to_dict():
-        metrics["rebalanced"] = record[0].to_dict()
-    return metrics
+    planned = rebalanced(cfg, world_size() if nproc is None else nproc, stated)
+    return _run_planned(planned, nproc, timeout, worker, args,
+                        lambda n: (rebalanced(cfg, n, stated), *args))
 
 
 def _run_planned(cfg: TrainConfig, nproc: int | None, timeout: float, worker, args: tuple,

@@ -116,3 +116,26 @@ def test_train_command_reports_the_accumulation(tmp_path, capsys):
     measured = {k: {"calls": v["calls"], "elements": v["elements"]}
                 for k, v in metrics["tp_comm_per_step"].items()}
     assert measured == metrics["expected_tp_comm_per_step"]
+
+
+class _DropoutConfig(TrainConfig):
+    """The tiny preset with dropout 0.1 (train has no flag for it)."""
+
+    def model_config(self):
+        return super().model_config().with_(dropout=0.1)
+
+
+def test_dropout_draws_alike_on_a_rank_or_a_micro_step(run_ranks):
+    """Every micro-batch starts from the random state of the step, as every data-parallel rank
+    does: dp 2 and dp 1 with accumulation 2 draw the same dropout masks, so their losses and
+    gradients agree as without dropout (what a resume from 4 to 2 ranks relies on)."""
+    two = run_ranks(_accumulate, 2, _DropoutConfig(**BASE))
+    one = run_ranks(_accumulate, 1, _DropoutConfig(**BASE, grad_accum=2))[0]
+    plain = run_ranks(_accumulate, 1, TrainConfig(**BASE, grad_accum=2))[0]
+    mean = (two[0]["loss"] + two[1]["loss"]) / 2  # (each rank's own, before the step averages)
+    assert abs(one["loss"] - mean) <= 1e-6 * mean
+    assert abs(one["loss"] - plain["loss"]) > 1e-4  # dropout did change the loss
+    for la, lb in zip(one["losses"], two[0]["losses"]):
+        assert abs(la - lb) <= 1e-6 * lb, (one["losses"], two[0]["losses"])
+    worst = max(rel_err(a, b) for a, b in zip(one["grads"], two[0]["grads"]))
+    assert worst <= 1e-6, worst

@@ -200,3 +200,22 @@ def test_rebalance_off_runs_the_layout_given(four_ranks, tmp_path, capsys):
     assert (got["dp"], got["tp"], got["grad_accum"], got["micro_batch"]) == (1, 2, 1, 8)
     assert "rebalanced" not in got
     assert got["losses"][:3] == ref["losses"][:3]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc", "4", "--max-restarts", "1", "--elastic"],
+     "--elastic drops the node whose ranks die: it needs --ranks-per-node smaller than --nproc "
+     "(4) and dividing it (none given)"),
+    (["--nproc", "4", "--ranks-per-node", "3", "--max-restarts", "1", "--elastic"],
+     "and dividing it (got 3)"),
+    (["--nproc", "4", "--ranks-per-node", "2", "--elastic"],
+     "--elastic continues on the nodes left after a failure: it needs --max-restarts 1 or more"),
+    (["--nproc", "2", "--grad-accum", "3", "--max-restarts", "0"],
+     r"--batch (8) must be divisible by dp (2) × --grad-accum (3)"),
+    (["--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
+])
+def test_bad_elastic_and_accumulation_settings_are_one_line(tmp_path, capsys, argv, message):
+    code = main(COMMON + ["--resume", "--ckpt-dir", str(tmp_path / "ckpt"),
+                          "--out", str(tmp_path / "run"), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err

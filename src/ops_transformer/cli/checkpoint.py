@@ -79,6 +79,7 @@ def _rows(info: dict) -> list[dict]:
             "layout": (f"dp={layout['dp']} × tp={layout['tp']}"
                        + (f" × ep={layout['ep']}" if layout.get("ep", 1) > 1 else "")
                        if layout else "?"),
+            "batch": _batch_split(c.get("meta") or {}),
             "model": c.get("model", {}).get("class", "?"),
             "optimizer": c.get("optimizer") or "-",
             "size": _size(c["total_bytes"]) if "total_bytes" in c else "?",
@@ -88,6 +89,14 @@ def _rows(info: dict) -> list[dict]:
             "status": c["status"],
         })
     return rows
+
+
+def _batch_split(meta: dict) -> str:
+    """``"8 = 2 × 4"``: the global batch as accumulation × micro-batch per rank (``train``'s
+    ``meta``), ``"-"`` without it."""
+    if "global_batch" not in meta:
+        return "-"
+    return f"{meta['global_batch']} = {meta['grad_accum']} × {meta['micro_batch']} per rank"
 
 
 def _inspect(args) -> int:

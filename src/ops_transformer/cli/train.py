@@ -252,8 +252,8 @@ def _precision_line(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
-    metrics = run_training(cfg, launch_size(args, cfg), launch_timeout(args),
-                           stated=stated_layout(args))
+    resumed = {"stated": stated_layout(args)} if cfg.resume and cfg.rebalance == "auto" else {}
+    metrics = run_training(cfg, launch_size(args, cfg), launch_timeout(args), **resumed)
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if args.json:

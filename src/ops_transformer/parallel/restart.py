@@ -61,9 +61,9 @@ def launch_with_restarts(fn, nprocs: int, *args, max_restarts: int = 0, launcher
 def check_elastic(nprocs: int, ranks_per_node: int | None) -> None:
     """An elastic job needs nodes to drop: ``ranks_per_node`` below and dividing ``nprocs``."""
     if ranks_per_node is None or not 0 < ranks_per_node < nprocs or nprocs % ranks_per_node:
+        got = "none given" if ranks_per_node is None else f"got {ranks_per_node}"
         raise ValueError(f"--elastic drops the node whose ranks die: it needs --ranks-per-node "
-                         f"smaller than --nproc ({nprocs}) and dividing it, got "
-                         f"{ranks_per_node}")
+                         f"smaller than --nproc ({nprocs}) and dividing it ({got})")
 
 
 def lost_nodes(exc: RankError, nprocs: int, ranks_per_node: int) -> list[int]:

@@ -139,3 +139,27 @@ def test_dropout_draws_alike_on_a_rank_or_a_micro_step(run_ranks):
         assert abs(la - lb) <= 1e-6 * lb, (one["losses"], two[0]["losses"])
     worst = max(rel_err(a, b) for a, b in zip(one["grads"], two[0]["grads"]))
     assert worst <= 1e-6, worst
+
+
+@pytest.mark.slow
+def test_accumulation_with_a_hugging_face_model(tmp_path_factory, tmp_path, capsys):
+    """``train --model DIR --grad-accum 2``: a Llama at tp 2 runs the losses of one micro-batch
+    per step (fp32, ≤ 1e-6)."""
+    pytest.importorskip("transformers")
+    import hf_tiny
+    from ops_transformer.cli.main import main
+
+    path = hf_tiny.checkpoint(tmp_path_factory, "llama", tokenizer=True)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": f"{hf_tiny.TEXT} #{i}"}) + "\n"
+                            for i in range(8)))
+    losses = []
+    for accum in ("1", "2"):
+        out = tmp_path / f"accum-{accum}"
+        assert main(["train", "--model", str(path), "--data", str(data), "--nproc", "2", "--tp",
+                     "2", "--steps", "3", "--batch", "4", "--seq", "32", "--lr", "1e-3",
+                     "--grad-accum", accum, "--no-progress", "--out", str(out)]) == 0
+        losses.append(json.loads((out / "metrics.json").read_text())["losses"])
+    capsys.readouterr()
+    for a, b in zip(losses[1], losses[0]):
+        assert abs(a - b) <= 1e-6 * abs(b), losses

@@ -104,23 +104,32 @@ def rebalance(cfg: TrainConfig, world_size: int, *, stated=None, cluster=None) -
     stated = stated_fields(cfg) if stated is None else set(stated)
     prefer = (cfg.tp if "tp" in stated else saved["tp"], cfg.ep if "ep" in stated else saved["ep"])
     cluster = cluster or local_cluster(world_size, topology=cpu_topology())
+    spec = model_spec(cfg, micro)
     problems = {}
-    for tp, ep in _ordered(cfg, world_size, prefer, micro, cluster):
+    for tp, ep in _ordered(cfg, world_size, prefer, spec, cluster):
         planned, notes = _with_layout(cfg, world_size, tp, ep, micro)
-        problem = _problem(planned, world_size, micro, cluster)
+        problem = _problem(planned, world_size, spec, cluster)
         if problem is None:
             return _result(cfg, planned, world_size, saved, stated, prefer, notes, problems)
         problems[(tp, ep)] = problem
     raise _no_layout(cfg, world_size, micro, problems)
 
 
-def _ordered(cfg, world: int, prefer: tuple[int, int], micro: int, cluster) -> list:
+def model_spec(cfg: TrainConfig, micro: int) -> ModelSpec:
+    """The planner's picture of the run's model (the preset, or ``--model``'s config) at its
+    sequence, global batch, ``micro``-batch and precision."""
+    run = dict(seq=cfg.seq, global_batch=cfg.batch, micro_batch=micro, dtype=cfg.precision)
+    if cfg.model:
+        return ModelSpec.load(cfg.model, **run)
+    return ModelSpec.from_gpt_config(cfg.model_config(), **run)
+
+
+def _ordered(cfg, world: int, prefer: tuple[int, int], spec: ModelSpec, cluster) -> list:
     """``prefer`` first, then every other ``(tp, ep)`` of ``world`` ranks as the planner ranks
     them: those that fit in memory first, then by predicted step time."""
-    n_experts = max(cfg.model_config().n_experts, 1)
     pairs = [(tp, ep) for tp in _divisors(world) for ep in _divisors(world // tp)
-             if n_experts % ep == 0 and (tp, ep) != prefer]
-    rows = {pair: _planned_row(cfg, world, *pair, micro, cluster) for pair in pairs}
+             if spec.experts % ep == 0 and (tp, ep) != prefer]
+    rows = {pair: _planned_row(cfg, world, *pair, spec, cluster) for pair in pairs}
     ranked = sorted(pairs, key=lambda p: (rows[p] is None, not (rows[p] or {}).get("fits"),
                                           (rows[p] or {}).get("step_time_s", 0.0), p))
     return [prefer] + ranked
@@ -130,12 +139,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _planned_row(cfg, world: int, tp: int, ep: int, micro: int, cluster) -> dict | None:
-    """The planner's row for ``cfg`` at ``tp × ep`` on ``world`` ranks (its fastest attention
+def _planned_row(cfg, world: int, tp: int, ep: int, model: ModelSpec, cluster) -> dict | None:
+    """The planner's row for ``model`` at ``tp × ep`` on ``world`` ranks (its fastest attention
     strategy when ``cfg.attention`` is ``auto``), or ``None`` when no strategy is valid."""
-    dp = world // (tp * ep)
-    model = ModelSpec.from_gpt_config(cfg.model_config(), seq=cfg.seq, global_batch=cfg.batch,
-                                      micro_batch=micro, dtype=cfg.precision)
+    dp, micro = world // (tp * ep), model.micro_batch
     strategies = ([cfg.attention] if cfg.attention != "auto" else
                   list(ATTENTION_STRATEGIES) if tp > 1 else ["heads"])
     rows = []
@@ -162,14 +169,14 @@ def _with_layout(cfg, world: int, tp: int, ep: int, micro: int) -> tuple[TrainCo
     return dataclasses.replace(cfg, **changes), notes
 
 
-def _problem(cfg: TrainConfig, world: int, micro: int, cluster) -> tuple[str, str] | None:
-    """Why ``cfg`` cannot run on ``world`` ranks at micro-batches of ``micro`` (``None``: it
-    can), as ``(kind, reason)``: ``ranks`` (``tp × ep`` does not divide them), ``batch`` (the
+def _problem(cfg: TrainConfig, world: int, spec: ModelSpec, cluster) -> tuple[str, str] | None:
+    """Why ``cfg`` cannot run on ``world`` ranks at ``spec``'s micro-batch (``None``: it can),
+    as ``(kind, reason)``: ``ranks`` (``tp × ep`` does not divide them), ``batch`` (the
     micro-batches do not divide over the data-parallel readers) or ``model`` (``train`` refuses
     the layout, or the planner finds it too big for a rank's memory)."""
     if world % (cfg.tp * cfg.ep):
         return "ranks", f"tp × ep = {cfg.tp * cfg.ep} does not divide {world} ranks"
-    readers = world // cfg.tp
+    readers, micro = world // cfg.tp, spec.micro_batch
     if cfg.batch % (micro * readers):
         return "batch", (f"{cfg.batch // micro} micro-batches do not divide over dp × ep = "
                          f"{readers}")
@@ -177,7 +184,7 @@ def _problem(cfg: TrainConfig, world: int, micro: int, cluster) -> tuple[str, st
         validate(cfg, world)
     except ValueError as exc:
         return "model", str(exc)
-    row = _planned_row(cfg, world, cfg.tp, cfg.ep, micro, cluster)
+    row = _planned_row(cfg, world, cfg.tp, cfg.ep, spec, cluster)
     if row is not None and not row["fits"]:
         return "model", (f"needs {row['memory_per_gpu_bytes'] / 2**30:.1f} GiB per rank, one "
                          f"has {cluster.gpu.memory_bytes / 2**30:.1f}")
@@ -211,5 +218,5 @@ def _no_layout(cfg, world: int, micro: int, problems: dict) -> ValueError:
     return ValueError(f"cannot resume {cfg.ckpt_dir} on {world} ranks: no layout of {world} "
                       f"ranks holds both the global batch of {cfg.batch} sequences (as "
                       f"{cfg.batch // micro} micro-batches of {micro}) and the model "
-                      f"({cfg.preset}): {tried}; resume on another number of ranks, or pass "
+                      f"({cfg.model or cfg.preset}): {tried}; resume on another number of ranks, or pass "
                       f"--rebalance off (the micro-batch then changes)")

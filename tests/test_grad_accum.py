@@ -163,3 +163,30 @@ def test_accumulation_with_a_hugging_face_model(tmp_path_factory, tmp_path, caps
     capsys.readouterr()
     for a, b in zip(losses[1], losses[0]):
         assert abs(a - b) <= 1e-6 * abs(b), losses
+
+
+def _diagnose_accumulation():
+    import ops_transformer as ot
+    from ops_transformer.models.gpt import GPT, preset
+
+    ctx = ot.init_parallel(tp=2)
+    torch.manual_seed(0)
+    model = ot.parallelize(GPT(preset("tiny")), ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (8, 65))
+
+    def step():  # two micro-batches of 4
+        with ot.no_sync(model):
+            model(x[:4, :-1], x[:4, 1:])[1].backward()
+        model(x[4:, :-1], x[4:, 1:])[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return [d.to_dict() for d in ot.diagnose(model, ctx, step)]
+
+
+def test_diagnose_counts_the_micro_batches_of_a_step(run_ranks):
+    """Two forwards per step issue twice the tensor-parallel collectives of one: the plan's, not
+    redundant ones."""
+    found = run_ranks(_diagnose_accumulation, 2)[0]
+    assert "redundant_collective" not in {d["code"] for d in found}, found

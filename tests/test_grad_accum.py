@@ -127,11 +127,17 @@ class _DropoutConfig(TrainConfig):
 
 def test_dropout_draws_alike_on_a_rank_or_a_micro_step(run_ranks):
     """Every micro-batch starts from the random state of the step, as every data-parallel rank
-    does: dp 2 and dp 1 with accumulation 2 draw the same dropout masks, so their losses and
-    gradients agree as without dropout (what a resume from 4 to 2 ranks relies on)."""
+    does, and its dropout sites take its rows of the global batch (``micro_batch_masks``): one
+    process with accumulation 2, two data-parallel ranks and one process on the whole batch
+    draw the same (one-device) masks, so their losses and gradients agree as without dropout
+    (what a resume from 4 to 2 ranks relies on)."""
     two = run_ranks(_accumulate, 2, _DropoutConfig(**BASE))
     one = run_ranks(_accumulate, 1, _DropoutConfig(**BASE, grad_accum=2))[0]
+    whole = run_ranks(_accumulate, 1, _DropoutConfig(**BASE))[0]
     plain = run_ranks(_accumulate, 1, TrainConfig(**BASE, grad_accum=2))[0]
+    assert abs(one["loss"] - whole["loss"]) <= 1e-6 * whole["loss"]
+    for la, lb in zip(one["losses"], whole["losses"]):
+        assert abs(la - lb) <= 1e-6 * lb, (one["losses"], whole["losses"])
     mean = (two[0]["loss"] + two[1]["loss"]) / 2  # (each rank's own, before the step averages)
     assert abs(one["loss"] - mean) <= 1e-6 * mean
     assert abs(one["loss"] - plain["loss"]) > 1e-4  # dropout did change the loss

@@ -25,6 +25,7 @@ from . import checkpoint as ckpt
 from . import finetune
 from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
+from .layers.dropout import micro_batch_masks
 from .memory.train_flags import (check_memory_flags, make_optimizer, measured_state_bytes,
                                  partial_numel)
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
@@ -65,11 +66,12 @@ class TrainConfig:
     progress: bool = True
     layers: int | None = None  # overrides the preset's n_layers
     ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
+    ranks_per_island: int | None = None  # PCIe islands in a node; None: detected (GPU) or one
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16: with a dynamic loss scaler)
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
     ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
     tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
-    sequence_parallel: bool = ParallelOptions.sequence_parallel  # memory (SPEC F7)
+    sequence_parallel: bool | str = ParallelOptions.sequence_parallel  # True, or "regather"
     recompute: str = ParallelOptions.recompute
     activation_cache: str = ParallelOptions.activation_cache
     zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
@@ -117,8 +119,9 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, ep, tp = check_degrees(world_size, cfg.tp, cfg.dp, cfg.ep)
-    if cfg.ranks_per_node is not None:
-        NodeLayout(world_size, cfg.ranks_per_node)  # divides the number of processes
+    if cfg.ranks_per_node is not None or cfg.ranks_per_island is not None:
+        # divide the number of processes, and the ranks per node
+        NodeLayout(world_size, cfg.ranks_per_node or world_size, cfg.ranks_per_island)
     if cfg.model:  # a Hugging Face checkpoint: its plan on a meta copy
         model_cfg = finetune.check_model(cfg, tp, ep)
     else:
@@ -221,8 +224,9 @@ class TrainState:
         locally (:func:`no_sync`) until the last one's backward reduces their sum; each backward
         of ``loss / grad_accum`` (scaled, with fp16), so the accumulated gradient is the one of
         the mean loss. Every micro-batch starts from the random state the step started with, as
-        every data-parallel rank does: dropout draws alike whichever rank or micro-step runs a
-        micro-batch. Returns the step's metrics (loss and MoE statistics: micro-batch means)."""
+        every data-parallel rank does, and the dropout sites take its rows of the global batch
+        (:func:`micro_batch_masks`): each draws the one-device masks of its rows whichever rank
+        or micro-step runs it. Returns the step's metrics (loss and MoE statistics: micro-batch means)."""
         n = self.cfg.grad_accum
         if x.shape[0] % n:
             raise ValueError(f"{x.shape[0]} rows do not split into grad_accum ({n}) micro-batches")
@@ -231,7 +235,8 @@ class TrainState:
         for i, (x_micro, y_micro) in enumerate(zip(x.chunk(n), y.chunk(n))):
             if i:
                 rng.restore()
-            with no_sync(self.model) if i < n - 1 else contextlib.nullcontext():
+            with no_sync(self.model) if i < n - 1 else contextlib.nullcontext(), \
+                    micro_batch_masks(self.model, i, n):
                 with self.policy.autocast(self.ctx.device):
                     loss = (finetune.causal_lm_loss(self.model, x_micro, y_micro, self.ctx)
                             if self.cfg.model else self.model(x_micro, y_micro)[1])
@@ -271,7 +276,7 @@ def join(cfg: TrainConfig, profile=None):
     """This rank's :class:`ParallelContext` for ``cfg`` (``with join(cfg) as ctx:`` tears its
     process groups down at the end); ``profile``: see :func:`train_worker`."""
     return init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, ranks_per_node=cfg.ranks_per_node,
-                         profile=profile)
+                         profile=profile, ranks_per_island=cfg.ranks_per_island)
 
 
 def setup_training(cfg: TrainConfig, ctx) -> TrainState:
@@ -449,6 +454,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()),
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
         "ranks_per_node": ctx.ranks_per_node,
+        "ranks_per_island": ctx.ranks_per_island,
         "comm_by_level": ledger.by_level(),  # what ran inside a node and across nodes
         "sample": sample, "config": asdict(cfg), **_model_metrics(cfg, ctx, model),
         "lr_last": lr_at(cfg.steps - 1, lr=cfg.lr, steps=cfg.steps, schedule=cfg.lr_schedule,

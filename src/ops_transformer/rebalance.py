@@ -147,7 +147,7 @@ def _planned_row(cfg, world: int, tp: int, ep: int, model: ModelSpec, cluster) -
                   list(ATTENTION_STRATEGIES) if tp > 1 else ["heads"])
     rows = []
     for attention in strategies:
-        o = Options(dp, tp, ep, attention, cfg.sequence_parallel and tp > 1, cfg.recompute,
+        o = Options(dp, tp, ep, attention, bool(cfg.sequence_parallel) and tp > 1, cfg.recompute,
                     cfg.zero if dp > 1 else 0, micro)
         if layout_problem(model, cluster, o) is None:  # else: its sizes do not divide at tp
             rows.append(evaluate(model, cluster, o))

@@ -77,9 +77,11 @@ class TrainConfig:
     zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
     ckpt_dir: str | None = None  # sharded checkpoints (docs/checkpoints.md)
     save_every: int = 0  # checkpoint every N steps (0: only after the last step)
-    resume: bool = False  # continue from the latest checkpoint in ckpt_dir, if there is one
+    resume: bool | str = False  # continue from the newest good checkpoint in ckpt_dir, if any
+    #                             ("strict": from the latest one, or fail)
     max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
     keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
+    on_save_error: str = "stop"  # a failed save (full disk): "stop" the run, or "continue" it
     model: str | None = None  # a Hugging Face save_pretrained directory to fine-tune (no preset)
     lr_schedule: str = "constant"  # or "cosine" (ops_transformer.schedule)
     warmup: int = 0  # linear warmup steps
@@ -310,7 +312,8 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
     position = data_position(cfg)
     moved = (rebalanced_from(cfg, ctx) if cfg.resume and cfg.ckpt_dir and cfg.rebalance == "auto"
              else None)
-    first, saved = (ckpt.resume(cfg.ckpt_dir, model, opt, ctx, position, scaler=scaler)
+    first, saved = (ckpt.resume(cfg.ckpt_dir, model, opt, ctx, position, steps=cfg.steps,
+                                strict=cfg.resume == "strict", scaler=scaler)
                     if cfg.resume else (0, {}))
     losses, moe_history = list(saved.get("losses", [])), list(saved.get("moe", []))
     step_times, last, report = [], None, None
@@ -338,7 +341,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
         if cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every):
             ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
                       keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
-                      meta=batch_layout(cfg, ctx))
+                      on_error=cfg.on_save_error, meta=batch_layout(cfg, ctx))
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
                                        "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"},
                    **_precision_stats(report, scaler),
@@ -462,7 +465,10 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "plan": model.parallel_plan.to_dict(), **(extra or {}),
     }
     if cfg.out:
-        write_outputs(Path(cfg.out), metrics)
+        try:
+            write_outputs(Path(cfg.out), metrics)
+        except OSError as exc:  # e.g. a full disk: the metrics still go back to the caller
+            metrics["outputs_not_written"] = f"{cfg.out}: {exc.strerror or exc}"
     return metrics
 
 
@@ -487,9 +493,15 @@ def _dense_param_count(model_cfg: GPTConfig) -> int:
 
 
 def write_outputs(out: Path, metrics: dict) -> None:
-    """``metrics.json`` and ``loss.png`` in ``out``."""
+    """``metrics.json`` and ``loss.png`` in ``out``; an ``OSError`` (a full disk) leaves no
+    truncated ``metrics.json``."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    partial = out / ".metrics.json.tmp"
+    try:
+        partial.write_text(json.dumps(metrics, indent=2) + "\n")
+        partial.replace(out / "metrics.json")
+    finally:
+        partial.unlink(missing_ok=True)
     write_line_plot_png(out / "loss.png", {f"tp={metrics['tp']} dp={metrics['dp']}":
                                            metrics["losses"]},
                         title=f"{metrics['preset'] or Path(metrics['model_dir']).name} "

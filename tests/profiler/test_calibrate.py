@@ -15,6 +15,7 @@ from ops_transformer.profiler.calibrate import (KINDS, _fit_kinds, crossover, fi
                                                fit_rel_error, message_elements)
 from ops_transformer.cli._calibrated import profile_path
 from ops_transformer.planner.calibrated import CalibratedProfile, load_profile
+from ops_transformer.planner.local import LocalTimeModel, local_time_model
 from ops_transformer.planner.hardware import HardwareProfile
 
 SIZES = [4 * 4 ** k for k in range(12)]  # 4 B … 16 MiB
@@ -152,6 +153,10 @@ def test_quick_calibration_end_to_end(tmp_path, capsys):
     assert prof.compute_time(1e9) > 0
     text = summary(data)
     assert "all_reduce" in text and "two ranks swapping" in text
+    model = LocalTimeModel.from_dict(data["local_model"])  # the step-time model (issue #30)
+    assert set(model.per_layer_s) == set(model.fixed_s) == {"fp32", "bf16", "fp16"}
+    assert model.alpha_step_s >= 0 and model.sharing >= 1 and model.cores >= 1
+    assert local_time_model(prof) == model
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..checkpoint import export as ex
 from ..checkpoint import store
+from ..checkpoint.reader import UnsafeCheckpointError
 from ..checkpoint.training import REBALANCE
 from ..train import TrainConfig
 from ..utils.progress import format_table
@@ -37,13 +38,19 @@ def add_checkpoint_arguments(p) -> None:
     defaults = TrainConfig()
     p.add_argument("--save-every", type=int, default=defaults.save_every, help="checkpoint every "
                    f"N steps (default {defaults.save_every}: only after the last step)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in "
-                   "--ckpt-dir if there is one (the same command starts and restarts a job)")
+    p.add_argument("--resume", nargs="?", const=True, default=False, choices=(True, "strict"),
+                   metavar="strict", help="continue from the latest checkpoint in --ckpt-dir if "
+                   "there is one (the same command starts and restarts a job); a damaged latest "
+                   "one is skipped with a warning for the newest that verifies, unless "
+                   "'--resume strict'")
     p.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
                    help="with --nproc: restart all ranks after a failure this many times "
                    "(torchrun: use its own --max-restarts)")
     p.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints,
                    help=f"newest checkpoints kept (default {defaults.keep_checkpoints})")
+    p.add_argument("--on-save-error", choices=("stop", "continue"), default=defaults.on_save_error,
+                   help="when a checkpoint cannot be saved (a full disk): stop the run (default), "
+                   "or warn and go on training (the next save tries again)")
     p.add_argument("--rebalance", choices=REBALANCE, default=defaults.rebalance,
                    help="--resume on another number of ranks: 'auto' re-plans the layout (tp "
                    "and ep kept when they fit) and the gradient accumulation so that the global "
@@ -57,7 +64,7 @@ def add_checkpoint_arguments(p) -> None:
 def checkpoint_settings(args) -> dict:
     """The ``TrainConfig`` fields of the checkpoint flags (absent flags: the defaults)."""
     names = ("ckpt_dir", "save_every", "resume", "max_restarts", "keep_checkpoints",
-             "rebalance", "elastic")
+             "on_save_error", "rebalance", "elastic")
     return {n: getattr(args, n) for n in names if hasattr(args, n)}
 
 
@@ -103,6 +110,7 @@ def _inspect(args) -> int:
     info = ex.describe_root(Path(args.dir), check=not args.no_verify)
     if args.json:
         print_json(info)
+        _refuse_unsafe(info)
         return 0
     if not info["checkpoints"]:
         print(f"{info['root']}: no checkpoint")
@@ -110,8 +118,18 @@ def _inspect(args) -> int:
         print(format_table(_rows(info)))
     for name in info["incomplete"]:
         print(f"incomplete (a save in progress or interrupted; ignored): {name}")
+    _refuse_unsafe(info)
     bad = [c for c in info["checkpoints"] if c["status"] not in ("ok", "not verified")]
     return 1 if bad else 0
+
+
+def _refuse_unsafe(info: dict) -> None:
+    """A checkpoint whose pickles ask for more than checkpoints hold is an error (exit 2), after
+    the table: it is crafted, not damaged."""
+    unsafe = [c for c in info["checkpoints"] if c.get("unsafe")]
+    if unsafe:
+        more = f" ({len(unsafe) - 1} more)" if len(unsafe) > 1 else ""
+        raise UnsafeCheckpointError(unsafe[0]["status"] + more)
 
 
 def _export(args) -> int:

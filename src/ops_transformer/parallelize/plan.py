@@ -94,5 +94,30 @@ def apply_plan(model: nn.Module, plan: Plan, ctx) -> nn.Module:
         if rule["style"] in PARAM_STYLES:  # the parameter's owner keeps its place
             style(parent, ctx, model, param=child, **options)
         else:
-            setattr(parent, child, style(getattr(parent, child), ctx, model, **options))
+            dense = getattr(parent, child)
+            trainable = {n: p.requires_grad for n, p in dense.named_parameters()}
+            new = style(dense, ctx, model, **options)
+            keep_requires_grad(name, trainable, new)
+            setattr(parent, child, new)
     return model
+
+
+def keep_requires_grad(name: str, trainable: dict[str, bool], new: nn.Module) -> None:
+    """Give the parameters of ``new`` (the module that replaces module ``name``) the
+    ``requires_grad`` of the dense parameters they come from (``trainable``: name → flag before
+    the swap): by name, and for a parameter of another name (a fused Q|K|V from ``wq``, ``wk``,
+    ``wv``) the flag all of them share. Fused parameters that were frozen differently cannot keep
+    both flags: a ``ValueError``."""
+    flags = set(trainable.values())
+    for pname, param in new.named_parameters():
+        if pname in trainable:
+            param.requires_grad_(trainable[pname])
+        elif len(flags) == 1:
+            param.requires_grad_(next(iter(flags)))
+        elif flags:
+            frozen = sorted(n for n, on in trainable.items() if not on)
+            shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3
+                                             else "")
+            raise ValueError(f"parallelize: {name}.{pname} is built from the {len(trainable)} "
+                             f"parameters of {name}, of which only some are frozen ({shown}): "
+                             f"freeze all of them or none before parallelize")

@@ -15,6 +15,9 @@ training, see :func:`~ops_transformer.parallel.launch.launch`):
 - **small messages**: two ranks swap ``n``-byte tensors, by a send/recv pair and by an all-gather;
   the profile records the size where the faster method changes (``None`` when one wins
   everywhere).
+- **step-time model** (CPU machines): the constants of the local step-time model that ``sweep``,
+  ``bench`` and ``train --plan`` predict with, fitted on small training runs
+  (:mod:`.local_model`), under ``"local_model"``.
 
 The profile (JSON, keys are strings)::
 
@@ -45,6 +48,7 @@ from ..comm.ledger import wire_elements
 from ..parallel.context import init_parallel
 from ..parallel.launch import launch
 from ..utils.progress import Progress
+from .local_model import fit_local_model, fit_runs
 from ..comm.topology import detect_topology
 from ..planner.catalogue import GPUS, gpu_for_device
 
@@ -318,4 +322,9 @@ def calibrate(world_sizes=(2, 4), *, quick: bool = False, progress: bool = True,
                "p2p_threshold_bytes": threshold, "p2p": {"small_messages": small, "points": p2p}}
     if torch.cuda.is_available():
         profile["gpu"] = launch(_gpu_matmul_worker, 1, 3 if quick else 10, timeout=timeout)[0]
+    else:  # the step-time model of this machine's CPU ranks (sweep, bench, train --plan)
+        base = collectives[str(min(sizes))]["all_reduce"]["bandwidth"]
+        with Progress(fit_runs(quick), desc="step-time model", enabled=progress) as bar:
+            model = fit_local_model(base, quick=quick, timeout=timeout, tick=bar.update)
+        profile["local_model"] = model.to_dict()
     return profile

@@ -88,6 +88,10 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per step and rank; gradients reduced once per step
     rebalance: str = "auto"  # resume on another size: "auto" re-plans (rebalance.py), "off"
     elastic: bool = False  # local ranks (--nproc): a restart drops the node whose ranks died
+    lora_rank: int | None = None  # LoRA adapters of this rank; every other weight frozen
+    lora_alpha: float | None = None  # None: the rank (scaling 1)
+    lora_targets: tuple[str, ...] | None = None  # module names / fnmatch patterns; None: default
+    lora_dropout: float = 0.0
 
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
@@ -134,6 +138,7 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
                              f"byte-level data needs at least {VOCAB_SIZE}")
     check_batch(cfg.batch, dp, ep, cfg.grad_accum)
     check_memory_flags(cfg, dp, tp)
+    finetune.check_lora(cfg, model_cfg)
     if cfg.model:
         finetune.check_data(cfg, model_cfg, say=say)
     else:
@@ -299,6 +304,7 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
 
 
 def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
+    model = finetune.with_lora(cfg, ctx, model)  # before the optimizer: it sees what trains
     opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
     return TrainState(cfg, ctx, model, opt, data, policy, scaler)
@@ -366,6 +372,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                      "resumed_from": first if cfg.resume else None,
                      **({"rebalanced": moved} if first and moved else {}),
                      "model_state_bytes_per_rank": state.state_bytes,
+                     "lora": finetune.lora_report(model, opt, state.state_bytes),
                      **({} if scaler is None else {"loss_scale": scaler.scale_value,
                                                    "skipped_steps": scaler.skipped_steps}),
                      **({"moe": {k: [m[k] for m in moe_history]
@@ -479,7 +486,7 @@ def _model_metrics(cfg: TrainConfig, ctx, model) -> dict:
         return {"preset": None, "model_dir": cfg.model, "expected_tp_comm_per_step": None,
                 **finetune.describe(model),
                 "param_bytes_per_rank": finetune.local_param_bytes(model)}
-    return {"expected_tp_comm_per_step": expected_comm_per_step(
+    return {"expected_tp_comm_per_step": None if cfg.lora_rank else expected_comm_per_step(
                 model.cfg, ctx.tp_size, model.parallel_plan.attention,
                 micro_batch(cfg, ctx.dp_ep_size), cfg.seq, model.parallel_plan.vocab,
                 sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,

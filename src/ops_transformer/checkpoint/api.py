@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..comm import collectives as C
 from . import store
 from .chunked import LoadPlanner
-from .contents import OPTIM, RNG, ModelTensors, commit_model, model_targets, unclaimed
+from .contents import (OPTIM, RNG, ModelTensors, check_lora, commit_model, model_targets,
+                       unclaimed)
 from .errors import CheckpointError, DamagedCheckpointError
 from .optim import adapter_for
 from .reader import SafeReader, rank_failures
@@ -122,6 +123,7 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
     saved = reader.read_metadata().state_dict_metadata
     tensors, adapter, targets, error = ModelTensors(model), None, {}, None
     try:
+        check_lora(manifest["model"], model, path)
         targets = model_targets(tensors, saved)
         if optimizer is not None:
             adapter = adapter_for(optimizer)

@@ -130,12 +130,17 @@ def export_huggingface(state: dict[str, torch.Tensor], manifest: dict, out: Path
     aliases = {alias: state[name] for alias, name in info.get("aliases", {}).items()}
     model.load_state_dict({**state, **aliases}, strict=True)
     model.save_pretrained(out)
-    source = source_dir(manifest)
-    for name in SIDE_FILES:
-        if source is not None and (source / name).is_file():
-            shutil.copyfile(source / name, out / name)
+    copy_side_files(source_dir(manifest), out)
     default_modes([out])
     return out
+
+
+def copy_side_files(source: Path | None, out: Path) -> list[str]:
+    """Copy the :data:`SIDE_FILES` that ``source`` (a model directory) has into ``out``."""
+    names = [] if source is None else [n for n in SIDE_FILES if (source / n).is_file()]
+    for name in names:
+        shutil.copyfile(source / name, out / name)
+    return names
 
 
 def source_dir(manifest: dict) -> Path | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..checkpoint import adapters as lora_export
 from ..checkpoint import export as ex
 from ..checkpoint import store
 from ..checkpoint.reader import UnsafeCheckpointError
@@ -30,6 +31,14 @@ def add_parser(p) -> None:
     export.add_argument("--step", type=int, help="which checkpoint (default: the latest)")
     export.add_argument("--out", required=True, help="a .safetensors file; for a Hugging Face "
                         "model a directory (save_pretrained) unless it ends in .safetensors")
+    form = export.add_mutually_exclusive_group()
+    form.add_argument("--adapter", action="store_true", help="a LoRA checkpoint's adapters as a "
+                      "PEFT adapter directory (PeftModel.from_pretrained(base, OUT) loads it)")
+    form.add_argument("--merge", action="store_true", help="a LoRA checkpoint's base with the "
+                      "adapters merged: a save_pretrained directory (a .safetensors file for a "
+                      "preset GPT)")
+    export.add_argument("--base", metavar="DIR", help="with --merge: the base model directory, "
+                        "when it is no longer where training read it")
 
 
 def add_checkpoint_arguments(p) -> None:
@@ -87,7 +96,9 @@ def _rows(info: dict) -> list[dict]:
                        + (f" × ep={layout['ep']}" if layout.get("ep", 1) > 1 else "")
                        if layout else "?"),
             "batch": _batch_split(c.get("meta") or {}),
-            "model": c.get("model", {}).get("class", "?"),
+            "model": c.get("model", {}).get("class", "?") + (
+                f" + LoRA r{c['model']['lora']['rank']}" if c.get("model", {}).get("lora")
+                else ""),
             "optimizer": c.get("optimizer") or "-",
             "size": _size(c["total_bytes"]) if "total_bytes" in c else "?",
             "files": len(c.get("files", {})),
@@ -134,7 +145,10 @@ def _refuse_unsafe(info: dict) -> None:
 
 def _export(args) -> int:
     out = Path(args.out)
-    manifest = store.read_manifest(store.resolve(args.dir, args.step))  # small: no tensors read
+    path = store.resolve(args.dir, args.step)
+    manifest = store.read_manifest(path)  # small: no tensors read
+    if args.adapter or args.merge or manifest["model"].get("lora"):
+        return _export_lora(args, out, path, manifest)
     huggingface = manifest["model"].get("kind") == "huggingface" and out.suffix != ".safetensors"
     (check_out_dir if huggingface else check_out_file)(out, "--out")
     state, manifest = ex.dense_state_dict(args.dir, args.step)
@@ -148,6 +162,30 @@ def _export(args) -> int:
         ex.export_safetensors(state, manifest, out)
         what = "a safetensors file"
     print(f"wrote {out}: {what}, {len(state)} tensors of step {manifest['step']}")
+    return 0
+
+
+def _export_lora(args, out: Path, path: Path, manifest: dict) -> int:
+    """``--adapter`` / ``--merge`` of a LoRA checkpoint (which holds its adapters only)."""
+    info = lora_export.lora_info(manifest, path)
+    if not (args.adapter or args.merge):
+        raise ValueError(f"checkpoint {path} holds LoRA adapters only (rank {info['rank']} on "
+                         f"{len(info['targets'])} modules): export them with --adapter (a PEFT "
+                         f"adapter directory) or --merge (the base with them merged)")
+    if args.base and not args.merge:
+        raise ValueError("--base applies to --merge (the adapter directory needs no base)")
+    directory = args.adapter or manifest["model"].get("kind") == "huggingface"
+    (check_out_dir if directory else check_out_file)(out, "--out")
+    state, manifest = ex.dense_state_dict(args.dir, args.step)
+    if args.adapter:
+        lora_export.export_peft_adapter(state, manifest, out, path)
+        what = (f"a PEFT adapter directory (rank {info['rank']}, {len(info['targets'])} "
+                f"modules)")
+    else:
+        lora_export.export_merged(state, manifest, out, path, base_dir=args.base)
+        what = (f"the base with {len(info['targets'])} adapters merged"
+                + (" (save_pretrained)" if directory else ""))
+    print(f"wrote {out}: {what}, step {manifest['step']}")
     return 0
 
 

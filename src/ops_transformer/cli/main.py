@@ -15,6 +15,7 @@ import sys
 from .._version import __version__
 from . import calibrate, checkpoint, demo, embed, generate, plan, train
 from . import bench, diagnose, memory, profile, sweep
+from . import check
 from ..parallel.launch import RankError
 from ._common import error_line, one_line_warnings, quiet_unless_lead
 
@@ -23,6 +24,7 @@ COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, 
             "bench": bench}
 COMMANDS["memory"] = memory
 COMMANDS["checkpoint"] = checkpoint
+COMMANDS["check"] = check
 DEBUG_HELP = "show the traceback of an error instead of one line"
 
 

@@ -3,6 +3,7 @@ fine-tuned), with ``dp × ep × tp`` parallelism on local ranks or under ``torch
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -107,10 +108,36 @@ def add_training_arguments(p) -> None:
                    f"(fp16 with a dynamic loss scaler); default {D.precision}")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
+    add_lora_arguments(p)
     add_checkpoint_arguments(p)
     add_launch_timeout(p)
     p.add_argument("--tensorboard", metavar="DIR", help="log loss, tokens/s, communication (and "
                    "the loss scale, with one) as TensorBoard scalars in DIR")
+
+
+def add_lora_arguments(p) -> None:
+    """``--lora-rank`` and the options of LoRA fine-tuning (docs/finetuning.md)."""
+    p.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R on "
+                   "the attention and FFN linears (or --lora-targets), every other weight frozen")
+    p.add_argument("--lora-alpha", type=float, metavar="A",
+                   help="the adapters' alpha: their output is scaled by A/R (default: R)")
+    p.add_argument("--lora-targets", type=_targets, metavar="P1,P2,...", help="module names or "
+                   "fnmatch patterns of the linears to adapt, e.g. '*.q_proj,*.v_proj'")
+    p.add_argument("--lora-dropout", type=float, default=D.lora_dropout, metavar="P",
+                   help=f"dropout on the adapters' input (default {D.lora_dropout:g})")
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    targets = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not targets:
+        raise argparse.ArgumentTypeError("expected comma-separated module names or patterns")
+    return targets
+
+
+def lora_settings(args) -> dict:
+    """The ``TrainConfig`` fields of the ``--lora-*`` flags (absent flags: the defaults)."""
+    return {name: getattr(args, name) for name in ("lora_rank", "lora_alpha", "lora_targets",
+                                                   "lora_dropout") if hasattr(args, name)}
 
 
 def layout_from_plan(path: str) -> dict:
@@ -178,7 +205,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        ranks_per_node=getattr(args, "ranks_per_node", None),
                        ranks_per_island=getattr(args, "ranks_per_island", None),
                        activation_cache=getattr(args, "activation_cache", D.activation_cache),
-                       **checkpoint_settings(args))
+                       **checkpoint_settings(args), **lora_settings(args))
 
 
 def stated_layout(args) -> set[str]:

@@ -42,10 +42,11 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
 
 
 def make_optimizer(model: nn.Module, ctx, zero: int, **adamw_kwargs) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s parameters, sharded with ZeRO ``zero`` (1 or 2) when non-zero."""
+    """AdamW over ``model``'s trainable parameters (a LoRA model: its adapters), sharded with
+    ZeRO ``zero`` (1 or 2) when non-zero."""
     if zero:
         return zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, **adamw_kwargs)
-    return torch.optim.AdamW(model.parameters(), **adamw_kwargs)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **adamw_kwargs)
 
 
 def memory_from_plan(layout: dict, path: str) -> dict:
@@ -73,9 +74,10 @@ def memory_from_plan(layout: dict, path: str) -> dict:
 
 def partial_numel(model: nn.Module, group) -> int:
     """Elements of the parameters whose partial gradients are summed over ``group`` (sequence
-    parallelism's norms and row biases on the TP group)."""
+    parallelism's norms and row biases on the TP group; a LoRA model's replicated factors); a
+    frozen parameter has no gradient to sum."""
     return sum(p.numel() for p in dict.fromkeys(model.parameters())
-               if group is not None and partial_grad_group(p) is group)
+               if group is not None and p.requires_grad and partial_grad_group(p) is group)
 
 
 def memory_summary(config: dict) -> str:

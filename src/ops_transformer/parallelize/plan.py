@@ -86,7 +86,8 @@ def match_rules(model: nn.Module, plan: Plan) -> list[tuple[str, dict]]:
 def apply_plan(model: nn.Module, plan: Plan, ctx) -> nn.Module:
     """Swap or wrap every module the plan names, in plan order (so a tied head follows its
     embedding): ``styles[rule["style"]](module, ctx, model, **options)`` takes the place of the
-    module; a parameter style (``shard_param``) changes the parameter's owner in place."""
+    module, in the module's mode (``train``/``eval``); a parameter style (``shard_param``)
+    changes the parameter's owner in place."""
     for name, rule in match_rules(model, plan):
         style, options = STYLES[rule["style"]], {k: v for k, v in rule.items() if k != "style"}
         parent_name, _, child = name.rpartition(".")
@@ -97,6 +98,7 @@ def apply_plan(model: nn.Module, plan: Plan, ctx) -> nn.Module:
             dense = getattr(parent, child)
             trainable = {n: p.requires_grad for n, p in dense.named_parameters()}
             new = style(dense, ctx, model, **options)
+            new.train(dense.training)  # a module built for it starts in training mode
             keep_requires_grad(name, trainable, new)
             setattr(parent, child, new)
     return model

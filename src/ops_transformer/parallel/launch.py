@@ -251,6 +251,7 @@ def _collect(procs, conns, stacks, nprocs, timeout) -> list:
         errors.sort(key=lambda e: (not e[4], e[3]))
         rank, exc, tb, _, _ = errors[0]
         err = _as_rank_error(exc, rank, nprocs, tb)
+        err.dead_ranks = tuple(sorted({e[0] for e in errors if e[4]}))  # elastic restarts
         others = [e[0] for e in errors[1:]]
         if others and hasattr(err, "add_note"):
             err.add_note(f"ranks {others} failed after it")

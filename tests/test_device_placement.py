@@ -48,8 +48,9 @@ def _meta_readback(exc: BaseException) -> bool:
 # --- meta standing in for CUDA -----------------------------------------------------------------
 
 @pytest.mark.parametrize("name,extra", [("tiny", {}), ("llama-tiny", {}), ("moe-tiny", {}),
-                                        ("llama-tiny", {"lora_rank": 4})],
-                         ids=["tiny", "llama-tiny", "moe-tiny", "lora"])
+                                        ("llama-tiny", {"lora_rank": 4}),
+                                        ("tiny", {"grad_accum": 2})],
+                         ids=["tiny", "llama-tiny", "moe-tiny", "lora", "grad-accum"])
 def test_train_step_keeps_everything_on_ctx_device(name, extra):
     """``train``'s set-up and step on a ``meta`` context: parameters, buffers, the batch and every
     module input on ``meta``; the step stops only at its host read of the loss (an MoE model at

@@ -145,7 +145,7 @@ def test_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="4 ranks on this node"):
-        context_mod._local_rank(3, 4)
+        context_mod._local_rank(3)
     assert cli_main(["train", "--nproc", "4", "--steps", "1"]) == 2
     assert "--nproc 4: NCCL needs one GPU per local rank" in capsys.readouterr().err
 

@@ -237,7 +237,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
         dp, ep, tp = check_degrees(world_size, tp, dp, ep)  # fail before any rendezvous
         device_id = None
         if backend == "nccl":
-            device_id = torch.device("cuda", _local_rank(rank, world_size))
+            device_id = torch.device("cuda", _local_rank(rank))
             torch.cuda.set_device(device_id)
         store = job_store(os.environ, backend, world_size, timeout)  # torchrun's, namespaced
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
@@ -256,7 +256,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
             destroy_process_groups()
         raise
     if not created and "nccl" in backend and _env_int("LOCAL_RANK") is not None:
-        torch.cuda.set_device(_local_rank(rank, world_size))  # a caller's group: one GPU a rank
+        torch.cuda.set_device(_local_rank(rank))  # a caller's group: one GPU a rank
     device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
               else torch.device("cpu"))
     from torch.distributed.device_mesh import init_device_mesh
@@ -289,13 +289,13 @@ def check_local_ranks(nproc: int, what: str = "nproc") -> None:
                          f"CUDA_VISIBLE_DEVICES= to run {nproc} CPU ranks on gloo)")
 
 
-def _local_rank(rank: int, world_size: int) -> int:
+def _local_rank(rank: int) -> int:
     """This rank's GPU: ``LOCAL_RANK``. Every rank of a node checks the same numbers
     (``LOCAL_WORLD_SIZE`` against the visible GPUs), so all raise alike before the rendezvous
     rather than some waiting in it for peers that failed."""
     gpus = torch.cuda.device_count()
     local = _env_int("LOCAL_RANK")
-    per_node = _env_int("LOCAL_WORLD_SIZE") or (world_size if local is None else local + 1)
+    per_node = _env_int("LOCAL_WORLD_SIZE") or (1 if local is None else local + 1)
     if per_node > gpus:
         raise ValueError(
             f"NCCL needs one GPU per local rank: {per_node} ranks on this node "

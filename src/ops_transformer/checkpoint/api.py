@@ -161,7 +161,7 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
             obj.load_state_dict(targets[key])
     commit_model(tensors, targets)
     if restore_rng:
-        set_rng_state(targets[rng_key])
+        set_rng_state(targets[rng_key], ctx.device)
     return {"step": manifest["step"], "extra": targets.get("extra"), "path": str(path),
             "saved_layout": manifest["layout"], "resharded": manifest["layout"] != job_layout(ctx),
             "meta": manifest.get("meta")}

@@ -70,7 +70,7 @@ def _save_entries(model: ModelTensors, optimizer, ctx, extra, scaler,
     if optimizer is not None:
         state = adapter_for(optimizer).save_state(optimizer, model, ctx)
         entries.update({OPTIM + k: v for k, v in state.items()})
-    entries[f"{RNG}{ctx.rank}"] = rng_state()
+    entries[f"{RNG}{ctx.rank}"] = rng_state(ctx.device)
     if ctx.rank == 0:  # the same on every rank: written once
         singles = {"extra": extra, "scaler": scaler.state_dict() if scaler is not None else None,
                    **{f"stateful/{k}": v.state_dict() for k, v in (stateful or {}).items()}}

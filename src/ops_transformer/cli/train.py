@@ -17,6 +17,7 @@ from ..comm.topology import detect_topology
 from ..models.gpt import GPT, PRESETS
 from ..parallel.restart import check_elastic, launch_with_restarts
 from ..parallel import launch
+from ..parallel.context import check_local_ranks
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
@@ -56,8 +57,9 @@ def add_parser(p) -> None:
 
 def add_training_arguments(p) -> None:
     """The options of a training run, shared by ``train``, ``profile``, ``diagnose``."""
-    p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
-                   "run under torchrun (or as one process)")
+    p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo on a CPU "
+                   "machine; NCCL, one rank per GPU, where GPUs are visible); without it, run "
+                   "under torchrun (or as one process)")
     p.add_argument("--tp", type=int, help=f"tensor-parallel degree (default {D.tp})")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (tp·ep))")
     p.add_argument("--ep", type=int, help="expert-parallel degree for MoE models (moe-tiny, "
@@ -240,6 +242,8 @@ def run_training(cfg: TrainConfig, nproc: int | None,
     worker = worker or train_worker
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    if nproc is not None:
+        check_local_ranks(nproc, "--nproc")
     if cfg.model:
         _check_model_dir(cfg.model)
     if cfg.elastic:

@@ -245,7 +245,7 @@ def balance(summary: dict, exposed_threshold: float, imbalance_threshold: float,
 def comm_checks(model, ctx, step_fn, profile, *, exposed_threshold: float,
                 imbalance_threshold: float, small_run: int) -> list[dict]:
     """Every rank: one watched step, then :data:`PROFILED_STEPS` profiled ones."""
-    ranks = gather_objects(_observe(model, ctx, step_fn), world_group(ctx))
+    ranks = gather_objects(_observe(model, ctx, step_fn), world_group(ctx), ctx.device)
     summary = profile_step(step_fn, ctx, steps=PROFILED_STEPS, warmup=0).summary()
     latency = {k: v["mean_latency_s"] for k, v in summary["collectives"].items()}
     me = next(r for r in ranks if r["rank"] == 0)

@@ -261,7 +261,8 @@ def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
 
 def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
                         vocab: str = "parallel", *, sequence_parallel: bool | str = False,
-                        recompute: str = "none", partial_elements: int = 0) -> Comm:
+                        recompute: str = "none", partial_elements: int = 0,
+                        grad_accum: int = 1) -> Comm:
     """The tensor-parallel collectives of one training step of the reference decoder on one rank
     (``cfg``: a :class:`~ops_transformer.models.GPTConfig`, the model description the planner and
     the model share), for a micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` ×
@@ -276,7 +277,9 @@ def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
     coalesced all-reduce of the ``partial_elements`` norm (and row-bias) gradients;
     ``sequence_parallel="regather"`` adds each layer's :func:`regather_cost` (not with
     ``recompute="full"``, under which ``parallelize`` runs plain sequence parallelism);
-    ``recompute="full"`` adds each layer's :func:`full_recompute_replay`."""
+    ``recompute="full"`` adds each layer's :func:`full_recompute_replay`. With ``grad_accum``
+    micro-batches per step, what a forward and backward issue repeats ``grad_accum`` times; the
+    gradient sums run once, on the accumulated gradients."""
     if tp == 1:
         return Comm()
     swiglu = cfg.mlp == "swiglu"
@@ -288,20 +291,22 @@ def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
         layer = layer + regather_cost(batch, seq, cfg.d_model)
     if recompute == "full":
         layer = layer + full_recompute_replay(cost, batch, seq, cfg.d_model)
-    out = layer.scaled(cfg.n_layers) + vocab_cost(vocab, batch, seq, cfg.d_model,
-                                                  cfg.vocab_size, tp).total()
+    micro = layer.scaled(cfg.n_layers) + vocab_cost(vocab, batch, seq, cfg.d_model,
+                                                    cfg.vocab_size, tp).total()
     if sequence_parallel:
         bsh = batch * seq * cfg.d_model
-        out = out + Comm.of(("all_gather", bsh), ("all_gather", bsh),
-                            ("all_reduce", partial_elements))
-    if attention == "kv_split":
-        out.add("all_reduce", 0, grad_sum_calls_per_step(attention, cfg.n_kv_heads, tp))
+        micro = micro + Comm.of(("all_gather", bsh), ("all_gather", bsh))
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     if n_moe:  # the routed FFN pair in place of the dense one
         dense = ffn_cost(batch, seq, cfg.d_model, cfg.d_ff, tp, swiglu=swiglu).total()
         routed = moe_cost(batch, seq, cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, 1, tp,
                           swiglu=swiglu).total()
-        out = out.minus(dense.scaled(n_moe)) + routed.scaled(n_moe)
+        micro = micro.minus(dense.scaled(n_moe)) + routed.scaled(n_moe)
+    out = micro.scaled(grad_accum)
+    if sequence_parallel:
+        out = out + Comm.of(("all_reduce", partial_elements))
+    if attention == "kv_split":
+        out.add("all_reduce", 0, grad_sum_calls_per_step(attention, cfg.n_kv_heads, tp))
     return out
 
 

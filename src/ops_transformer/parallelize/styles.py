@@ -71,6 +71,15 @@ Sequence parallelism (:mod:`.sequence_plan` rewrites a plan into these): ``seque
 ``sequence_gather`` (a :class:`GatherSequenceOutput`; its parameters' gradients summed over TP) and
 ``sequence_partial`` (the parameters' gradients summed over TP).
 
+Overlap (:mod:`.overlap_plan` rewrites a plan into these; options ``overlap`` — ``"chunked"`` or
+``"auto"`` — and ``chunks``): ``region_chunked`` / ``sequence_region_chunked`` (the region computes
+its ``columns``, ``colwise_fed`` children, as one collective matmul:
+:mod:`ops_transformer.layers.overlap_regions`), ``colwise_chunked`` / ``colwise_sequence_chunked``
+(a column layer that is its own such region), ``rowwise_chunked`` / ``rowwise_sequence_chunked``
+(the row matmul and its all-reduce / reduce-scatter in chunks) and ``moe_chunked`` (dispatch and
+combine in chunks, :mod:`ops_transformer.layers.moe_overlap`): the same collectives, each split
+into chunks pipelined with its matmul.
+
 Hugging Face's styles map onto these in :mod:`.hf_translate` (``colwise_gather_output`` is
 ``colwise`` with ``gather_output``, ``rowwise_split_input`` is ``rowwise`` with
 ``input_is_parallel=False``, ``packed_colwise`` is ``colwise`` with two ``sub_blocks``,
@@ -91,7 +100,10 @@ from ..layers.head import GatheredLMHead, VocabParallelLMHead
 from ..layers.linear import dense_weight
 from ..layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParallelLinear,
                                       PaddedRowParallelLinear)
-from ..layers.moe import to_expert_parallel
+from ..layers.moe import ParallelExperts, to_expert_parallel
+from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
+                                      ChunkedRowOutput, ChunkedRowScatter, FedColumn,
+                                      OverlapPolicy, as_variant)
 from ..layers.regions import (CopyToTPRegion, GatherInput, GatherSequenceOutput,
                               GatherSequenceRegion, ReduceOutput, RopeGradRegion, ScatterSequence)
 from ..layers.sequence_parallel import SequenceParallelRowLinear, mark_partial
@@ -245,10 +257,68 @@ def sequence_partial(module, ctx, model):
     return module
 
 
+def _policy(ctx, overlap, chunks) -> OverlapPolicy:
+    return OverlapPolicy(overlap, chunks, getattr(ctx, "profile", None))  # agreed by every rank
+
+
+def region_chunked(module, ctx, model, *, columns, set=None, overlap="auto", chunks=2):
+    return ChunkedCopyToTPRegion.wrap(attrs(module, ctx, model, set=set), ctx.tp_group,
+                                      columns=tuple(columns), overlap=_policy(ctx, overlap, chunks))
+
+
+def colwise_fed(module, ctx, model, *, sub_blocks=None, kv_heads=None, pad=False):
+    layer = colwise(module, ctx, model, sub_blocks=sub_blocks, kv_heads=kv_heads,
+                    reduce_input_grad=False, pad=pad)
+    return as_variant(layer, FedColumn)
+
+
+def colwise_chunked(module, ctx, model, *, sub_blocks=None, kv_heads=None, pad=False,
+                    overlap="auto", chunks=2):
+    layer = colwise(module, ctx, model, sub_blocks=sub_blocks, kv_heads=kv_heads,
+                    reduce_input_grad=False, pad=pad)
+    return ChunkedCopyToTPRegion.wrap(layer, ctx.tp_group, columns=("",),
+                                      overlap=_policy(ctx, overlap, chunks))
+
+
+def rowwise_chunked(module, ctx, model, *, input_is_parallel=True, pad=False, sub_blocks=None,
+                    overlap="auto", chunks=2):
+    layer = rowwise(module, ctx, model, input_is_parallel=input_is_parallel, pad=pad,
+                    sub_blocks=sub_blocks)
+    return as_variant(layer, ChunkedRowOutput, overlap=_policy(ctx, overlap, chunks))
+
+
+def sequence_region_chunked(module, ctx, model, *, columns, set=None, overlap="auto", chunks=2):
+    return ChunkedGatherSequenceRegion.wrap(attrs(module, ctx, model, set=set), ctx.tp_group,
+                                            columns=tuple(columns),
+                                            overlap=_policy(ctx, overlap, chunks))
+
+
+def colwise_sequence_chunked(module, ctx, model, *, sub_blocks=None, kv_heads=None,
+                             overlap="auto", chunks=2):
+    layer = colwise(module, ctx, model, sub_blocks=sub_blocks, kv_heads=kv_heads,
+                    reduce_input_grad=False)
+    return ChunkedGatherSequenceRegion.wrap(layer, ctx.tp_group, columns=("",),
+                                            overlap=_policy(ctx, overlap, chunks))
+
+
+def rowwise_sequence_chunked(module, ctx, model, *, overlap="auto", chunks=2):
+    return as_variant(rowwise_sequence(module, ctx, model), ChunkedRowScatter,
+                      overlap=_policy(ctx, overlap, chunks))
+
+
+def moe_chunked(module, ctx, model, *, hf_experts=False, overlap="auto", chunks=2):
+    layer = moe(module, ctx, model, hf_experts=hf_experts)
+    experts = layer if isinstance(layer, ParallelExperts) else layer.experts
+    experts.overlap = _policy(ctx, overlap, chunks)
+    return layer
+
+
 STYLES = {style.__name__: style for style in (
     colwise, rowwise, gather_in, region, vocab, vocab_head, vocab_logits, kv_split, attrs,
     embed_colwise, grad_allreduce, reduce_out, mla_kv_a, shard_param, moe, sequence_scatter,
-    sequence_region, colwise_sequence, rowwise_sequence, sequence_gather, sequence_partial)}
+    sequence_region, colwise_sequence, rowwise_sequence, sequence_gather, sequence_partial,
+    region_chunked, colwise_fed, colwise_chunked, rowwise_chunked, sequence_region_chunked,
+    colwise_sequence_chunked, rowwise_sequence_chunked, moe_chunked)}
 PARAM_STYLES = ("shard_param",)  # their pattern names a parameter, not a module
 _SET_BY_APPLIER = {"param"}  # shard_param's parameter name comes from the pattern
 

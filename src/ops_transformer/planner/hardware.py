@@ -28,6 +28,9 @@ class HardwareProfile:
     bandwidth: float  # bytes/s one rank sends in a collective (bus bandwidth)
     inter_node_alpha_s: float | None = None  # latency of a collective across nodes (None: as above)
     inter_node_bandwidth: float | None = None  # bytes/s per rank across nodes (None: as above)
+    # η: the fraction of a collective's time that running it beside compute really hides (1:
+    # communication has engines of its own; 0: overlapping gains nothing). planner/overlap.py
+    overlap_efficiency: float = 1.0
 
     def alpha_beta(self, kind: str, group_size: int) -> tuple[float, float]:
         """``(α, β)`` of a collective of ``kind`` over ``group_size`` ranks: the same for all here;

@@ -20,6 +20,7 @@ import torch
 from . import checkpoint as ckpt
 from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
+from .layers.overlap_regions import overlap_decisions, overlap_summary
 from .memory.train_flags import check_memory_flags, make_optimizer, partial_numel
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
@@ -61,6 +62,8 @@ class TrainConfig:
     sequence_parallel: bool = ParallelOptions.sequence_parallel  # memory (SPEC F7)
     recompute: str = ParallelOptions.recompute
     activation_cache: str = ParallelOptions.activation_cache
+    overlap: str = ParallelOptions.overlap  # collectives in chunks pipelined with their matmuls
+    chunks: int = ParallelOptions.chunks
     zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
     ckpt_dir: str | None = None  # sharded checkpoints (docs/checkpoints.md)
     save_every: int = 0  # checkpoint every N steps (0: only after the last step)
@@ -73,7 +76,7 @@ class TrainConfig:
         policy's ``grad_reduce_dtype``)."""
         return ParallelOptions(attention=self.attention, sequence_parallel=self.sequence_parallel,
                                recompute=self.recompute, activation_cache=self.activation_cache,
-                               **more)
+                               overlap=self.overlap, chunks=self.chunks, **more)
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -109,6 +112,11 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
                          f"--batch ({cfg.batch}) must be divisible by dp ({dp}) × ep ({ep}): "
                          f"each of the {dp * ep} ranks reads its own rows")
     check_memory_flags(cfg, dp, tp)
+    try:
+        cfg.parallel_options()  # every option checked once (--overlap, --chunks)
+    except ValueError as exc:  # "chunks must be ..." → "--chunks must be ..."
+        name, _, rest = str(exc).partition(" ")
+        raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
     gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
     check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
@@ -327,7 +335,9 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "expected_tp_comm_per_step": expected_comm_per_step(
             model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_ep_size,
             cfg.seq, model.parallel_plan.vocab, sequence_parallel=cfg.sequence_parallel,
-            recompute=cfg.recompute, partial_elements=partial_numel(model, ctx.tp_group)),
+            recompute=cfg.recompute, partial_elements=partial_numel(model, ctx.tp_group),
+            overlap=cfg.overlap, chunks=cfg.chunks, profile=ctx.profile, ep=ctx.ep_size),
+        "overlap": overlap_decisions(model), "overlap_reason": overlap_summary(model),
         "params": _dense_param_count(model.cfg),
         "ranks_per_node": ctx.ranks_per_node,
         "comm_by_level": ledger.by_level(),  # what ran inside a node and across nodes

@@ -184,10 +184,9 @@ class ParallelExperts(nn.Module):
         (:mod:`.moe_overlap`); the chunks are decided from the EP group's largest number of
         slots, which every rank of the group knows."""
         everyone = gather_counts(counts, self.ep_group, self.ep_size, self.shard.local)
-        slots = max(sum(map(sum, row)) for row in everyone)
-        bucket = 1 << max(slots, 1).bit_length() - 1  # decided per power of two: few decisions
+        slots = max(sum(map(sum, row)) for row in everyone)  # the same on every EP rank
         width = (self.w_in.shape[1] + self.w_out.shape[2])  # per rank: W/tp + F/tp
-        chunks = self.overlap.chunks_for("experts", bucket, self.d_model, width, self.ep_size,
+        chunks = self.overlap.chunks_for("experts", slots, self.d_model, width, self.ep_size,
                                          rows.dtype)
         return dispatch_combine_chunked(self, rows, everyone, chunks)
 

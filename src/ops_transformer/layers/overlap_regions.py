@@ -40,7 +40,7 @@ import logging
 import torch
 
 from ..planner.choose import resolve_profile
-from ..planner.overlap import ChunkChoice, choose_chunks, region_pieces
+from ..planner.overlap import ChunkChoice, choose_chunks, region_pieces, size_bucket
 from .collective_matmul import (copy_matmul, gather_matmul, matmul_all_reduce,
                                 matmul_reduce_scatter)
 from .linear import ColumnParallelLinear, _autocast_dtype
@@ -52,8 +52,9 @@ log = logging.getLogger("ops_transformer")
 
 class OverlapPolicy:
     """How many chunks one region runs: ``chunks`` (``mode="chunked"``), or the cost model's
-    choice for each new size (``"auto"``, at most ``chunks``), kept in :attr:`decisions`
-    (``{(tokens, dtype): ChunkChoice}``) with its reason."""
+    choice for each new size (``"auto"``, at most ``chunks``; sizes rounded down to a power of
+    two, :func:`~ops_transformer.planner.overlap.size_bucket`), kept in :attr:`decisions`
+    (``{(region, tokens, in, out, dtype): ChunkChoice}``) with its reason."""
 
     def __init__(self, mode: str, chunks: int, profile=None):
         self.mode, self.chunks, self.profile = mode, chunks, resolve_profile(profile)
@@ -61,13 +62,14 @@ class OverlapPolicy:
 
     def chunks_for(self, region: str, tokens: int, in_features: int, out_features: int,
                    group_size: int, dtype: torch.dtype) -> int:
-        key = (region, tokens, in_features, out_features, dtype)
+        bucket = size_bucket(tokens)  # decided per power of two of the tokens
+        key = (region, bucket, in_features, out_features, dtype)
         choice = self.decisions.get(key)
         if choice is None:
             if self.mode == "chunked":
                 choice = ChunkChoice(self.chunks, 0.0, f"{self.chunks} chunks (as requested)")
             else:
-                pieces = region_pieces(region, tokens, in_features, out_features, group_size)
+                pieces = region_pieces(region, bucket, in_features, out_features, group_size)
                 element = torch.empty((), dtype=dtype).element_size()
                 choice = choose_chunks(pieces, self.chunks, self.profile, element)
             self.decisions[key] = choice
@@ -188,7 +190,8 @@ class ChunkedCopyToTPRegion(_ChunkedEntry, CopyToTPRegion):
         x = self._first_input(args, kwargs)
         columns = self._columns()
         dtype = _autocast_dtype(x) or x.dtype  # the all-reduce runs in the compute dtype
-        chunks = self._chunks(x.numel() // x.shape[-1], x.shape[-1], columns, dtype)
+        chunks = (self._chunks(x.numel() // x.shape[-1], x.shape[-1], columns, dtype)
+                  if torch.is_grad_enabled() else 1)  # (its only collective is in backward)
         x_same, outputs = copy_matmul(x.reshape(-1, x.shape[-1]), [c.weight for c in columns],
                                       [c.bias for c in columns], self.region_group, chunks)
         lead = x.shape[:-1]
@@ -280,3 +283,31 @@ class ChunkedRowScatter:
         return (super().extra_repr() + f", output: matmul_reduce_scatter over tp={self.tp_size} "
                 f"(fwd the row matmul and its reduce-scatter in chunks, overlapped; bwd the "
                 f"all-gather in chunks), {self.overlap!r}")
+
+
+def overlap_policies(model: torch.nn.Module) -> dict[str, OverlapPolicy]:
+    """``{module name: its OverlapPolicy}`` for every chunked region of ``model`` (the experts'
+    too)."""
+    return {name: m.overlap for name, m in model.named_modules()
+            if isinstance(getattr(m, "overlap", None), OverlapPolicy)}
+
+
+def overlap_decisions(model: torch.nn.Module) -> dict[str, list[dict]]:
+    """What each chunked region decided, per size it ran: ``{module name: [{"region", "tokens",
+    "chunks", "reason"}]}`` (``region``: the cost formula's kind; empty before the first call)."""
+    return {name: [{"region": key[0], "tokens": key[1], "chunks": choice.chunks,
+                    "reason": choice.reason} for key, choice in policy.decisions.items()]
+            for name, policy in overlap_policies(model).items()}
+
+
+def overlap_summary(model: torch.nn.Module) -> str:
+    """One line: how many of the regions' decisions run in chunks, and one reason of each kind."""
+    decided = [(name, d) for name, ds in overlap_decisions(model).items() for d in ds]
+    if not decided:
+        return "no chunked region ran" if overlap_policies(model) else "overlap none"
+    chunked = [(n, d) for n, d in decided if d["chunks"] > 1]
+    plain = [(n, d) for n, d in decided if d["chunks"] == 1]
+    parts = [f"{len(chunked)} of {len(decided)} region sizes in chunks"]
+    for name, d in (chunked[:1] + plain[:1]):
+        parts.append(f"{name} ({d['region']}, {d['tokens']} tokens): {d['reason']}")
+    return "; ".join(parts)

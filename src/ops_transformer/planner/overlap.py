@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import wire_elements
+from .cost import Comm, wire_elements
+from .hardware import CPU_GLOO
 
 OVERLAP_MODES = ("none", "chunked", "auto")
 
@@ -137,3 +138,79 @@ def region_pieces(region: str, tokens: int, in_features: int, out_features: int,
         return [Pipelined("all_to_all", moved, p, mm / 2), Pipelined("all_to_all", moved, p, mm / 2),
                 Pipelined("all_to_all", moved, p, mm), Pipelined("all_to_all", moved, p, mm)]
     raise ValueError(f"region must be one of {REGIONS}, got {region!r}")
+
+
+def region_chunks(region: str, tokens: int, in_features: int, out_features: int,
+                  group_size: int, rows: int, *, overlap: str, chunks: int, profile=None,
+                  bytes_per_element: int = 4) -> int:
+    """The chunks a region of these sizes runs (``rows``: the rows each rank splits, never fewer
+    than one per chunk): 1 for ``none``, ``chunks`` for ``chunked``, :func:`choose_chunks` on
+    ``profile`` (default: the built-in one) for ``auto`` — what the layers do, for the formulas
+    that count their calls."""
+    if overlap not in OVERLAP_MODES:
+        raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
+    if overlap == "none" or group_size <= 1:
+        return 1
+    if overlap == "auto":
+        pieces = region_pieces(region, size_bucket(tokens), in_features, out_features,
+                               group_size)
+        chunks = choose_chunks(pieces, chunks, profile or CPU_GLOO, bytes_per_element).chunks
+    return max(1, min(chunks, rows))
+
+
+def size_bucket(tokens: int) -> int:
+    """The size a region decides its chunks for: its tokens rounded down to a power of two (a
+    little conservative; few distinct decisions however the lengths vary, as in generation)."""
+    return 1 << (max(tokens, 1).bit_length() - 1)
+
+
+def decoder_overlap_calls(*, b: int, s: int, h: int, qkv_out: int, ffn_in: int, ffn: int,
+                          tp: int, layers: int, attention: str, sequence_parallel: bool,
+                          recompute: str, overlap: str, chunks: int, profile=None,
+                          bytes_per_element: int = 4, ffn_layers: int | None = None) -> Comm:
+    """The calls chunking adds to one training step of the reference decoder's dense layers on
+    one rank (``elements`` 0: chunks move the same elements): per chunked region ``chunks − 1``
+    more of each of its collectives (:func:`region_pieces`), and, with ``recompute="full"``,
+    of each forward one the replay repeats (all but the layer's closing exit). ``qkv_out``:
+    this rank's Q, K and V output features; ``ffn_in``: its first FFN matrix's (``2·ffn/tp``
+    for SwiGLU); ``attention``: the strategy (its output projection is a chunked exit only for
+    ``heads``; ``kv_split`` and ``naive`` have no chunked attention region); ``ffn_layers``: the
+    layers with a dense FFN (default all; an MoE FFN's chunks are :func:`moe_chunk_calls`')."""
+    tokens, rows = b * s, (b * s // tp if sequence_parallel else b * s)
+    entry, exit_ = ("sp_entry", "sp_exit") if sequence_parallel else ("tp_entry", "tp_exit")
+    dense = layers if ffn_layers is None else ffn_layers
+    regions = []  # (region, in, out, replayed by full recompute, layers)
+    if attention in ("heads", "heads_allgather"):
+        regions.append((entry, h, qkv_out, True, layers))
+    if attention == "heads":
+        regions.append((exit_, h // tp, h, True, layers))
+    regions += [(entry, h, ffn_in, True, dense), (exit_, ffn // tp, h, False, dense)]
+    out = Comm()
+    for region, n_in, n_out, replayed, count in regions:
+        c = region_chunks(region, tokens, n_in, n_out, tp, rows, overlap=overlap, chunks=chunks,
+                          profile=profile, bytes_per_element=bytes_per_element)
+        for i, piece in enumerate(region_pieces(region, tokens, n_in, n_out, tp)):
+            forward = region in ("sp_entry", "sp_exit", "tp_exit") and i == 0
+            repeats = 1 + (recompute == "full" and replayed and forward)
+            out.add(piece.kind, 0, calls=(c - 1) * repeats * count)
+    return out
+
+
+def moe_chunk_calls(*, slots: int, h: int, expert_width: int, ep: int, tp: int, overlap: str,
+                    chunks: int, profile=None, bytes_per_element: int = 4,
+                    recompute: str = "none") -> tuple[int, Comm]:
+    """``(chunks, extra calls)`` of one MoE layer over ``ep > 1`` ranks: the EP group's largest
+    routed ``slots`` decide (every rank of the group knows them); each chunk beyond the first adds one
+    dispatch and one combine all-to-all per direction and, with the experts split over TP, one
+    all-reduce per direction (full recompute replays the forward ones).
+    ``expert_width``: this rank's ``W/tp + F/tp`` expert features."""
+    if ep <= 1 or overlap == "none":
+        return 1, Comm()
+    c = region_chunks("experts", slots, h, expert_width, ep, chunks,
+                      overlap=overlap, chunks=chunks, profile=profile,
+                      bytes_per_element=bytes_per_element)
+    fwd = 1 + (recompute == "full")
+    out = Comm().add("all_to_all", 0, calls=2 * (c - 1) * (fwd + 1))
+    if tp > 1:
+        out.add("all_reduce", 0, calls=(c - 1) * (fwd + 1))
+    return c, out

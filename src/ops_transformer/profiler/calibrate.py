@@ -15,6 +15,8 @@ training, see :func:`~ops_transformer.parallel.launch.launch`):
 - **small messages**: two ranks swap ``n``-byte tensors, by a send/recv pair and by an all-gather;
   the profile records the size where the faster method changes (``None`` when one wins
   everywhere).
+- **overlap** (CPU): how much of an all-reduce running beside matmuls is hidden, ``η``
+  (:mod:`.overlap_efficiency`), which ``overlap="auto"`` weighs chunks by.
 
 The profile (JSON, keys are strings)::
 
@@ -25,7 +27,9 @@ The profile (JSON, keys are strings)::
                                 "points": [[message bytes, seconds], ...]}}},
      "p2p_threshold_bytes": int | null,
      "p2p": {"small_messages": "send_recv" | "all_gather",
-             "points": [[bytes, send_recv s, all_gather s], ...]}}
+             "points": [[bytes, send_recv s, all_gather s], ...]},
+     "overlap": {"efficiency", "points": [{"bytes", "matmuls", "t_comm", "t_comp", "t_both",
+                                           "efficiency"}, ...]} (CPU machines only)}
 
 :func:`load_profile` turns it into a :class:`CalibratedProfile` for the cost model.
 """
@@ -47,6 +51,7 @@ from ..parallel.launch import launch
 from ..utils.progress import Progress
 from ..comm.topology import detect_topology
 from ..planner.catalogue import GPUS, gpu_for_device
+from .overlap_efficiency import measure_overlap
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 MATMUL_SIZES, QUICK_MATMUL_SIZES = (256, 512, 1024, 2048), (256, 512)
@@ -318,4 +323,6 @@ def calibrate(world_sizes=(2, 4), *, quick: bool = False, progress: bool = True,
                "p2p_threshold_bytes": threshold, "p2p": {"small_messages": small, "points": p2p}}
     if torch.cuda.is_available():
         profile["gpu"] = launch(_gpu_matmul_worker, 1, 3 if quick else 10, timeout=timeout)[0]
+    else:  # (NCCL runs on engines of its own; a GPU profile keeps η = 1)
+        profile["overlap"] = measure_overlap(launch, quick=quick, timeout=timeout)
     return profile

@@ -44,3 +44,6 @@ __all__ += ["Int8ActivationCache", "activation_memory", "zero_optimizer"]
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 
 __all__ += ["save_checkpoint", "load_checkpoint", "CheckpointError"]
+from .loading import from_pretrained  # noqa: E402
+
+__all__ += ["from_pretrained"]

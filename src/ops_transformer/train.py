@@ -1,4 +1,6 @@
-"""Training the reference GPT with ``dp × ep × tp`` parallelism: the loop behind ``train`` and ``demo``.
+"""Training the reference GPT — or fine-tuning a Hugging Face causal LM (``model``, see
+:mod:`ops_transformer.finetune`) — with ``dp × ep × tp`` parallelism: the loop behind ``train`` and
+``demo``.
 
 :func:`validate` checks a :class:`TrainConfig` before any process starts; :func:`train_worker` runs on
 every rank (under ``launch`` or ``torchrun``) and returns the metrics on rank 0. The loop is the plain
@@ -18,18 +20,22 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
+from . import finetune
 from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
 from .layers.overlap_regions import overlap_decisions, overlap_summary
-from .memory.train_flags import check_memory_flags, make_optimizer, partial_numel
+from .memory.train_flags import (check_memory_flags, make_optimizer, measured_state_bytes,
+                                 partial_numel)
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
 from .models.moe import moe_stats
 from .parallel.context import check_degrees, init_parallel
 from .parallelize import ParallelOptions, parallelize
 from .parallelize.gpt_plan import gpt_plan
+from .parallelize.moe_plan import n_experts_of
 from .planner.strategies import model_comm_per_step
 from .precision import DynamicLossScaler, optimizer_step, precision_policy
+from .schedule import check_schedule, lr_at, set_lr
 from .utils.plot import write_line_plot_png
 from .utils.progress import Progress
 from .utils.tensorboard import ScalarLog, check_log_dir
@@ -70,6 +76,9 @@ class TrainConfig:
     resume: bool = False  # continue from the latest checkpoint in ckpt_dir, if there is one
     max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
     keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
+    model: str | None = None  # a Hugging Face save_pretrained directory to fine-tune (no preset)
+    lr_schedule: str = "constant"  # or "cosine" (ops_transformer.schedule)
+    warmup: int = 0  # linear warmup steps
 
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
@@ -86,8 +95,9 @@ class TrainConfig:
         return base.with_(**changes)
 
 
-def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
-    """Every check that needs no process group; returns ``(dp, tp)``."""
+def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
+    """Every check that needs no process group; returns ``(dp, tp)``. ``say(line)``: where a
+    note and the tokenizer's progress go (``train --model``), ``None`` for silence."""
     for name in ("steps", "batch", "seq"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
@@ -97,16 +107,20 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     if cfg.clip_grad is not None and not cfg.clip_grad > 0:
         raise ValueError(f"--clip-grad must be positive, got {cfg.clip_grad}")
     ckpt.check_options(cfg)
+    check_schedule(cfg.lr_schedule, cfg.warmup, cfg.steps)
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, ep, tp = check_degrees(world_size, cfg.tp, cfg.dp, cfg.ep)
     if cfg.ranks_per_node is not None:
         NodeLayout(world_size, cfg.ranks_per_node)  # divides the number of processes
-    model_cfg = cfg.model_config()
-    check_train_ep(model_cfg, cfg.preset, ep)
-    if model_cfg.vocab_size < VOCAB_SIZE:
-        raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; byte-level "
-                         f"data needs at least {VOCAB_SIZE}")
+    if cfg.model:  # a Hugging Face checkpoint: its plan on a meta copy
+        model_cfg = finetune.check_model(cfg, tp, ep)
+    else:
+        model_cfg = cfg.model_config()
+        check_train_ep(model_cfg, cfg.preset, ep)
+        if model_cfg.vocab_size < VOCAB_SIZE:
+            raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; "
+                             f"byte-level data needs at least {VOCAB_SIZE}")
     if cfg.batch % (dp * ep):
         raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})" if ep == 1 else
                          f"--batch ({cfg.batch}) must be divisible by dp ({dp}) × ep ({ep}): "
@@ -117,8 +131,11 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     except ValueError as exc:  # "chunks must be ..." → "--chunks must be ..."
         name, _, rest = str(exc).partition(" ")
         raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
-    gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
-    check_corpus(load_corpus(cfg.data), cfg.seq)
+    if cfg.model:
+        finetune.check_data(cfg, model_cfg, say=say)
+    else:
+        gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
+        check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
     return dp, tp
 
@@ -155,13 +172,17 @@ class TrainState:
     data: object
     policy: object
     scaler: DynamicLossScaler | None
+    state_bytes: dict | None = None  # this rank's parameters, gradients, optimizer state (bytes)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the global batch of ``step`` (on the device): data-parallel and
         expert-parallel ranks read their own."""
-        x, y = slice_for_rank(*get_batch(self.data, step, batch=self.cfg.batch, seq=self.cfg.seq,
-                                         seed=self.cfg.seed),
-                              self.ctx.dp_ep_rank, self.ctx.dp_ep_size)  # EP ranks: own rows
+        if isinstance(self.data, torch.Tensor):  # bytes: random windows
+            batch = get_batch(self.data, step, batch=self.cfg.batch, seq=self.cfg.seq,
+                              seed=self.cfg.seed)
+        else:  # packed token sequences (train --model)
+            batch = self.data.get_batch(step, batch=self.cfg.batch, seed=self.cfg.seed)
+        x, y = slice_for_rank(*batch, self.ctx.dp_ep_rank, self.ctx.dp_ep_size)  # EP: own rows
         return x.to(self.ctx.device), y.to(self.ctx.device)
 
     def step(self, x: torch.Tensor, y: torch.Tensor):
@@ -170,13 +191,14 @@ class TrainState:
         collectives."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
             with self.policy.autocast(self.ctx.device):
-                loss = self.model(x, y)[1]
+                loss = (finetune.causal_lm_loss(self.model, x, y, self.ctx) if self.cfg.model
+                        else self.model(x, y)[1])
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
                                     max_norm=self.cfg.clip_grad,
-                                    metrics={"loss": loss, **_moe_metrics(self.model,
-                                                                          self.model.cfg)})
+                                    metrics={"loss": loss, **_moe_metrics(self.model, self.cfg)})
             # (one all-reduce for what is small; the metrics averaged over dp × ep)
+        self.state_bytes = self.state_bytes or measured_state_bytes(self.model, self.opt)
         self.opt.zero_grad(set_to_none=True)
         return report, ledger
 
@@ -200,15 +222,22 @@ def join(cfg: TrainConfig, profile=None):
 
 def setup_training(cfg: TrainConfig, ctx) -> TrainState:
     """Build the parallel model, its optimizer and loss scaler on this rank of ``ctx``."""
-    model_cfg = cfg.model_config()
-    data = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
     policy = precision_policy(cfg.precision)
+    if cfg.model:
+        model, data = finetune.build(cfg, ctx, policy)
+        return _with_optimizer(cfg, ctx, model, data, policy)
+    model_cfg = cfg.model_config()
+    data = load_corpus(cfg.data)
     options = cfg.parallel_options(grad_reduce_dtype=policy.grad_reduce_dtype)
     plan = gpt_plan(model_cfg, ctx.tp_size, options.plan_attention,
                     batch=cfg.batch // ctx.dp_ep_size, seq=cfg.seq,
                     profile=ctx.profile)  # `auto`: for this run's shapes, on the agreed profile
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan, options)
+    return _with_optimizer(cfg, ctx, model, data, policy)
+
+
+def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
     opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
     return TrainState(cfg, ctx, model, opt, data, policy, scaler)
@@ -216,7 +245,8 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
 
 def _train(cfg: TrainConfig, ctx) -> dict | None:
     state = setup_training(cfg, ctx)
-    model, opt, scaler, model_cfg = state.model, state.opt, state.scaler, state.model.cfg
+    model, opt, scaler = state.model, state.opt, state.scaler
+    moe = bool(_n_experts(model))
     lead = ctx.rank == 0
     position = data_position(cfg)
     first, saved = (ckpt.resume(cfg.ckpt_dir, model, opt, ctx, position, scaler=scaler)
@@ -230,6 +260,8 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
         bar.update(first)
     for step in range(first, cfg.steps):
         x, y = state.batch(step)
+        set_lr(opt, lr_at(step, lr=cfg.lr, steps=cfg.steps, schedule=cfg.lr_schedule,
+                          warmup=cfg.warmup))
         start = time.perf_counter()
         report, ledger = state.step(x, y)
         step_times.append(time.perf_counter() - start)
@@ -240,7 +272,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
             raise ValueError(f"the loss became {losses[-1]} at step {step}; lower --lr "
                              f"(now {cfg.lr})")
         tokens_per_s = cfg.batch * cfg.seq / step_times[-1]
-        if model_cfg.n_experts:
+        if moe and not cfg.model:
             moe_history.append(_moe_report(report.metrics))
         if cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every):
             ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
@@ -258,7 +290,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                   moe_aux_loss=moe_history[-1]["aux_loss"] if moe_history else None)
     bar.close()
     board.close()
-    sample = _sample(model, cfg, ctx.device)
+    sample = None if cfg.model else _sample(model, cfg, ctx.device)
     if not lead:
         return None
     last = last or CommLedger()  # resumed from a checkpoint of the last step: no step ran here
@@ -267,6 +299,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                      "grad_norm_last": report.grad_norm if report else None,
                      "comm_by_dtype": last.by_dtype(),
                      "resumed_from": first if cfg.resume else None,
+                     "model_state_bytes_per_rank": state.state_bytes,
                      **({} if scaler is None else {"loss_scale": scaler.scale_value,
                                                    "skipped_steps": scaler.skipped_steps}),
                      **({"moe": {k: [m[k] for m in moe_history]
@@ -274,10 +307,15 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                         if moe_history else {})})
 
 
-def _moe_metrics(model, model_cfg: GPTConfig) -> dict:
+def _n_experts(model) -> int:
+    return model.cfg.n_experts if isinstance(model, GPT) else n_experts_of(model)
+
+
+def _moe_metrics(model, cfg: TrainConfig) -> dict:
     """This rank's load-balancing loss (summed over the MoE layers, before the coefficient) and
-    dropped / routed token-slots, to be averaged over the ranks with the loss."""
-    if not model_cfg.n_experts:
+    dropped / routed token-slots, to be averaged over the ranks with the loss (the reference
+    MoE; a Hugging Face router keeps its own statistics)."""
+    if cfg.model or not model.cfg.n_experts:
         return {}
     stats = moe_stats(model)
     return {"moe_aux_loss": stats["aux_loss"], "moe_dropped": float(stats["dropped"]),
@@ -294,7 +332,8 @@ def _moe_report(averaged: dict) -> dict:
 
 def data_position(cfg: TrainConfig) -> dict:
     """What the batch of a step depends on besides the step (:func:`get_batch`)."""
-    return {"seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq, "data": cfg.data}
+    return {"seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq, "data": cfg.data,
+            **({"model": cfg.model} if cfg.model else {})}
 
 
 def _precision_stats(report, scaler) -> dict:
@@ -332,21 +371,33 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "comm_per_step": comm,
         "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()),
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
-        "expected_tp_comm_per_step": expected_comm_per_step(
-            model.cfg, ctx.tp_size, model.parallel_plan.attention, cfg.batch // ctx.dp_ep_size,
-            cfg.seq, model.parallel_plan.vocab, sequence_parallel=cfg.sequence_parallel,
-            recompute=cfg.recompute, partial_elements=partial_numel(model, ctx.tp_group),
-            overlap=cfg.overlap, chunks=cfg.chunks, profile=ctx.profile, ep=ctx.ep_size),
         "overlap": overlap_decisions(model), "overlap_reason": overlap_summary(model),
-        "params": _dense_param_count(model.cfg),
         "ranks_per_node": ctx.ranks_per_node,
         "comm_by_level": ledger.by_level(),  # what ran inside a node and across nodes
-        "sample": sample, "config": asdict(cfg), "model": model.cfg.to_dict(),
+        "sample": sample, "config": asdict(cfg), **_model_metrics(cfg, ctx, model),
+        "lr_last": lr_at(cfg.steps - 1, lr=cfg.lr, steps=cfg.steps, schedule=cfg.lr_schedule,
+                         warmup=cfg.warmup),
         "plan": model.parallel_plan.to_dict(), **(extra or {}),
     }
     if cfg.out:
         write_outputs(Path(cfg.out), metrics)
     return metrics
+
+
+def _model_metrics(cfg: TrainConfig, ctx, model) -> dict:
+    """The model's part of the metrics: its size and configuration, and for the reference GPT
+    the tensor-parallel collectives the cost model expects per step."""
+    if cfg.model:  # a Hugging Face model: its own config; this rank's parameter bytes
+        return {"preset": None, "model_dir": cfg.model, "expected_tp_comm_per_step": None,
+                **finetune.describe(model),
+                "param_bytes_per_rank": finetune.local_param_bytes(model)}
+    return {"expected_tp_comm_per_step": expected_comm_per_step(
+                model.cfg, ctx.tp_size, model.parallel_plan.attention,
+                cfg.batch // ctx.dp_ep_size, cfg.seq, model.parallel_plan.vocab,
+                sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+                partial_elements=partial_numel(model, ctx.tp_group), overlap=cfg.overlap,
+                chunks=cfg.chunks, profile=ctx.profile, ep=ctx.ep_size),
+            "params": _dense_param_count(model.cfg), "model": model.cfg.to_dict()}
 
 
 def _dense_param_count(model_cfg: GPTConfig) -> int:
@@ -360,4 +411,5 @@ def write_outputs(out: Path, metrics: dict) -> None:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     write_line_plot_png(out / "loss.png", {f"tp={metrics['tp']} dp={metrics['dp']}":
                                            metrics["losses"]},
-                        title=f"{metrics['preset']} training loss")
+                        title=f"{metrics['preset'] or Path(metrics['model_dir']).name} "
+                              f"training loss")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -83,14 +84,38 @@ def export_safetensors(state: dict[str, torch.Tensor], manifest: dict, out: Path
     return out
 
 
+# What a model directory holds besides its config and weights, copied into an export.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+              "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json",
+              "chat_template.jinja", "generation_config.json")
+
+
 def export_huggingface(state: dict[str, torch.Tensor], manifest: dict, out: Path) -> Path:
-    """A ``save_pretrained`` directory of the checkpoint's Hugging Face model."""
+    """A ``save_pretrained`` directory of the checkpoint's Hugging Face model; the tokenizer files
+    (and generation config) of the directory it was loaded from (``train --model``), when that
+    still exists, are copied next to it (:func:`copied_side_files` lists them)."""
     import transformers
 
+    transformers.logging.disable_progress_bar()
     info = manifest["model"]
     config = transformers.AutoConfig.for_model(**info["config"])
     model = getattr(transformers, info["class"])(config)
     aliases = {alias: state[name] for alias, name in info.get("aliases", {}).items()}
     model.load_state_dict({**state, **aliases}, strict=True)
     model.save_pretrained(out)
+    source = source_dir(manifest)
+    for name in SIDE_FILES:
+        if source is not None and (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
     return out
+
+
+def source_dir(manifest: dict) -> Path | None:
+    """The model directory a Hugging Face checkpoint's model was loaded from, if it exists."""
+    name = manifest["model"].get("config", {}).get("_name_or_path")
+    return Path(name) if name and Path(name).is_dir() else None
+
+
+def copied_side_files(manifest: dict) -> list[str]:
+    source = source_dir(manifest)
+    return [] if source is None else [n for n in SIDE_FILES if (source / n).is_file()]

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.errors import CheckpointError
 from ..data import decode, encode
+from ..loading import from_pretrained
 from ..parallel import init_parallel, launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
-from ..parallelize import parallelize
 from ._common import under_torchrun
 from ._calibrated import command_profile
 
@@ -56,7 +57,9 @@ def import_transformers(command: str):
 
 
 def check_model_dir(path: str, command: str = "generate"):
-    """``(root, config)`` of a loadable model directory, or a ``ValueError`` naming what is wrong."""
+    """``(root, config)`` of a loadable model directory, or a ``ValueError`` naming what is wrong.
+    A local directory needs no hub: ``HF_HUB_OFFLINE`` is set (unless set already)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     root = Path(path)
     config_file = root / "config.json"
     if not config_file.is_file():
@@ -128,9 +131,10 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def check_causal_lm(root: Path, config) -> None:
-    """``generate`` runs causal language models only: an encoder (BERT, MiniLM) has no trained
-    next-token head, and loading it as one would sample from random weights."""
+def check_causal_lm(root: Path, config, command: str = "generate") -> None:
+    """``generate`` (and ``train --model``) run causal language models only: an encoder (BERT,
+    MiniLM) has no trained next-token head, and loading it as one would sample from random
+    weights."""
     archs = list(getattr(config, "architectures", None) or [])
     if archs:
         causal = any(a.endswith(CAUSAL_SUFFIXES) for a in archs)
@@ -143,7 +147,7 @@ def check_causal_lm(root: Path, config) -> None:
     if not causal or getattr(config, "is_encoder_decoder", False):
         kind = "/".join(archs) or f"model_type {config.model_type!r}"
         raise ValueError(f"--model {str(root)!r} is a {kind}, not a causal language model: "
-                         f"generate needs a *ForCausalLM or *LMHeadModel architecture (use "
+                         f"{command} needs a *ForCausalLM or *LMHeadModel architecture (use "
                          f"`embed` for encoders)")
 
 
@@ -156,20 +160,18 @@ def load_tokenizer(root: Path):
 
 
 def load_parallel(root: Path, auto_class: str, tp: int):
-    """``(ctx, model)``: the model loaded on this rank, in eval mode, parallelised over ``tp``.
+    """``(ctx, model)``: the model loaded on this rank, in eval mode, parallelised over ``tp`` —
+    each rank reading only its shards onto its device (:func:`~ops_transformer.from_pretrained`).
     The caller closes ``ctx`` (``with ctx:``)."""
-    import transformers
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    transformers.logging.disable_progress_bar()
     ctx = init_parallel(tp=tp, profile=command_profile(None))  # rank 0 reads it, then broadcasts
     try:
-        model = getattr(transformers, auto_class).from_pretrained(root).eval()
+        model = from_pretrained(root, ctx, auto_class=auto_class,
+                                strict=auto_class != "AutoModel")  # an encoder: heads skipped
     except (OSError, ValueError) as exc:
         ctx.close()
+        if isinstance(exc, CheckpointError):
+            raise
         raise ValueError(f"cannot load the model in {str(root)!r}: {_first_line(exc)}") from None
-    if tp > 1:
-        model = parallelize(model, ctx)
     return ctx, model
 
 

@@ -104,6 +104,9 @@ def _export(args) -> int:
     if huggingface:
         ex.export_huggingface(state, manifest, out)
         what = f"a save_pretrained directory ({manifest['model']['class']})"
+        copied = ex.copied_side_files(manifest)
+        if copied:
+            what += f" with {', '.join(copied)} from {ex.source_dir(manifest)}"
     else:
         ex.export_safetensors(state, manifest, out)
         what = "a safetensors file"

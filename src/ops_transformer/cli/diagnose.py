@@ -13,7 +13,7 @@ HELP = ("diagnose a training configuration (options as train): sizes vs tp and T
 
 
 def add_parser(p) -> None:
-    train_cli.add_parser(p)
+    train_cli.add_training_arguments(p)
     p.add_argument("--model", dest="preset", help="the same as --preset")
     p.add_argument("--static", action="store_true", help="only the checks on the model's sizes "
                    "(no step is run)")

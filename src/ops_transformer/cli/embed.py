@@ -33,13 +33,13 @@ def _worker(root, tp, texts):
     ctx, model = load_parallel(root, "AutoModel", tp)
     with ctx:
         encoded = load_tokenizer(root)(texts, padding=True, return_tensors="pt")
-        batch = {k: torch.as_tensor(v) for k, v in encoded.items()
+        batch = {k: torch.as_tensor(v).to(ctx.device) for k, v in encoded.items()
                  if k in ("input_ids", "attention_mask", "token_type_ids")}
         with torch.no_grad():
             hidden = model(**batch).last_hidden_state
     if ctx.rank != 0:
         return None
-    emb = mean_pooled(hidden, batch["attention_mask"])
+    emb = mean_pooled(hidden, batch["attention_mask"]).cpu()
     return {"tp": ctx.tp_size, "texts": texts, "dim": emb.shape[-1],
             "similarity": (emb @ emb.T).tolist(), "embeddings": emb.tolist()}
 

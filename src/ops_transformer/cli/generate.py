@@ -26,14 +26,14 @@ def add_parser(p) -> None:
 def _worker(root, tp, prompt, max_new_tokens, temperature, seed):
     ctx, model = load_parallel(root, "AutoModelForCausalLM", tp)
     with ctx:
-        result = _generate(model, root, prompt, max_new_tokens, temperature, seed)
+        result = _generate(model, root, prompt, max_new_tokens, temperature, seed, ctx.device)
     return dict(result, tp=ctx.tp_size) if ctx.rank == 0 else None
 
 
-def _generate(model, root, prompt, max_new_tokens, temperature, seed) -> dict:
+def _generate(model, root, prompt, max_new_tokens, temperature, seed, device) -> dict:
     tokenizer = load_tokenizer(root)
     inputs = tokenizer([prompt], return_tensors="pt")
-    ids = torch.as_tensor(inputs["input_ids"])
+    ids = torch.as_tensor(inputs["input_ids"]).to(device)
     vocab = model.config.vocab_size
     if int(ids.max()) >= vocab:
         raise ValueError(f"the prompt has token id {int(ids.max())}, outside the model's "

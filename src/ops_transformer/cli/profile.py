@@ -12,7 +12,7 @@ HELP = ("profile a few training steps (options as train): compute vs communicati
 
 
 def add_parser(p) -> None:
-    train_cli.add_parser(p)
+    train_cli.add_training_arguments(p)
     p.add_argument("--model", dest="preset", help="the same as --preset")
     p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (default 2)")
     p.set_defaults(steps=5)  # the profiled steps

@@ -1,5 +1,5 @@
-"""``ops-transformer train``: the reference GPT with ``dp × tp`` parallelism on local ranks or under
-``torchrun``."""
+"""``ops-transformer train``: the reference GPT, or a Hugging Face causal LM (``--model DIR``,
+fine-tuned), with ``dp × ep × tp`` parallelism on local ranks or under ``torchrun``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
 from ..parallelize.gpt_plan import ATTENTION_CHOICES
 from ..planner.search import chosen_layout
+from ..schedule import LR_SCHEDULES
 from ..train import TrainConfig, train_worker, validate
 from ..memory.apply import ACTIVATION_CACHES
 from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
@@ -24,29 +25,47 @@ from ..memory.recompute import RECOMPUTE
 from ..planner.overlap import OVERLAP_MODES
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
-                      under_torchrun, world_size)
+                      status, under_torchrun, world_size)
 from ._calibrated import command_profile
+from ._hf import check_causal_lm, check_model_dir
 from .checkpoint import add_checkpoint_arguments, checkpoint_settings
 
-HELP = "train the reference GPT with tensor (and data) parallelism"
+HELP = "train the reference GPT, or fine-tune a Hugging Face model, with tensor (and data) " \
+       "parallelism"
 ATTENTION = ATTENTION_CHOICES
 D = TrainConfig()  # every default of train, defined once (the dataclass)
 
 
 def add_parser(p) -> None:
+    add_training_arguments(p)
+    p.add_argument("--model", metavar="DIR", help="fine-tune this Hugging Face causal LM (a local "
+                   "save_pretrained directory, safetensors weights) instead of a preset; each "
+                   "rank loads only its shards (docs/finetuning.md)")
+    p.add_argument("--lr-schedule", default=D.lr_schedule, choices=LR_SCHEDULES,
+                   help="after --warmup: constant, or cosine decay towards 0 at the last step")
+    p.add_argument("--warmup", dest="lr_warmup", type=int, default=D.warmup, metavar="STEPS",
+                   help=f"linear learning-rate warmup over the first STEPS steps (default "
+                        f"{D.warmup})")
+
+
+def add_training_arguments(p) -> None:
+    """The options of a training run, shared by ``train``, ``profile``, ``diagnose``."""
     p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
                    "run under torchrun (or as one process)")
     p.add_argument("--tp", type=int, help=f"tensor-parallel degree (default {D.tp})")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (tp·ep))")
-    p.add_argument("--ep", type=int, help="expert-parallel degree for MoE presets "
-                   f"(moe-tiny, moe-small): n_experts/ep experts per rank (default {D.ep})")
-    p.add_argument("--preset", default=D.preset, help=f"model preset: {', '.join(PRESETS)}")
-    p.add_argument("--data", help="a text file or a directory (default: the Python standard "
-                   "library's sources on this machine)")
+    p.add_argument("--ep", type=int, help="expert-parallel degree for MoE models (moe-tiny, "
+                   "moe-small, or a --model such as Mixtral): n_experts/ep experts per rank "
+                   f"(default {D.ep})")
+    p.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)} (default {D.preset})")
+    p.add_argument("--data", help="a text file, a directory of text files or (with --model) a "
+                   ".jsonl file of {\"text\": ...} lines (default: the Python standard library's "
+                   "sources on this machine)")
     p.add_argument("--steps", type=int, default=D.steps)
     p.add_argument("--batch", type=int, default=D.batch, help="global batch in sequences")
-    p.add_argument("--seq", type=int, default=D.seq, help="sequence length in bytes")
-    p.add_argument("--lr", type=float, default=D.lr)
+    p.add_argument("--seq", type=int, default=D.seq, help="sequence length in tokens (bytes for "
+                   "the presets)")
+    p.add_argument("--lr", type=float, default=D.lr, help=f"peak learning rate (default {D.lr})")
     p.add_argument("--seed", type=int, default=D.seed)
     p.add_argument("--attention", choices=ATTENTION,
                    help=f"attention strategy (default {D.attention})")
@@ -116,8 +135,15 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
             raise ValueError(f"--plan {args.plan!r} sets --tp, --dp, --ep, --attention, "
                              f"--sequence-parallel, --recompute and --zero, but also "
                              f"{', '.join(conflicts)}: drop the flag or the plan")
-    return TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq=args.seq,
-                       lr=args.lr, seed=args.seed, data=args.data, out=out,
+    model = getattr(args, "model", None)
+    if model and args.preset:
+        raise ValueError(f"--model {model!r} and --preset {args.preset!r} both name the model: "
+                         f"--model fine-tunes a checkpoint, --preset builds a reference GPT; "
+                         f"give one")
+    return TrainConfig(preset=args.preset or D.preset, steps=args.steps, batch=args.batch,
+                       seq=args.seq, lr=args.lr, seed=args.seed, data=args.data, out=out,
+                       model=model, lr_schedule=getattr(args, "lr_schedule", D.lr_schedule),
+                       warmup=getattr(args, "lr_warmup", D.warmup),
                        progress=not args.no_progress, **layout,
                        precision=args.precision, clip_grad=args.clip_grad,
                        tensorboard=getattr(args, "tensorboard", None),
@@ -138,7 +164,9 @@ def run_training(cfg: TrainConfig, nproc: int | None,
     worker = worker or train_worker
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
-    validate(cfg, world_size() if nproc is None else nproc)
+    if cfg.model:
+        _check_model_dir(cfg.model)
+    validate(cfg, world_size() if nproc is None else nproc, say=status)
     profile = command_profile("--attention auto" if cfg.attention == "auto" else None)
     if cfg.out:
         check_out_dir(cfg.out)
@@ -161,6 +189,11 @@ def run_training(cfg: TrainConfig, nproc: int | None,
         torch.set_num_threads(threads)
 
 
+def _check_model_dir(path: str) -> None:
+    root, config = check_model_dir(path, "train --model")
+    check_causal_lm(root, config, "train --model")
+
+
 def launch_size(args, cfg: TrainConfig) -> int | None:
     """``--nproc``; without it and outside torchrun, the ranks of a fixed layout (a plan, or
     degrees above 1), launched locally."""
@@ -172,6 +205,8 @@ def launch_size(args, cfg: TrainConfig) -> int | None:
 
 def summary(metrics: dict) -> str:
     rows = [
+        *([{"": "model", "value": f"{metrics['model_class']} ({metrics['model_dir']})"}]
+          if metrics.get("model_dir") else []),
         {"": "layout", "value": f"dp={metrics['dp']} × "
                                 + (f"ep={metrics['ep']} × " if metrics.get("ep", 1) > 1 else "")
                                 + f"tp={metrics['tp']}"},
@@ -214,6 +249,7 @@ def run(args) -> int:
         print_json(metrics)
         return 0
     print(summary(metrics))
-    print(f"\nsample: {metrics['sample']!r}")
+    if metrics["sample"] is not None:
+        print(f"\nsample: {metrics['sample']!r}")
     print(f"\nwrote {Path(cfg.out) / 'metrics.json'} and {Path(cfg.out) / 'loss.png'}")
     return 0

@@ -165,17 +165,22 @@ class ColumnParallelLinear(nn.Module):
                     gather_output=gather_output, sub_blocks=sub_blocks, replicas=replicas,
                     reduce_input_grad=reduce_input_grad, device="meta", dtype=linear.weight.dtype)
         layer._load_dense(linear)
-        if layer._gather_order is not None:
-            layer._gather_order = layer.weight_spec.dense_order().to(linear.weight.device)
+        if layer._gather_order is not None:  # a dense layer on meta (shards filled later by
+            device = linear.weight.device      # from_pretrained) keeps the order on the CPU
+            layer._gather_order = layer.weight_spec.dense_order().to(
+                "cpu" if device.type == "meta" else device)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x, self.weight, self.bias)
+
+    def _forward(self, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, weight, bias)
         if self.reduce_input_grad:
-            y = linear_with_grad_all_reduce(x, self.weight, self.bias, self.tp_group)
+            y = linear_with_grad_all_reduce(x, weight, bias, self.tp_group)
         else:
-            y = F.linear(x, self.weight, self.bias)
+            y = F.linear(x, weight, bias)
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group, -1)
             if self._gather_order is not None:
@@ -242,15 +247,18 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x, self.weight)
+
+    def _forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, weight, self.bias)
         x_local = x if self.input_is_parallel else scatter_to_tp_region(x, self.tp_group, -1)
         if x_local.shape[-1] != self.in_features_per_rank:
             raise ValueError(
                 f"RowParallelLinear expects the last dimension of its input to be "
                 f"in_features_per_rank ({self.in_features_per_rank} = {self.in_features} / tp "
                 f"{self.tp_size}) with input_is_parallel=True, got {x_local.shape[-1]}")
-        y = reduce_from_tp_region(F.linear(x_local, self.weight), self.tp_group, inplace=True)
+        y = reduce_from_tp_region(F.linear(x_local, weight), self.tp_group, inplace=True)
         return y + self.bias if self.bias is not None else y
 
     def to_dense(self) -> nn.Linear:

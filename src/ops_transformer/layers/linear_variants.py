@@ -5,7 +5,8 @@
   multiple, as the vocabulary is. A padded column layer feeding a padded row layer (the
   column→row FFN) computes exactly the dense FFN: the padding rows of the column weight and bias
   are zero, so are the padding columns of the row weight, whatever the activation makes of the
-  padding features; their gradients are masked to zero so no optimizer moves them.
+  padding features; their gradients are zeroed in backward (by the layer's forward, not by a
+  hook on the parameter) so no optimizer moves them.
 * :class:`PackedRowParallelLinear`: the row-parallel dual of a fused (packed) column layer, its
   input features split per sub-block (Hugging Face's ``packed_rowwise``).
 
@@ -28,19 +29,32 @@ def padded_size(size: int, tp: int) -> int:
     return -(-size // tp) * tp
 
 
-def _mask_padding(param: nn.Parameter, spec: ShardSpec) -> None:
-    """Zero the gradient of this rank's padding entries along ``spec.split_dim`` (if it holds
-    any), so the padding stays zero under any optimizer."""
+class _ZeroPaddingGrad(torch.autograd.Function):
+    """The identity in forward; in backward the gradient's entries ``start …`` along ``dim`` (this
+    rank's padding) are zeroed. Part of the layer's forward rather than a hook on its parameter, so
+    it holds for whatever tensor the parameter is (materialised later by ``from_pretrained``, or
+    replaced by a sharding wrapper)."""
+
+    @staticmethod
+    def forward(ctx, tensor, dim: int, start: int):
+        ctx.dim, ctx.start = dim, start
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad.narrow(ctx.dim, ctx.start, grad.shape[ctx.dim] - ctx.start).zero_()
+        return grad, None, None
+
+
+def without_padding_grad(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """``param``, with a zero gradient on this rank's padding entries along ``spec.split_dim`` (if
+    it holds any), so the padding stays zero under any optimizer."""
     start, n = spec.slices()[0]
     real = spec.full_shape[spec.split_dim]
     if start + n <= real:
-        return
-    mask = torch.zeros(param.shape[spec.split_dim], dtype=torch.bool, device=param.device)
-    mask[max(real - start, 0):] = True
-    shape = [1] * param.dim()
-    shape[spec.split_dim] = -1
-    mask = mask.view(shape)
-    param.register_hook(lambda grad: grad.masked_fill(mask, 0.0))
+        return param
+    return _ZeroPaddingGrad.apply(param, spec.split_dim, max(real - start, 0))
 
 
 class PaddedColumnParallelLinear(ColumnParallelLinear):
@@ -76,14 +90,10 @@ class PaddedColumnParallelLinear(ColumnParallelLinear):
         layer._load_dense(linear)
         return layer
 
-    def _load_dense(self, dense: nn.Module) -> None:
-        super()._load_dense(dense)
-        _mask_padding(self.weight, self.weight_spec)
-        if self.bias is not None:
-            _mask_padding(self.bias, self.bias_spec)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+        weight = without_padding_grad(self.weight, self.weight_spec)
+        bias = None if self.bias is None else without_padding_grad(self.bias, self.bias_spec)
+        y = self._forward(x, weight, bias)
         return y[..., :self.out_features] if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -110,14 +120,10 @@ class PaddedRowParallelLinear(RowParallelLinear):
                                      padded_size=padded if padded != in_features else None)
         self._load_dense(_dense_linear(in_features, out_features, bias, device, dtype))
 
-    def _load_dense(self, dense: nn.Module) -> None:  # (RowParallelLinear.from_dense calls it)
-        super()._load_dense(dense)
-        _mask_padding(self.weight, self.weight_spec)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel and x.shape[-1] == self.in_features:
             x = F.pad(x, (0, self.in_features_padded - self.in_features))
-        return super().forward(x)
+        return self._forward(x, without_padding_grad(self.weight, self.weight_spec))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", padded_to={self.in_features_padded}"

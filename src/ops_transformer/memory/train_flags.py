@@ -103,3 +103,20 @@ def memory_summary(config: dict) -> str:
     if config.get("zero"):
         parts.append(f"ZeRO-{config['zero']}")
     return ", ".join(parts)
+
+
+def measured_state_bytes(model: nn.Module, optimizer) -> dict[str, int]:
+    """``{"params", "grads", "optimizer"}``: the bytes this rank holds of each, counted from the
+    tensors themselves (each storage once: tied weights, views). Call it after ``step`` and
+    before ``zero_grad``, while the gradients exist."""
+    def total(tensors) -> int:
+        storages = {}
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
+
+    params = list(dict.fromkeys(model.parameters()))
+    state = [v for s in getattr(optimizer, "state", {}).values() for v in s.values()]
+    return {"params": total(params), "grads": total(p.grad for p in params),
+            "optimizer": total(state)}

@@ -66,8 +66,8 @@ def resolve_plan(model: nn.Module, ctx, plan="auto", attention: str = "auto",
                      f"{', '.join(SUPPORTED)} (or pass plan= a Plan / dict)")
 
 
-def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | None = None,
-                **option_kwargs) -> nn.Module:
+def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | None = None, *,
+                materialize=None, **option_kwargs) -> nn.Module:
     """Apply tensor (and expert) parallelism over ``ctx`` to ``model`` by a plan, with the
     gradient reductions data parallelism needs, in place; return the model.
 
@@ -83,7 +83,10 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     arguments named like its fields build it or change it. Hugging Face models return what the
     unsharded model returns (full logits, so ``generate`` works), unless ``loss_parallel``.
     What was applied is ``model.parallel_state`` (plan, options, gradient reducers);
-    ``model.parallel_plan`` is its plan.
+    ``model.parallel_plan`` is its plan. ``materialize(model)``, if given, runs once the plan is
+    applied and before anything holds on to the parameters (the gradient reducers, the memory
+    options): a model built on the ``meta`` device gets its tensors there —
+    :func:`~ops_transformer.from_pretrained` reads each rank's shards at this point.
     """
     if getattr(getattr(model, "parallel_state", None), "plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_state is set)")
@@ -104,6 +107,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     elif ctx.ep_size > 1:  # experts only
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items()
                                 if r["style"] in ("moe", "moe_chunked")}), ctx)
+    if materialize is not None:
+        materialize(model)
     model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options))
     model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
     apply_memory_options(model, recompute=options.recompute,

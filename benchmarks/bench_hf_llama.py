@@ -48,7 +48,7 @@ from torch import nn
 import ops_transformer
 from ops_transformer import CommLedger, parallelize, profile_step
 from ops_transformer.comm import collectives as C
-from ops_transformer.layers.overlap_regions import overlap_summary
+from ops_transformer.layers.overlap_policy import overlap_summary
 
 from _common import (OtherLoad, add_timing_args, check_counts, finish, format_paired, interleave,
                      job_meta, method_stats, paired_ratio, rel_err, time_steps)

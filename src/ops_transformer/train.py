@@ -23,7 +23,7 @@ from . import checkpoint as ckpt
 from . import finetune
 from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
-from .layers.overlap_regions import overlap_decisions, overlap_summary
+from .layers.overlap_policy import overlap_decisions, overlap_summary
 from .memory.train_flags import (check_memory_flags, make_optimizer, measured_state_bytes,
                                  partial_numel)
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank

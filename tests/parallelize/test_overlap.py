@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ops_transformer import GPT, CommLedger, init_parallel, parallelize
-from ops_transformer.layers.overlap_regions import overlap_decisions
+from ops_transformer.layers.overlap_policy import overlap_decisions
 from ops_transformer.memory.train_flags import partial_numel
 from ops_transformer.models import preset
 from ops_transformer.planner import HardwareProfile

@@ -4,24 +4,28 @@ The chunked variants of the communicating regions of :mod:`.regions` and of the 
 layers: the same collectives, split into chunks pipelined with the matmul next to them
 (:mod:`.collective_matmul`), so ``print(model)`` still names each one::
 
-    (self_attn): ChunkedCopyToTPRegion[LlamaAttention](input: copy_matmul over tp=2 for q_proj,
-                 k_proj, v_proj (fwd their matmuls, bwd all-reduce of the input gradient in
-                 chunks, overlapped), overlap=auto (chunks <= 2))
-      (q_proj): FedColumn[ColumnParallelLinear](output: from its region's collective matmul, ...)
+    (self_attn): ChunkedCopyToTPRegion[LlamaAttention](input: copy_to_tp_region over tp=2 (fwd
+                 identity, bwd all-reduce of the input gradient) as copy_matmul with q_proj,
+                 k_proj, v_proj: the all-reduce in chunks, ..., overlap=auto (chunks <= 2)
+      (q_proj): FedColumnParallelLinear(..., output: from its region's collective matmul ...)
 
-================================ ===================== ========================== ====================
-region                           replaces              forward                    backward
-================================ ===================== ========================== ====================
-:class:`ChunkedCopyToTPRegion`   ``CopyToTPRegion``,   its column matmuls         all-reduce of the
-                                 a column layer's own                             input gradient in
-                                 input-grad all-reduce                            chunks
-:class:`ChunkedGatherSequence`   ``GatherSequence-``   all-gather in chunks ∥ its reduce-scatter in
-                                 ``Region``            column matmuls             chunks
-:class:`ChunkedRowOutput`        a row layer's         row matmul ∥ all-reduce    none
-                                 all-reduce            in chunks
-:class:`ChunkedRowScatter`       the sequence-parallel row matmul ∥ reduce-       all-gather in chunks
-                                 row's reduce-scatter  scatter in chunks          ∥ grad matmuls
-================================ ===================== ========================== ====================
+========================================= ====================== ================== ==============
+module                                    replaces               forward            backward
+========================================= ====================== ================== ==============
+:class:`ChunkedCopyToTPRegion`            ``CopyToTPRegion``, a  its column matmuls all-reduce of
+                                          column layer's own                        the input grad
+                                          input-grad all-reduce                     in chunks
+:class:`ChunkedGatherSequenceRegion`      ``GatherSequence-``    all-gather in      reduce-scatter
+                                          ``Region``             chunks ∥ matmuls   in chunks
+``ChunkedRowParallelLinear``              a row layer's          matmul ∥ all-      none
+(:class:`ChunkedRowOutput`)               all-reduce             reduce in chunks
+``ChunkedSequenceParallelRowLinear``      the sequence-parallel  matmul ∥ reduce-   all-gather in
+(:class:`ChunkedRowScatter`)              row's reduce-scatter   scatter in chunks  chunks ∥ grads
+========================================= ====================== ================== ==============
+
+The entry regions subclass the regions they replace (``isinstance`` and their printed names still
+say so); the layer variants are made by :func:`as_variant` (``ChunkedRowParallelLinear`` is a
+``RowParallelLinear``).
 
 An entry region computes the column layers that read its input (``columns``: child names, or
 ``""`` for the region itself when it is the column layer) in one fused op; each child, a
@@ -35,51 +39,15 @@ region's sizes on the agreed profile (``"auto"``,
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 
-from ..planner.choose import resolve_profile
-from ..planner.overlap import ChunkChoice, choose_chunks, region_pieces, size_bucket
 from .collective_matmul import (copy_matmul, gather_matmul, matmul_all_reduce,
                                 matmul_reduce_scatter)
 from .linear import ColumnParallelLinear, _autocast_dtype
+from .overlap_policy import OverlapPolicy
 from .regions import CopyToTPRegion, GatherSequenceRegion, _joined, _on_first_input
 from .sequence_parallel import _active, check_sequence_length
-
-log = logging.getLogger("ops_transformer")
-
-
-class OverlapPolicy:
-    """How many chunks one region runs: ``chunks`` (``mode="chunked"``), or the cost model's
-    choice for each new size (``"auto"``, at most ``chunks``; sizes rounded down to a power of
-    two, :func:`~ops_transformer.planner.overlap.size_bucket`), kept in :attr:`decisions`
-    (``{(region, tokens, in, out, dtype): ChunkChoice}``) with its reason."""
-
-    def __init__(self, mode: str, chunks: int, profile=None):
-        self.mode, self.chunks, self.profile = mode, chunks, resolve_profile(profile)
-        self.decisions: dict[tuple, ChunkChoice] = {}
-
-    def chunks_for(self, region: str, tokens: int, in_features: int, out_features: int,
-                   group_size: int, dtype: torch.dtype) -> int:
-        bucket = size_bucket(tokens)  # decided per power of two of the tokens
-        key = (region, bucket, in_features, out_features, dtype)
-        choice = self.decisions.get(key)
-        if choice is None:
-            if self.mode == "chunked":
-                choice = ChunkChoice(self.chunks, 0.0, f"{self.chunks} chunks (as requested)")
-            else:
-                pieces = region_pieces(region, bucket, in_features, out_features, group_size)
-                element = torch.empty((), dtype=dtype).element_size()
-                choice = choose_chunks(pieces, self.chunks, self.profile, element)
-            self.decisions[key] = choice
-            log.debug("overlap %s (%d tokens): %s", region, tokens, choice.reason)
-        return choice.chunks
-
-    def __repr__(self) -> str:
-        return (f"overlap={self.mode} (chunks {'<= ' if self.mode == 'auto' else ''}"
-                f"{self.chunks})")
-
 
 _VARIANTS: dict[tuple[type, type], type] = {}
 
@@ -284,30 +252,3 @@ class ChunkedRowScatter:
                 f"(fwd the row matmul and its reduce-scatter in chunks, overlapped; bwd the "
                 f"all-gather in chunks), {self.overlap!r}")
 
-
-def overlap_policies(model: torch.nn.Module) -> dict[str, OverlapPolicy]:
-    """``{module name: its OverlapPolicy}`` for every chunked region of ``model`` (the experts'
-    too)."""
-    return {name: m.overlap for name, m in model.named_modules()
-            if isinstance(getattr(m, "overlap", None), OverlapPolicy)}
-
-
-def overlap_decisions(model: torch.nn.Module) -> dict[str, list[dict]]:
-    """What each chunked region decided, per size it ran: ``{module name: [{"region", "tokens",
-    "chunks", "reason"}]}`` (``region``: the cost formula's kind; empty before the first call)."""
-    return {name: [{"region": key[0], "tokens": key[1], "chunks": choice.chunks,
-                    "reason": choice.reason} for key, choice in policy.decisions.items()]
-            for name, policy in overlap_policies(model).items()}
-
-
-def overlap_summary(model: torch.nn.Module) -> str:
-    """One line: how many of the regions' decisions run in chunks, and one reason of each kind."""
-    decided = [(name, d) for name, ds in overlap_decisions(model).items() for d in ds]
-    if not decided:
-        return "no chunked region ran" if overlap_policies(model) else "overlap none"
-    chunked = [(n, d) for n, d in decided if d["chunks"] > 1]
-    plain = [(n, d) for n, d in decided if d["chunks"] == 1]
-    parts = [f"{len(chunked)} of {len(decided)} region sizes in chunks"]
-    for name, d in (chunked[:1] + plain[:1]):
-        parts.append(f"{name} ({d['region']}, {d['tokens']} tokens): {d['reason']}")
-    return "; ".join(parts)

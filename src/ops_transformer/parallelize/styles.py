@@ -101,9 +101,9 @@ from ..layers.linear import dense_weight
 from ..layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParallelLinear,
                                       PaddedRowParallelLinear)
 from ..layers.moe import ParallelExperts, to_expert_parallel
+from ..layers.overlap_policy import OverlapPolicy
 from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
-                                      ChunkedRowOutput, ChunkedRowScatter, FedColumn,
-                                      OverlapPolicy, as_variant)
+                                      ChunkedRowOutput, ChunkedRowScatter, FedColumn, as_variant)
 from ..layers.regions import (CopyToTPRegion, GatherInput, GatherSequenceOutput,
                               GatherSequenceRegion, ReduceOutput, RopeGradRegion, ScatterSequence)
 from ..layers.sequence_parallel import SequenceParallelRowLinear, mark_partial
@@ -261,23 +261,29 @@ def _policy(ctx, overlap, chunks) -> OverlapPolicy:
     return OverlapPolicy(overlap, chunks, getattr(ctx, "profile", None))  # agreed by every rank
 
 
+def _entry(cls, module, ctx, columns, overlap, chunks):
+    return cls.wrap(module, ctx.tp_group, columns=tuple(columns),
+                    overlap=_policy(ctx, overlap, chunks))
+
+
+def _column(module, ctx, model, sub_blocks, kv_heads, pad=False):
+    return colwise(module, ctx, model, sub_blocks=sub_blocks, kv_heads=kv_heads,
+                   reduce_input_grad=False, pad=pad)  # (its entry region reduces the gradient)
+
+
 def region_chunked(module, ctx, model, *, columns, set=None, overlap="auto", chunks=2):
-    return ChunkedCopyToTPRegion.wrap(attrs(module, ctx, model, set=set), ctx.tp_group,
-                                      columns=tuple(columns), overlap=_policy(ctx, overlap, chunks))
+    module = attrs(module, ctx, model, set=set)
+    return _entry(ChunkedCopyToTPRegion, module, ctx, columns, overlap, chunks)
 
 
 def colwise_fed(module, ctx, model, *, sub_blocks=None, kv_heads=None, pad=False):
-    layer = colwise(module, ctx, model, sub_blocks=sub_blocks, kv_heads=kv_heads,
-                    reduce_input_grad=False, pad=pad)
-    return as_variant(layer, FedColumn)
+    return as_variant(_column(module, ctx, model, sub_blocks, kv_heads, pad), FedColumn)
 
 
 def colwise_chunked(module, ctx, model, *, sub_blocks=None, kv_heads=None, pad=False,
                     overlap="auto", chunks=2):
-    layer = colwise(module, ctx, model, sub_blocks=sub_blocks, kv_heads=kv_heads,
-                    reduce_input_grad=False, pad=pad)
-    return ChunkedCopyToTPRegion.wrap(layer, ctx.tp_group, columns=("",),
-                                      overlap=_policy(ctx, overlap, chunks))
+    layer = _column(module, ctx, model, sub_blocks, kv_heads, pad)
+    return _entry(ChunkedCopyToTPRegion, layer, ctx, ("",), overlap, chunks)
 
 
 def rowwise_chunked(module, ctx, model, *, input_is_parallel=True, pad=False, sub_blocks=None,
@@ -288,17 +294,14 @@ def rowwise_chunked(module, ctx, model, *, input_is_parallel=True, pad=False, su
 
 
 def sequence_region_chunked(module, ctx, model, *, columns, set=None, overlap="auto", chunks=2):
-    return ChunkedGatherSequenceRegion.wrap(attrs(module, ctx, model, set=set), ctx.tp_group,
-                                            columns=tuple(columns),
-                                            overlap=_policy(ctx, overlap, chunks))
+    module = attrs(module, ctx, model, set=set)
+    return _entry(ChunkedGatherSequenceRegion, module, ctx, columns, overlap, chunks)
 
 
 def colwise_sequence_chunked(module, ctx, model, *, sub_blocks=None, kv_heads=None,
                              overlap="auto", chunks=2):
-    layer = colwise(module, ctx, model, sub_blocks=sub_blocks, kv_heads=kv_heads,
-                    reduce_input_grad=False)
-    return ChunkedGatherSequenceRegion.wrap(layer, ctx.tp_group, columns=("",),
-                                            overlap=_policy(ctx, overlap, chunks))
+    layer = _column(module, ctx, model, sub_blocks, kv_heads)
+    return _entry(ChunkedGatherSequenceRegion, layer, ctx, ("",), overlap, chunks)
 
 
 def rowwise_sequence_chunked(module, ctx, model, *, overlap="auto", chunks=2):

@@ -61,11 +61,12 @@ class TrainConfig:
     progress: bool = True
     layers: int | None = None  # overrides the preset's n_layers
     ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
+    ranks_per_island: int | None = None  # PCIe islands in a node; None: detected (GPU) or one
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16: with a dynamic loss scaler)
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
     ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
     tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
-    sequence_parallel: bool = ParallelOptions.sequence_parallel  # memory (SPEC F7)
+    sequence_parallel: bool | str = ParallelOptions.sequence_parallel  # True, or "regather"
     recompute: str = ParallelOptions.recompute
     activation_cache: str = ParallelOptions.activation_cache
     overlap: str = ParallelOptions.overlap  # collectives in chunks pipelined with their matmuls
@@ -111,8 +112,9 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, ep, tp = check_degrees(world_size, cfg.tp, cfg.dp, cfg.ep)
-    if cfg.ranks_per_node is not None:
-        NodeLayout(world_size, cfg.ranks_per_node)  # divides the number of processes
+    if cfg.ranks_per_node is not None or cfg.ranks_per_island is not None:
+        # divide the number of processes, and the ranks per node
+        NodeLayout(world_size, cfg.ranks_per_node or world_size, cfg.ranks_per_island)
     if cfg.model:  # a Hugging Face checkpoint: its plan on a meta copy
         model_cfg = finetune.check_model(cfg, tp, ep)
     else:
@@ -217,7 +219,7 @@ def join(cfg: TrainConfig, profile=None):
     """This rank's :class:`ParallelContext` for ``cfg`` (``with join(cfg) as ctx:`` tears its
     process groups down at the end); ``profile``: see :func:`train_worker`."""
     return init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, ranks_per_node=cfg.ranks_per_node,
-                         profile=profile)
+                         profile=profile, ranks_per_island=cfg.ranks_per_island)
 
 
 def setup_training(cfg: TrainConfig, ctx) -> TrainState:
@@ -373,6 +375,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
         "overlap": overlap_decisions(model), "overlap_reason": overlap_summary(model),
         "ranks_per_node": ctx.ranks_per_node,
+        "ranks_per_island": ctx.ranks_per_island,
         "comm_by_level": ledger.by_level(),  # what ran inside a node and across nodes
         "sample": sample, "config": asdict(cfg), **_model_metrics(cfg, ctx, model),
         "lr_last": lr_at(cfg.steps - 1, lr=cfg.lr, steps=cfg.steps, schedule=cfg.lr_schedule,

@@ -56,13 +56,16 @@ def _measure(config, combinations):
 COMBINATIONS = [{}, {"recompute": "selective"}, {"recompute": "full"},
                 {"sequence_parallel": True}, {"sequence_parallel": True, "recompute": "selective"},
                 {"sequence_parallel": True, "recompute": "full"}, {"activation_cache": "int8"}]
+REGATHER = [{"sequence_parallel": "regather"},
+            {"sequence_parallel": "regather", "recompute": "selective"}]
 
 
 def test_the_reference_layer_keeps_what_the_formula_says(run_ranks):
     cfg = preset("tiny")
     s, h, a = T, cfg.d_model, cfg.n_heads
     for tp in (1, 2):
-        combinations = [c for c in COMBINATIONS[:-1] if tp > 1 or not c.get("sequence_parallel")]
+        combinations = [c for c in COMBINATIONS[:-1] + REGATHER
+                        if tp > 1 or not c.get("sequence_parallel")]
         for options, measured in zip(combinations, run_ranks(_measure, tp, "tiny",
                                                              combinations)[0]):
             expected = fused_activation_bytes_per_layer(s, B, h, a, tp, bytes_per_element=4,
@@ -85,17 +88,18 @@ def test_memory_is_ordered(run_ranks, config):
 def korthikanti_fp32_with_our_differences(s, b, h, a, tp, sequence_parallel=False,
                                           recompute="none"):
     """Korthikanti et al.'s eager-attention bytes (16-bit, doubled for fp32) plus the differences
-    docs/memory.md lists for dropout > 0: PyTorch's CPU dropout keeps a float mask (4 bytes per
-    element where the doubled formula has 2: +2 bytes each for the attention-probability mask,
-    split over TP, and the two residual masks, replicated or on the share with SP), LayerNorm's
-    fp32 mean and 1/std (4sb each, per norm), and under SP the all-gathered inputs of the QKV and
-    first FFN matmuls kept whole (+2·4sbh·(1−1/t)).
+    docs/memory.md lists for dropout > 0: the dropout masks are kept as booleans (1 byte per
+    element, Korthikanti's count, where the doubled formula has 2: −1 byte each for the
+    attention-probability mask, split over TP, and the two residual masks, replicated or on the
+    share with SP), LayerNorm's fp32 mean and 1/std (4sb each, per norm), and under plain SP the
+    all-gathered inputs of the QKV and first FFN matmuls kept whole (+2·4sbh·(1−1/t));
+    re-gathering SP keeps their share, as the formula does.
     """
     split = tp if sequence_parallel else 1
-    extra = 2 * 2 * s * b * h / split + 2 * 2 * 4 * s * b / split
+    extra = -2 * s * b * h / split + 2 * 2 * 4 * s * b / split
     if recompute != "selective":
-        extra += 2 * a * s * s * b / tp
-    if sequence_parallel:
+        extra -= a * s * s * b / tp
+    if sequence_parallel is True:
         extra += 2 * 4 * s * b * h * (1 - 1 / tp)
     return activation_bytes_per_layer(s, b, h, a, tp, bytes_per_element=4,
                                       sequence_parallel=sequence_parallel,
@@ -122,7 +126,8 @@ def test_with_dropout_the_layer_keeps_korthikantis_bytes_and_the_documented_diff
     cfg = preset("tiny")
     s, h, a = T, cfg.d_model, cfg.n_heads
     for tp in (1, 2):
-        combinations = [c for c in COMBINATIONS[:-1] if tp > 1 or not c.get("sequence_parallel")]
+        combinations = [c for c in COMBINATIONS[:-1] + REGATHER
+                        if tp > 1 or not c.get("sequence_parallel")]
         for options, measured in zip(combinations,
                                      run_ranks(_measure_with_dropout, tp, combinations)[0]):
             if options.get("recompute") == "full":

@@ -5,6 +5,7 @@ cost formula counts; ``auto`` follows the cost model when the profile's latency 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -30,7 +31,11 @@ SLOW = HardwareProfile("1 s latency", matmul_flops=1e9, alpha_s=1.0, bandwidth=1
 
 
 def _config(name):
-    return preset("moe-tiny", vocab_size=250, max_seq_len=T) if name == "moe" else CONFIGS[name]
+    if name == "moe":
+        return preset("moe-tiny", vocab_size=250, max_seq_len=T)
+    if name.endswith("-dropout"):  # one-device masks: every mode draws the same ones
+        return dataclasses.replace(CONFIGS[name[:-len("-dropout")]], dropout=0.1)
+    return CONFIGS[name]
 
 
 def _step(ctx, config, overlap, chunks, **options):
@@ -94,11 +99,14 @@ def _assert_same_as_none(results, balanced=True):
             assert _calls(tp_comm) == _calls(expected), mode
 
 
-CASES = [  # config, processes, tp, options (the first four run in the default suite)
+CASES = [  # config, processes, tp, options (the first six run in the default suite)
     ("gpt2", 2, 2, {}),
     ("llama", 4, 4, {"sequence_parallel": True}),
     ("llama", 2, 2, {"sequence_parallel": True, "recompute": "full"}),
     ("gpt2", 4, 2, {}),  # dp 2 × tp 2
+    # the re-gathering entries stay whole; the exits run in chunks
+    ("llama", 2, 2, {"sequence_parallel": "regather"}),
+    ("gpt2-dropout", 2, 2, {"sequence_parallel": True}),
     ("gpt2", 2, 2, {"recompute": "full"}),
     ("llama", 4, 2, {"sequence_parallel": True, "recompute": "selective"}),  # dp 2 × tp 2
     ("gpt2", 4, 4, {"recompute": "selective"}),
@@ -107,7 +115,7 @@ CASES = [  # config, processes, tp, options (the first four run in the default s
 
 
 @pytest.mark.parametrize("config,nprocs,tp,options", [
-    c if i < 4 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(CASES)])
+    c if i < 6 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(CASES)])
 def test_every_mode_equals_none(run_ranks, config, nprocs, tp, options):
     for rank_results in run_ranks(_modes, nprocs, config, tp, 3, **options):
         _assert_same_as_none(rank_results)

@@ -20,9 +20,11 @@ def test_options_are_checked_once_and_name_the_bad_value():
     with pytest.raises(ValueError, match=r"recompute must be one of \('none', 'selective', "
                                          r"'full'\), got 'everything'"):
         ParallelOptions(recompute="everything")
-    with pytest.raises(ValueError, match=r"sequence_parallel must be one of \(False, True\), "
-                                         r"got 1"):
+    with pytest.raises(ValueError, match=r"sequence_parallel must be one of \(False, True, "
+                                         r"'regather'\), got 1"):
         ParallelOptions(sequence_parallel=1)
+    assert ParallelOptions(sequence_parallel="regather").regathers
+    assert not ParallelOptions(sequence_parallel="regather", recompute="full").regathers
     with pytest.raises(ValueError, match="bucket_bytes must be a positive integer, got 0"):
         ParallelOptions(bucket_bytes=0)
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['recomput'\]"):

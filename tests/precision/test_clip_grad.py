@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from helpers import assert_rel
+from helpers import FP32_RTOL, assert_rel
 from ops_transformer import GPT, CommLedger, clip_grad_norm_, init_parallel, parallelize
 from ops_transformer.models import preset
 from ops_transformer.parallel import ParallelContext, gather_full
@@ -73,7 +73,10 @@ def test_clip_equals_the_dense_clip_tied_embeddings(run_ranks, norm_type):
     for norm, grads, _ in run_ranks(_clipped, 4, "gpt2", 4, norm_type):
         assert abs(norm - dense_norm) <= 1e-6 * dense_norm
         for name, g in dense_grads.items():
-            assert_rel(grads[name], g, rtol=1e-6, what=name)
+            # fp32 rounding: a replicated LayerNorm weight's gradient is the sum of four ranks'
+            # partial gradients, added in another order than the dense backward's (measured:
+            # 1.14e-6 on layers.1.norm1.weight); the guide's fp32 tolerance, not 1e-6.
+            assert_rel(grads[name], g, rtol=FP32_RTOL, what=name)
 
 
 def test_one_process_matches_torch_and_checks_its_arguments():

@@ -49,6 +49,7 @@ def table(rows: list[dict]) -> str:
             "saved": f"{r['activation_saving']:.1%}",
             "optimizer KiB": _kib(r["optimizer_state_bytes"]),
             "opt. saved": f"{r['optimizer_saving']:.1%}",
+            "TP comm KiB/step": _kib(r.get("tp_comm_bytes_per_step", 0)),
             "step × plain": round(r["step_ratio"], 3),
         })
     return format_table(out)

@@ -72,12 +72,17 @@ def add_training_arguments(p) -> None:
     p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: torchrun's "
                    "LOCAL_WORLD_SIZE, else all on one node); e.g. 2 with --nproc 4 simulates 2 "
                    "nodes x 2 ranks")
+    p.add_argument("--ranks-per-island", type=int, help="consecutive ranks of a node behind one "
+                   "PCIe switch or socket (default: detected on a GPU node, else one island); "
+                   "e.g. 2 with --nproc 4 declares 2 PCIe islands x 2 ranks")
     p.add_argument("--plan", help="a plan from 'ops-transformer plan --out FILE' (its best "
                    "layout) or a candidate from it: sets --tp, --dp, --attention and the plan's "
                    "sequence parallelism, recompute and ZeRO stage")
-    p.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="keep each rank's slice of "
-                   "the sequence between tensor-parallel regions (needs --tp 2+, heads attention)")
+    p.add_argument("--sequence-parallel", nargs="?", const=True, default=None,
+                   metavar="regather", help="keep each rank's slice of the sequence between "
+                   "tensor-parallel regions (needs --tp 2+, heads attention); 'regather' keeps "
+                   "only that slice of each region's input too and all-gathers it again in "
+                   "backward (less memory, one more all-gather per region)")
     p.add_argument("--recompute", choices=RECOMPUTE, help="recompute activations in backward: "
                    f"the attention core or every layer (default {D.recompute})")
     p.add_argument("--activation-cache", default=D.activation_cache, choices=ACTIVATION_CACHES,
@@ -148,6 +153,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        precision=args.precision, clip_grad=args.clip_grad,
                        tensorboard=getattr(args, "tensorboard", None),
                        ranks_per_node=getattr(args, "ranks_per_node", None),
+                       ranks_per_island=getattr(args, "ranks_per_island", None),
                        activation_cache=getattr(args, "activation_cache", D.activation_cache),
                        overlap=getattr(args, "overlap", D.overlap),
                        chunks=getattr(args, "chunks", D.chunks),

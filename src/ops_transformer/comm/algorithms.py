@@ -1,20 +1,24 @@
-"""Multi-step collectives: hierarchical across nodes, point-to-point in a group of two.
+"""Multi-step collectives: in two stages (hierarchical across nodes, staged over the PCIe islands
+of a node), point-to-point in a group of two.
 
 :mod:`.collectives` runs these when the engine (:mod:`.engine`) chooses them; each computes what the
 flat collective computes (up to the order of a sum) and is recorded once in the ledger, with its
-steps. A group of ``p = k·m`` ranks, ``k`` per node on ``m`` nodes, numbered node by node; rank
-``(node j, local i)`` is the group's rank ``j·k + i``. ``intra``: the ``k`` ranks of this node,
-``inter``: the ``m`` ranks at this local index.
+steps. The two-stage forms work on a group of ``p = k·m`` ranks, ``k`` in each of ``m`` parts —
+nodes (``hierarchical``) or PCIe islands of one node (``staged``) — numbered part by part; rank
+``(part j, local i)`` is the group's rank ``j·k + i``. ``inner``: the ``k`` ranks of this part,
+``outer``: the ``m`` ranks at this local index (:class:`~.engine.Stages`). Only the sub-groups and
+the ledger's levels differ: ``"intra"`` then ``"inter"`` across nodes, ``"intra"`` then
+``"inter_island"`` over islands.
 
 ======================= =============================================================================
 algorithm               steps
 ======================= =============================================================================
-hierarchical all-reduce reduce-scatter intra (shard ``i`` of the node's sum on local rank ``i``) →
-                        all-reduce of that shard inter → all-gather intra
-hierarchical all-gather all-gather inter (the shards at this local index, node order) → all-gather
-                        intra (→ local-major blocks) → reorder to the group's node-major order
-hierarchical            reorder the input to local-major blocks → reduce-scatter intra (blocks of
-reduce-scatter          local index ``i``, summed over the node) → reduce-scatter inter (this node's)
+two-stage all-reduce    reduce-scatter inner (shard ``i`` of the part's sum on local rank ``i``) →
+                        all-reduce of that shard outer → all-gather inner
+two-stage all-gather    all-gather outer (the shards at this local index, part order) → all-gather
+                        inner (→ local-major blocks) → reorder to the group's part-major order
+two-stage               reorder the input to local-major blocks → reduce-scatter inner (blocks of
+reduce-scatter          local index ``i``, summed over the part) → reduce-scatter outer (this part's)
 p2p all-reduce          swap the whole tensor with the peer; ``mine ⊕ theirs`` (⊕ commutative:
                         both ranks get the same bits, and the flat collective's)
 p2p all-gather          swap the shards; place both in group order
@@ -75,26 +79,33 @@ def _write_back(target: torch.Tensor, flat: torch.Tensor) -> None:
         target.copy_(flat.view(target.shape))
 
 
-def _step(kind, elements, tensor, ranks, level) -> CommStep:
-    return CommStep(kind, elements, elements * tensor.element_size(), ranks, level)
+def _step(kind, elements, tensor, ranks, level, flows: int = 1) -> CommStep:
+    return CommStep(kind, elements, elements * tensor.element_size(), ranks, level, flows)
 
 
-def _hierarchical_all_reduce(g, tensor, _input, op):
-    k = g.per_node
+def _inner(st, kind, elements, tensor) -> CommStep:
+    return _step(kind, elements, tensor, st.inner_ranks, st.inner_level)
+
+
+def _outer(st, kind, elements, tensor) -> CommStep:
+    return _step(kind, elements, tensor, st.outer_ranks, st.outer_level, st.flows)
+
+
+def _two_stage_all_reduce(st, tensor, _input, op):
+    k, inner, outer = st.per_part, st.inner_level, st.outer_level
     flat = _contiguous_flat(tensor)
     n = flat.numel()
     chunk = -(-n // k)
     buf = flat if chunk * k == n else torch.cat([flat, flat.new_zeros(chunk * k - n)])
     shard = buf.new_empty(chunk)
-    steps = (_step("reduce_scatter", chunk * k, buf, g.intra_ranks, "intra"),
-             _step("all_reduce", chunk, buf, g.inter_ranks, "inter"),
-             _step("all_gather", chunk * k, buf, g.intra_ranks, "intra"))
-    work = C.run_reduce_scatter(shard, buf, g.intra, op, "all_reduce.intra.reduce_scatter",
+    steps = (_inner(st, "reduce_scatter", chunk * k, buf), _outer(st, "all_reduce", chunk, buf),
+             _inner(st, "all_gather", chunk * k, buf))
+    work = C.run_reduce_scatter(shard, buf, st.inner, op, f"all_reduce.{inner}.reduce_scatter",
                                 async_op=True)
 
     def finish():
-        C.run_all_reduce(shard, g.inter, op, "all_reduce.inter.all_reduce")
-        C.run_all_gather(buf, shard, g.intra, "all_reduce.intra.all_gather")
+        C.run_all_reduce(shard, st.outer, op, f"all_reduce.{outer}.all_reduce")
+        C.run_all_gather(buf, shard, st.inner, f"all_reduce.{inner}.all_gather")
         if buf is not flat:
             flat.copy_(buf[:n])
         _write_back(tensor, flat)
@@ -102,36 +113,37 @@ def _hierarchical_all_reduce(g, tensor, _input, op):
     return steps, [work], finish
 
 
-def _hierarchical_all_gather(g, output, input, _op):
-    m, k = g.nodes, g.per_node
+def _two_stage_all_gather(st, output, input, _op):
+    m, k = st.parts, st.per_part
     shard = _contiguous_flat(input)
     s = shard.numel()
-    across = shard.new_empty(m * s)  # this local index on every node, node order
-    steps = (_step("all_gather", m * s, shard, g.inter_ranks, "inter"),
-             _step("all_gather", k * m * s, shard, g.intra_ranks, "intra"))
-    work = C.run_all_gather(across, shard, g.inter, "all_gather.inter.all_gather", async_op=True)
+    across = shard.new_empty(m * s)  # this local index in every part, part order
+    steps = (_outer(st, "all_gather", m * s, shard), _inner(st, "all_gather", k * m * s, shard))
+    work = C.run_all_gather(across, shard, st.outer, f"all_gather.{st.outer_level}.all_gather",
+                            async_op=True)
 
     def finish():
         local_major = shard.new_empty(k * m * s)
-        C.run_all_gather(local_major, across, g.intra, "all_gather.intra.all_gather")
+        C.run_all_gather(local_major, across, st.inner, f"all_gather.{st.inner_level}.all_gather")
         output.copy_(local_major.view(k, m, s).transpose(0, 1).reshape(output.shape))
 
     return steps, [work], finish
 
 
-def _hierarchical_reduce_scatter(g, output, input, op):
-    m, k = g.nodes, g.per_node
+def _two_stage_reduce_scatter(st, output, input, op):
+    m, k = st.parts, st.per_part
     s = output.numel()
     local_major = input.reshape(m, k, s).transpose(0, 1).reshape(-1)  # a reordered copy
     mine = local_major.new_empty(m * s)
     out = _contiguous_flat(output)
-    steps = (_step("reduce_scatter", k * m * s, input, g.intra_ranks, "intra"),
-             _step("reduce_scatter", m * s, input, g.inter_ranks, "inter"))
-    work = C.run_reduce_scatter(mine, local_major, g.intra, op,
-                                "reduce_scatter.intra.reduce_scatter", async_op=True)
+    steps = (_inner(st, "reduce_scatter", k * m * s, input),
+             _outer(st, "reduce_scatter", m * s, input))
+    work = C.run_reduce_scatter(mine, local_major, st.inner, op,
+                                f"reduce_scatter.{st.inner_level}.reduce_scatter", async_op=True)
 
     def finish():
-        C.run_reduce_scatter(out, mine, g.inter, op, "reduce_scatter.inter.reduce_scatter")
+        C.run_reduce_scatter(out, mine, st.outer, op,
+                             f"reduce_scatter.{st.outer_level}.reduce_scatter")
         _write_back(output, out)
 
     return steps, [work], finish
@@ -182,14 +194,10 @@ def _p2p_reduce_scatter(g, output, input, op):
     return steps, list(works), finish
 
 
-_ALGORITHMS = {
-    ("hierarchical", "all_reduce"): _hierarchical_all_reduce,
-    ("hierarchical", "all_gather"): _hierarchical_all_gather,
-    ("hierarchical", "reduce_scatter"): _hierarchical_reduce_scatter,
-    ("p2p", "all_reduce"): _p2p_all_reduce,
-    ("p2p", "all_gather"): _p2p_all_gather,
-    ("p2p", "reduce_scatter"): _p2p_reduce_scatter,
-}
+_TWO_STAGE = {"all_reduce": _two_stage_all_reduce, "all_gather": _two_stage_all_gather,
+              "reduce_scatter": _two_stage_reduce_scatter}
+_P2P = {"all_reduce": _p2p_all_reduce, "all_gather": _p2p_all_gather,
+        "reduce_scatter": _p2p_reduce_scatter}
 
 
 def run(algorithm: str, kind: str, g, output: torch.Tensor, input: torch.Tensor | None, op,
@@ -198,7 +206,10 @@ def run(algorithm: str, kind: str, g, output: torch.Tensor, input: torch.Tensor 
     tensor itself for an all-reduce); record it once with its steps. A :class:`Pending` handle when
     ``async_op``, else ``None`` after every step has finished."""
     logical = output if kind != "reduce_scatter" else input
-    steps, works, finish = _ALGORITHMS[algorithm, kind](g, output, input, op)
+    if algorithm == "p2p":
+        steps, works, finish = _P2P[kind](g, output, input, op)
+    else:  # "hierarchical" (nodes) or "staged" (PCIe islands)
+        steps, works, finish = _TWO_STAGE[kind](g.stages(algorithm), output, input, op)
     with C._recorded(kind, logical, logical.numel(), g.group, label, algorithm=algorithm,
                      level=g.level, steps=steps):
         pending = Pending(works, finish)

@@ -23,10 +23,12 @@ the all-reduce it replaces (``b·s·h`` each), as Korthikanti et al. (2022) coun
 ring algorithm actually moves per rank are given by :func:`~ops_transformer.planner.cost.wire_elements`.
 
 What ran: a collective that the communication engine (:mod:`.engine`) runs in several steps —
-hierarchically across nodes, or as a point-to-point exchange in a group of two — is still **one**
-record of its logical kind, group and elements (so :meth:`CommLedger.summary` and the cost formulas
-keep counting logical collectives), with ``algorithm`` naming how it ran and ``steps`` listing each
-step: its kind, elements, sub-group and level (``"intra"`` inside a node, ``"inter"`` across nodes).
+hierarchically across nodes, staged over the PCIe islands of a node, or as a point-to-point
+exchange in a group of two — is still **one** record of its logical kind, group and elements (so
+:meth:`CommLedger.summary` and the cost formulas keep counting logical collectives), with
+``algorithm`` naming how it ran and ``steps`` listing each step: its kind, elements, sub-group and
+level (``"intra"`` inside a node — inside one island when islands are declared —,
+``"inter_island"`` between the islands of one node, ``"inter"`` across nodes).
 :meth:`CommLedger.executed`, :meth:`CommLedger.by_level` and :meth:`CommLedger.by_algorithm` read
 them; a flat record is its own single step.
 
@@ -55,20 +57,25 @@ _lock = threading.Lock()
 class CommStep:
     """One collective that actually ran, as part of a :class:`CommRecord`: its kind, the elements
     (same convention as the record), the sub-group's global ranks and its level (``"intra"``: all
-    on one node, ``"inter"``: across nodes, ``""``: unknown, the group was not made by a
-    ``ParallelContext``)."""
+    on one node — in one PCIe island when islands are declared —, ``"inter_island"``: several
+    islands of one node, ``"inter"``: across nodes, ``""``: unknown, the group was not made by a
+    ``ParallelContext``); ``flows``: how many sub-groups run this step at once over the link
+    between islands (the cross-island stage of a staged collective: one per rank of an island),
+    which share its bandwidth."""
 
     kind: str
     elements: int
     bytes: int
     group_ranks: tuple[int, ...]
     level: str = ""
+    flows: int = 1
 
 
 @dataclass(frozen=True)
 class CommRecord:
     """One collective call as seen by this rank: its logical kind, group and size, the algorithm
-    the communication engine ran it with (``"flat"``, ``"hierarchical"`` or ``"p2p"``), the level
+    the communication engine ran it with (``"flat"``, ``"hierarchical"``, ``"staged"`` or
+    ``"p2p"``), the level
     of its group, and, for a multi-step algorithm, the steps that ran."""
 
     kind: str
@@ -140,7 +147,8 @@ class CommLedger:
 
     def by_level(self) -> dict[str, dict[str, dict[str, int]]]:
         """``{level: {kind: {"calls", "elements", "bytes"}}}`` of what ran (steps expanded), with
-        ``"intra"`` for collectives inside a node and ``"inter"`` for those across nodes."""
+        ``"intra"`` for collectives inside a node (one island), ``"inter_island"`` for those
+        between the PCIe islands of a node and ``"inter"`` for those across nodes."""
         out: dict[str, dict[str, dict[str, int]]] = {}
         for step in self.executed():
             entry = out.setdefault(step.level, {}).setdefault(

@@ -243,3 +243,47 @@ def cpu_topology() -> Topology:
 def detect_topology() -> Topology:
     """This node's topology: NVML, else ``nvidia-smi topo -m``, else the CPU case."""
     return _from_nvml() or _from_nvidia_smi() or cpu_topology()
+
+
+ISLAND_LINKS = ("nvlink", "pcie-switch")  # links that reach a peer without a host bridge
+
+
+def pcie_islands(topology: Topology) -> list[list[int]]:
+    """This node's devices grouped into PCIe islands: devices that reach each other through NVLink
+    or PCIe switches only (``NV#``, ``PIX``, ``PXB``), not through a host bridge or the CPU
+    interconnect (``PHB``, ``NODE``, ``SYS``). Islands in order of their first device; a CPU node
+    (loopback) is one island."""
+    n = len(topology.link_matrix)
+    if topology.kind != "gpu":
+        return [list(range(n))]
+    parent = list(range(n))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i in range(n):
+        for j in range(i + 1, n):
+            if topology.link_matrix[i][j].startswith(ISLAND_LINKS):
+                parent[root(j)] = root(i)
+    islands: dict[int, list[int]] = {}
+    for i in range(n):
+        islands.setdefault(root(i), []).append(i)
+    return sorted(islands.values())
+
+
+def ranks_per_island(topology: Topology) -> int | None:
+    """``k`` when this node's devices form two or more PCIe islands of ``k ≥ 2`` consecutive
+    devices each (local rank ``i`` on device ``i``, as ``torchrun`` places them), else ``None``:
+    one island, islands of one device (every pair crosses a host bridge: nothing to stage
+    inside), or islands of different sizes or interleaved devices (not modelled)."""
+    islands = pcie_islands(topology)
+    sizes = {len(island) for island in islands}
+    if len(islands) < 2 or len(sizes) != 1 or sizes == {1}:
+        return None
+    k = sizes.pop()
+    if any(island != list(range(i * k, (i + 1) * k)) for i, island in enumerate(islands)):
+        return None
+    return k

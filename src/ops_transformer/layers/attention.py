@@ -31,6 +31,7 @@ from ..comm.bucketing import mark_partial_grad
 from ..comm.primitives import (all_gather_along, copy_to_tp_region, gather_from_tp_region,
                                reduce_scatter_along)
 from ..models.gpt import apply_rope
+from .dropout import Layout, dropout
 from .linear import ColumnParallelLinear, to_compute_dtype
 
 
@@ -61,6 +62,8 @@ class FeatureSplitAttention(nn.Module):
         check_kv_split(d, tp, rope)
         self.head_dim, self.dropout, self.rope = d, attn.dropout, rope
         self.group, self.tp_size, self.tp_rank = ctx.tp_group, tp, ctx.tp_rank
+        # this rank's query rows of the one-device probabilities: their dropout mask
+        self.dropout_layout = Layout("rows", ctx.tp_rank, tp, ctx.dp_ep_rank, ctx.dp_ep_size)
         heads, kv_heads = attn.wq.out_features // d, attn.wk.out_features // d
         self.wq = ColumnParallelLinear.from_dense(
             attn.wq, ctx, sub_blocks=_feature_blocks(heads, d, rope), reduce_input_grad=False)
@@ -103,8 +106,7 @@ class FeatureSplitAttention(nn.Module):
         causal = torch.arange(T, device=x.device).unsqueeze(0) > query_pos  # (T/p, T)
         scores = (scores / math.sqrt(self.head_dim)).masked_fill(causal, float("-inf"))
         probs = F.softmax(scores, dim=-1)
-        if self.training and self.dropout > 0:
-            probs = F.dropout(probs, self.dropout)
+        probs = dropout(probs, self.dropout, self.dropout_layout, self.training)
         v_full = all_gather_along(v, self.group, -1)  # (B, nkv, T, d)
         if group_size > 1:
             v_full = v_full.repeat_interleave(group_size, 1)

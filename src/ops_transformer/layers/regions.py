@@ -22,6 +22,10 @@ region                      where                         forward               
 :class:`RopeGradRegion`     last ``rope_dim`` out features identity                 all-reduce
 :class:`ScatterSequence`    first input                   keep own share of tokens  all-gather
 :class:`GatherSequenceRegion` first input                 all-gather of tokens      reduce-scatter
+:class:`RegatherSequenceRegion` first input               all-gather, keeps only    reduce-scatter
+                                                          this rank's share         (the layers
+                                                                                    inside gather
+                                                                                    the share again)
 :class:`GatherSequenceOutput` output                      all-gather of tokens      keep own share
 =========================== ============================= ========================= =============
 
@@ -40,6 +44,7 @@ from ..comm import collectives as C
 from ..comm.primitives import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region
 from .linear import to_compute_dtype
 from .sequence_parallel import gather_sequence, gather_sequence_region, scatter_sequence
+from .sequence_regather import gather_sequence_regather
 
 _CLASSES: dict[tuple[type, type], type] = {}
 
@@ -203,6 +208,20 @@ class GatherSequenceRegion(Region):
         mine = (f"input: gather_sequence_region {self._over()} (fwd all-gather "
                 f"of the tokens, bwd reduce-scatter)")
         return _joined(mine, super().extra_repr())
+
+
+class RegatherSequenceRegion(GatherSequenceRegion):
+    """:class:`GatherSequenceRegion` that keeps only this rank's share of the tokens for backward:
+    the region's :class:`~.sequence_regather.RegatherColumnLinear` layers all-gather it again
+    there (one more all-gather per region, :mod:`.sequence_regather`)."""
+
+    def _gather(self, x):
+        return gather_sequence_regather(x, self.region_group)
+
+    def extra_repr(self) -> str:
+        mine = (f"input: gather_sequence_regather {self._over()} (fwd all-gather of the tokens, "
+                f"keeps this rank's share; bwd reduce-scatter, the share all-gathered again)")
+        return _joined(mine, super(GatherSequenceRegion, self).extra_repr())
 
 
 class GatherSequenceOutput(Region):

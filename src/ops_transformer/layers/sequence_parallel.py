@@ -56,6 +56,23 @@ from .linear import RowParallelLinear
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 
 
+SEQUENCE_PARALLEL_VALUES = (False, True, "regather")
+
+
+def sequence_parallel_mode(value) -> str:
+    """``"none"``, ``"plain"`` or ``"regather"`` for ``parallelize``'s ``sequence_parallel``:
+    ``False``, ``True`` (the all-gathered region inputs kept for backward) or ``"regather"``
+    (only this rank's share kept, all-gathered again in backward); anything else is a
+    ``ValueError`` naming the value."""
+    if value is False or value is True:
+        return "plain" if value else "none"
+    if isinstance(value, str) and value == "regather":
+        return "regather"
+    raise ValueError(f"sequence_parallel must be one of {SEQUENCE_PARALLEL_VALUES} (True keeps the "
+                     f"gathered inputs of each region for backward, 'regather' keeps this rank's "
+                     f"share and all-gathers it again in backward), got {value!r}")
+
+
 def _active(group) -> bool:
     return C.group_size(group) > 1 and torch.is_grad_enabled()
 

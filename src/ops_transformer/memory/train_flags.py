@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..comm.bucketing import partial_grad_group
+from ..layers.sequence_parallel import sequence_parallel_mode
 from .apply import ACTIVATION_CACHES
 from .recompute import RECOMPUTE
 from .zero import zero_optimizer
@@ -33,6 +34,12 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
     if cfg.zero and getattr(cfg, "ep", 1) > 1:
         raise ValueError(f"--zero with --ep {cfg.ep} is not supported: expert parameters average "
                          f"over another group than the dense ones; drop --zero or --ep")
+    try:
+        sequence_parallel_mode(cfg.sequence_parallel)
+    except ValueError:
+        raise ValueError(f"--sequence-parallel takes no value (the gathered region inputs kept "
+                         f"for backward) or 'regather' (only this rank's slice kept, all-gathered "
+                         f"again in backward), got {cfg.sequence_parallel!r}") from None
     if cfg.sequence_parallel and getattr(cfg.model_config(), "n_experts", 0) > 0:
         raise ValueError(f"--sequence-parallel is not supported for the MoE preset "
                          f"{cfg.preset!r}: its expert layers have no sequence-parallel form")
@@ -95,7 +102,8 @@ def partial_numel(model: nn.Module, group) -> int:
 
 def memory_summary(config: dict) -> str:
     """``"sequence parallel, recompute=full, int8 cache, ZeRO-2"`` for a run's config, or ``""``."""
-    parts = ["sequence parallel"] if config.get("sequence_parallel") else []
+    sp = config.get("sequence_parallel")
+    parts = [f"sequence parallel{' (regather)' if sp == 'regather' else ''}"] if sp else []
     if config.get("recompute", "none") != "none":
         parts.append(f"recompute={config['recompute']}")
     if config.get("activation_cache", "none") != "none":

@@ -54,6 +54,7 @@ class ParallelContext:
     backend: str | None = None
     owned_group: dist.ProcessGroup | None = field(default=None, repr=False)  # made by init_parallel
     ranks_per_node: int | None = None  # None: every rank on one node
+    ranks_per_island: int | None = None  # PCIe islands inside a node; None: one per node
     profile: object | None = field(default=None, repr=False)  # the agreed HardwareProfile
     _kv_replica_groups: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -65,7 +66,8 @@ class ParallelContext:
 
     @classmethod
     def from_mesh(cls, mesh, device: torch.device, backend: str | None = None, *,
-                  ranks_per_node: int | None = None, profile=None) -> ParallelContext:
+                  ranks_per_node: int | None = None, profile=None,
+                  ranks_per_island: int | None = None) -> ParallelContext:
         """Build the context from a ``DeviceMesh`` whose dimension names include ``tp`` and
         optionally ``dp`` and ``ep``. (Built this way, its collectives all run flat: the engine's
         algorithms are set up by :func:`init_parallel`.)"""
@@ -89,7 +91,8 @@ class ParallelContext:
                    tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank,
                    ep_size=ep_size, ep_rank=ep_rank, tp_group=tp_group, dp_group=dp_group,
                    ep_group=ep_group, mesh=mesh, device=device, backend=backend,
-                   dp_ep_group=dp_ep_group, ranks_per_node=ranks_per_node, profile=profile)
+                   dp_ep_group=dp_ep_group, ranks_per_node=ranks_per_node, profile=profile,
+                   ranks_per_island=ranks_per_island)
 
     @property
     def dp_ep_size(self) -> int:
@@ -182,7 +185,7 @@ def _env_int(name: str) -> int | None:
 
 def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str | None = None,
                   timeout: timedelta | float = DEFAULT_TIMEOUT, ranks_per_node: int | None = None,
-                  profile=None) -> ParallelContext:
+                  profile=None, ranks_per_island: int | None = None) -> ParallelContext:
     """Set up the ``dp × ep × tp`` rank grid and return this rank's :class:`ParallelContext`.
 
     Reuses an initialised default process group, or initialises one from the ``torchrun``
@@ -197,7 +200,12 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
     the hardware profile (a :class:`~ops_transformer.planner.HardwareProfile`, or the path of one
     written by ``ops-transformer calibrate``; ``None``: the built-in one) from which the
     communication engine chooses each group's collective algorithms and ``parallelize`` its
-    strategies. Rank 0's ``ranks_per_node`` and ``profile`` are broadcast: all ranks decide alike.
+    strategies. ``ranks_per_island``: the consecutive ranks of a node that share a PCIe island
+    (GPUs behind one PCIe switch or socket), e.g. ``2`` for 4 ranks as 2 islands × 2 — groups that
+    span islands may then run their collectives in stages (inside each island, then between them),
+    when the profile says that is faster; ``None`` detects it from the topology on a GPU node
+    (NVML / ``nvidia-smi topo -m``), one island per node otherwise. Rank 0's ``ranks_per_node``,
+    ``ranks_per_island`` and ``profile`` are broadcast: all ranks decide alike.
     """
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
@@ -233,7 +241,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
         ranks_per_node = _env_int("LOCAL_WORLD_SIZE")
     try:
         layout, agreed = agree_setup(rank, world_size, ranks_per_node, profile, backend,
-                                     declared=declared)
+                                     declared=declared, ranks_per_island=ranks_per_island)
     except ValueError:
         if created:  # raised on every rank alike: leave no half-made job behind
             destroy_process_groups()
@@ -245,7 +253,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
     mesh = init_device_mesh(device.type, (dp, ep, tp), mesh_dim_names=MESH_AXES)
     # from_mesh may create more (flattened) groups, build_engine the engine's sub-groups
     ctx = ParallelContext.from_mesh(mesh, device, backend, ranks_per_node=layout.ranks_per_node,
-                                    profile=agreed)
+                                    profile=agreed, ranks_per_island=layout.ranks_per_island)
     build_engine(mesh, layout, agreed, rank, timeout,
                  dp_ep_group=ctx.dp_ep_group if dp > 1 and ep > 1 else None)
     # No rank returns before every rank has connected its groups through the rendezvous store,

@@ -15,6 +15,7 @@ from ..parallel.grad_reduce import GradSums, GradSync
 from ..parallel.state import GradReducers, ParallelState, no_sync
 from ..planner.search import chosen_layout, is_planner_output
 from ..precision.policy import resolve_grad_reduce_dtype
+from .dropout import apply_dropout
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
 from .moe_plan import check_expert_parallel
@@ -86,7 +87,9 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     ``model.parallel_plan`` is its plan. ``materialize(model)``, if given, runs once the plan is
     applied and before anything holds on to the parameters (the gradient reducers, the memory
     options): a model built on the ``meta`` device gets its tensors there —
-    :func:`~ops_transformer.from_pretrained` reads each rank's shards at this point.
+    :func:`~ops_transformer.from_pretrained` reads each rank's shards at this point. Dropout in
+    the reference GPT draws, on every rank, the mask of the model ``parallelize`` makes at
+    ``tp = 1`` for its part (:mod:`.dropout`).
     """
     if getattr(getattr(model, "parallel_state", None), "plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_state is set)")
@@ -96,7 +99,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     if ctx.ep_size > 1:
         check_expert_parallel(model, resolved, ctx)
     if options.sequence_parallel and ctx.tp_size > 1:
-        resolved = sequence_parallel_plan(resolved, model)
+        resolved = sequence_parallel_plan(resolved, model, regather=options.regathers)
     if options.overlap != "none" and max(ctx.tp_size, ctx.ep_size) > 1:
         resolved = overlap_plan(resolved, options.overlap, options.chunks)
     if ctx.tp_size > 1:
@@ -111,6 +114,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
         materialize(model)
     model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options))
     model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
+    apply_dropout(model, ctx, attention=resolved.attention,  # before recompute wraps the core
+                  sequence_parallel=bool(options.sequence_parallel) and ctx.tp_size > 1)
     apply_memory_options(model, recompute=options.recompute,
                          activation_cache=options.activation_cache)
     log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,

@@ -15,12 +15,14 @@ reducer, a memory option), and document it in the class docstring; ``parallelize
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
 
 from ..comm.bucketing import DEFAULT_BUCKET_BYTES
+from ..layers.sequence_parallel import SEQUENCE_PARALLEL_VALUES
 from ..memory.apply import ACTIVATION_CACHES
 from ..memory.recompute import RECOMPUTE
 from ..planner.overlap import OVERLAP_MODES
@@ -29,6 +31,7 @@ from ..precision.policy import check_grad_reduce_dtype
 from .gpt_plan import ATTENTION_CHOICES
 
 VOCAB_CHOICES = ("auto",) + VOCAB_MODES
+log = logging.getLogger("ops_transformer")
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,10 @@ class ParallelOptions:
     * ``loss_parallel`` — Hugging Face models with a split vocabulary keep their logits sharded and
       compute the loss (``labels=``) as the vocab-parallel cross-entropy.
     * ``sequence_parallel`` — keep ``1/tp`` of the activations between TP regions (SPEC F7; the
-      reference GPT with ``heads`` attention, Hugging Face GPT-2/Llama/Mistral/Qwen2).
+      reference GPT with ``heads`` attention, Hugging Face GPT-2/Llama/Mistral/Qwen2): ``True``
+      keeps each region's gathered input for backward, ``"regather"`` only this rank's share of
+      it, all-gathered again in backward (:attr:`regathers`;
+      :mod:`ops_transformer.layers.sequence_regather`).
     * ``recompute`` — ``none``, ``selective`` (the attention core) or ``full`` (every layer)
       recomputed in backward.
     * ``activation_cache`` — ``none`` or ``int8`` (each layer's saved activations as int8).
@@ -64,7 +70,7 @@ class ParallelOptions:
     attention: str = "auto"
     vocab: str = "auto"
     loss_parallel: bool = False
-    sequence_parallel: bool = False
+    sequence_parallel: bool | str = False
     recompute: str = "none"
     activation_cache: str = "none"
     grad_reduce_dtype: torch.dtype | None = None
@@ -79,6 +85,10 @@ class ParallelOptions:
             if not any(value is c or (type(value) is type(c) and value == c) for c in choices):
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         check_grad_reduce_dtype(self.grad_reduce_dtype)
+        if self.sequence_parallel == "regather" and self.recompute == "full":
+            log.warning("parallelize: sequence_parallel='regather' with recompute='full' runs as "
+                        "sequence_parallel=True: full recompute keeps only each layer's input, so "
+                        "a re-gather would add an all-gather per region for nothing")
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) \
                 or self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
@@ -87,6 +97,13 @@ class ParallelOptions:
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
             raise ValueError(f"tp_plan must be a {{pattern: style}} dict, got "
                              f"{type(self.tp_plan).__name__}")
+
+    @property
+    def regathers(self) -> bool:
+        """Whether the sequence-parallel regions re-gather their input in backward: with
+        ``sequence_parallel="regather"``, except under ``recompute="full"`` (a layer then keeps only
+        its input: there is nothing to keep less of), which runs as ``True`` (and warns)."""
+        return self.sequence_parallel == "regather" and self.recompute != "full"
 
     @property
     def plan_attention(self) -> str:
@@ -114,6 +131,6 @@ class ParallelOptions:
 # The fields with a fixed set of values (a new value of one, e.g. sequence_parallel="regather", is
 # one more entry here, and a field of that kind one more line).
 CHOICES = {"attention": ATTENTION_CHOICES, "vocab": VOCAB_CHOICES,
-           "loss_parallel": (False, True), "sequence_parallel": (False, True),
+           "loss_parallel": (False, True), "sequence_parallel": SEQUENCE_PARALLEL_VALUES,
            "recompute": RECOMPUTE, "activation_cache": ACTIVATION_CACHES,
            "overlap": OVERLAP_MODES}

@@ -21,6 +21,13 @@ input gradient (GPT-2's c_attn)  the sequence, no input-gradient all-reduce
 
 The embedding and LM head keep their TP rules. The styles are in :mod:`.styles`; their regions
 (:mod:`ops_transformer.layers.regions`) name their collectives in ``print(model)``.
+
+``sequence_parallel="regather"`` is the re-gathering variant
+(:mod:`ops_transformer.layers.sequence_regather`, Megatron-LM's layout): the same plan with
+``sequence_region_regather`` for ``sequence_region`` (the entry keeps only this rank's share),
+``colwise_regather`` for the column layers it feeds (their inputs are not kept: backward
+all-gathers the share again, once per region) and ``colwise_sequence_regather`` for
+``colwise_sequence``.
 """
 
 from __future__ import annotations
@@ -45,36 +52,43 @@ def sequence_parallel_layout(model: nn.Module) -> tuple[str, str]:
     return layout
 
 
-def _transform(pattern: str, rule: dict) -> dict:
+REGATHER_STYLES = ("sequence_region_regather", "colwise_regather", "colwise_sequence_regather")
+
+
+def _transform(pattern: str, rule: dict, regather: bool = False) -> dict:
     # no padded sequence-parallel layers: a width that does not divide by tp is refused by them
     rule = {k: v for k, v in rule.items() if k != "pad"}
-    style = rule["style"]
+    style, suffix = rule["style"], "_regather" if regather else ""
     if style == "region":
-        return {**rule, "style": "sequence_region"}
+        return {**rule, "style": "sequence_region" + suffix}
     if style == "rowwise":
         return {**rule, "style": "rowwise_sequence"}
     if style == "colwise" and rule.get("gather_output"):
         raise ValueError(f"sequence parallelism cannot combine with the gathered output of plan "
                          f"rule {pattern!r}")
+    options = {k: v for k, v in rule.items() if k != "reduce_input_grad"}
     if style == "colwise" and rule.get("reduce_input_grad", True):
-        options = {k: v for k, v in rule.items() if k != "reduce_input_grad"}
-        return {**options, "style": "colwise_sequence"}
+        return {**options, "style": "colwise_sequence" + suffix}
+    if style == "colwise" and regather:  # fed by a region entry
+        return {**options, "style": "colwise_regather"}
     if style in ("colwise", "attrs"):
         return rule
     raise ValueError(f"sequence parallelism has no variant of style {style!r} (plan rule "
                      f"{pattern!r})")
 
 
-def sequence_parallel_plan(plan, model: nn.Module):
+def sequence_parallel_plan(plan, model: nn.Module, regather: bool = False):
     """The sequence-parallel variant of a tensor-parallel ``plan`` for ``model`` (see the module
-    docstring). The attention must be head-parallel with a row-parallel output (``heads``)."""
+    docstring); ``regather``: the re-gathering one. The attention must be head-parallel with a
+    row-parallel output (``heads``)."""
     if plan.attention != "heads":
         raise ValueError(f"sequence_parallel=True needs attention='heads' (head-parallel with a "
                          f"row-parallel output projection); the plan has attention="
                          f"{plan.attention!r}, whose collectives have no sequence-parallel form")
     layers, final_norm = sequence_parallel_layout(model)
     inside = layers + "."
-    rules = {pattern: (_transform(pattern, rule) if pattern.startswith(inside) else rule)
+    rules = {pattern: (_transform(pattern, rule, regather) if pattern.startswith(inside)
+                       else rule)
              for pattern, rule in plan.rules.items()}
     parts = [p[len(inside):].split(".", 1) for p in plan.rules if p.startswith(inside)]
     targeted = {rest[1] for rest in parts if len(rest) == 2}  # names inside one layer
@@ -86,7 +100,8 @@ def sequence_parallel_plan(plan, model: nn.Module):
     rules[final_norm] = {"style": "sequence_gather"}
     return dataclasses.replace(plan, rules=rules,
                                reason=(plan.reason + "; " if plan.reason else "")
-                               + "sequence parallel")
+                               + ("sequence parallel (regather)" if regather
+                                  else "sequence parallel"))
 
 
 def check_partial_marked(model: nn.Module) -> None:

@@ -69,7 +69,11 @@ Sequence parallelism (:mod:`.sequence_plan` rewrites a plan into these): ``seque
 ``colwise_sequence`` (``colwise`` without the input-gradient all-reduce, behind a
 :class:`GatherSequenceRegion`), ``rowwise_sequence`` (:class:`SequenceParallelRowLinear`),
 ``sequence_gather`` (a :class:`GatherSequenceOutput`; its parameters' gradients summed over TP) and
-``sequence_partial`` (the parameters' gradients summed over TP).
+``sequence_partial`` (the parameters' gradients summed over TP); with
+``sequence_parallel="regather"``, ``sequence_region_regather`` (a :class:`RegatherSequenceRegion`:
+the entry keeps only this rank's share), ``colwise_regather`` (a :class:`RegatherColumnLinear`
+fed by it: no input kept, the share all-gathered again in backward) and
+``colwise_sequence_regather`` (both in one: the column layer behind its own re-gathering entry).
 
 Overlap (:mod:`.overlap_plan` rewrites a plan into these; options ``overlap`` — ``"chunked"`` or
 ``"auto"`` — and ``chunks``): ``region_chunked`` / ``sequence_region_chunked`` (the region computes
@@ -105,8 +109,10 @@ from ..layers.overlap_policy import OverlapPolicy
 from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
                                       ChunkedRowOutput, ChunkedRowScatter, FedColumn, as_variant)
 from ..layers.regions import (CopyToTPRegion, GatherInput, GatherSequenceOutput,
-                              GatherSequenceRegion, ReduceOutput, RopeGradRegion, ScatterSequence)
+                              GatherSequenceRegion, ReduceOutput, RegatherSequenceRegion,
+                              RopeGradRegion, ScatterSequence)
 from ..layers.sequence_parallel import SequenceParallelRowLinear, mark_partial
+from ..layers.sequence_regather import RegatherColumnLinear
 from ..parallel.sharding import ShardSpec, set_shard_spec
 from ..planner.strategies import kv_replicas
 from .hf_experts import HFExperts
@@ -243,6 +249,20 @@ def colwise_sequence(module, ctx, model, *, sub_blocks=None, kv_heads=None, gath
     return GatherSequenceRegion.wrap(layer, ctx.tp_group)
 
 
+def sequence_region_regather(module, ctx, model, *, set=None):
+    return RegatherSequenceRegion.wrap(attrs(module, ctx, model, set=set), ctx.tp_group)
+
+
+def colwise_regather(module, ctx, model, *, sub_blocks=None, kv_heads=None):
+    return RegatherColumnLinear.from_column(colwise(module, ctx, model, sub_blocks=sub_blocks,
+                                                    kv_heads=kv_heads, reduce_input_grad=False))
+
+
+def colwise_sequence_regather(module, ctx, model, *, sub_blocks=None, kv_heads=None):
+    layer = colwise_regather(module, ctx, model, sub_blocks=sub_blocks, kv_heads=kv_heads)
+    return RegatherSequenceRegion.wrap(layer, ctx.tp_group)
+
+
 def rowwise_sequence(module, ctx, model):
     return SequenceParallelRowLinear.from_dense(module, ctx)
 
@@ -320,6 +340,7 @@ STYLES = {style.__name__: style for style in (
     colwise, rowwise, gather_in, region, vocab, vocab_head, vocab_logits, kv_split, attrs,
     embed_colwise, grad_allreduce, reduce_out, mla_kv_a, shard_param, moe, sequence_scatter,
     sequence_region, colwise_sequence, rowwise_sequence, sequence_gather, sequence_partial,
+    sequence_region_regather, colwise_regather, colwise_sequence_regather,
     region_chunked, colwise_fed, colwise_chunked, rowwise_chunked, sequence_region_chunked,
     colwise_sequence_chunked, rowwise_sequence_chunked, moe_chunked)}
 PARAM_STYLES = ("shard_param",)  # their pattern names a parameter, not a module

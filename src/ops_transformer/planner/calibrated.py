@@ -60,7 +60,8 @@ def load_profile(path) -> CalibratedProfile:
     Every problem — no file, unreadable, not JSON, not a calibration profile — is a ``ValueError``
     of one line that names the file and says how to regenerate it. An optional ``"inter_node":
     {"alpha_s", "bandwidth"}`` entry (written by hand: one machine cannot measure it) gives the
-    links between nodes.
+    links between nodes; an optional ``"inter_island"`` entry of the same form the link between
+    the PCIe islands of a node (its bandwidth shared by the transfers crossing it).
     """
     path = Path(path)
     if not path.is_file():
@@ -91,11 +92,14 @@ def _from_dict(data: dict) -> CalibratedProfile:
         raise ValueError(f"no all_reduce measurement at world size {min(per_kind)}")
     alpha, beta = base["all_reduce"]
     inter = data.get("inter_node") or {}
+    island = data.get("inter_island") or {}
     threshold = data.get("p2p_threshold_bytes")
     return CalibratedProfile(
         str(data["name"]), float(data["matmul_flops_best"]), alpha, beta,
         inter_node_alpha_s=_optional_float(inter.get("alpha_s")),
         inter_node_bandwidth=_optional_float(inter.get("bandwidth")),
+        inter_island_alpha_s=_optional_float(island.get("alpha_s")),
+        inter_island_bandwidth=_optional_float(island.get("bandwidth")),
         per_kind=per_kind,
         matmul_by_size={int(n): float(f) for n, f in data.get("matmul_flops", {}).items()},
         p2p_threshold_bytes=None if threshold is None else int(threshold),

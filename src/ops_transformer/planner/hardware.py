@@ -7,6 +7,12 @@ of a given kind and group size gets. Compute time: ``FLOPs / achieved FLOP/s``. 
 profile's ``inter_node_alpha_s`` / ``inter_node_bandwidth`` (``None``: the same as inside a node,
 which is all a measurement on one machine can say).
 
+Between the PCIe islands of one node (GPUs behind different PCIe switches or CPU sockets,
+:meth:`HardwareProfile.island_alpha_beta`) a collective gets the slower of those figures and
+``inter_island_alpha_s`` / ``inter_island_bandwidth``: the latency and the bandwidth of the path
+that joins two islands (host bridge, CPU interconnect), *shared* by the transfers that cross it at
+the same time — ``flows`` of them get ``1/flows`` each (:mod:`.collective_algorithms`).
+
 ``CPU_GLOO`` are rough figures of the development machine (2 shared cores, gloo over loopback, one
 thread per rank) from one early measurement (medians of 1-element and 4M-element all-reduces at 2
 ranks, 512² matmuls). They are the fallback when ``ops-transformer calibrate`` has not written a
@@ -28,6 +34,8 @@ class HardwareProfile:
     bandwidth: float  # bytes/s one rank sends in a collective (bus bandwidth)
     inter_node_alpha_s: float | None = None  # latency of a collective across nodes (None: as above)
     inter_node_bandwidth: float | None = None  # bytes/s per rank across nodes (None: as above)
+    inter_island_alpha_s: float | None = None  # latency across PCIe islands (None: as inside)
+    inter_island_bandwidth: float | None = None  # bytes/s of the link between islands, shared
     # η: the fraction of a collective's time that running it beside compute really hides (1:
     # communication has engines of its own; 0: overlapping gains nothing). planner/overlap.py
     overlap_efficiency: float = 1.0
@@ -45,6 +53,19 @@ class HardwareProfile:
             alpha = max(alpha, self.inter_node_alpha_s)
         if self.inter_node_bandwidth is not None:
             beta = min(beta, self.inter_node_bandwidth)
+        return alpha, beta
+
+    def island_alpha_beta(self, kind: str, group_size: int, flows: int = 1
+                          ) -> tuple[float, float]:
+        """``(α, β)`` of a collective whose ranks sit in different PCIe islands of one node while
+        ``flows`` transfers cross between the islands at once (a ring in island order: 1; the
+        cross-island stage of a staged collective: one per rank of an island): the slower of
+        :meth:`alpha_beta` and the link between islands, whose bandwidth they share."""
+        alpha, beta = self.alpha_beta(kind, group_size)
+        if self.inter_island_alpha_s is not None:
+            alpha = max(alpha, self.inter_island_alpha_s)
+        if self.inter_island_bandwidth is not None:
+            beta = min(beta, self.inter_island_bandwidth / max(flows, 1))
         return alpha, beta
 
     def collective_time(self, kind: str, elements: int, group_size: int,

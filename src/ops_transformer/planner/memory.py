@@ -127,7 +127,8 @@ def logits_bytes(tokens: int, vocab: int, vocab_split: int, bytes_per_element: i
 
 
 def fused_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, *,
-                                     sequence_parallel: bool = False, recompute: str = "none",
+                                     sequence_parallel: bool | str = False,
+                                     recompute: str = "none",
                                      bytes_per_element: int = 2) -> float:
     """What this library's reference layer keeps for backward, per layer and rank, byte for byte:
     fused attention (``scaled_dot_product_attention`` keeps Q, K, V, its output and a log-sum-exp),
@@ -142,7 +143,9 @@ def fused_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, *,
 
     * replicated over TP (divided by ``t`` with sequence parallelism): the two LayerNorm inputs
       (``2sbh``) and their statistics;
-    * whole: the two all-gathered matmul inputs (``2sbh``);
+    * whole: the two all-gathered matmul inputs (``2sbh``) — with
+      ``sequence_parallel="regather"`` only this rank's share of them (``2sbh/t``, Korthikanti's
+      layout: all-gathered again in backward);
     * split over TP: Q, K, V and the attention output (``4sbh``), the GELU input and output
       (``8sbh``), the log-sum-exp (fp32, ``abs``).
 
@@ -154,7 +157,7 @@ def fused_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, *,
     if recompute == "full":
         return e * sbh / split
     norms = (2 * e * sbh + 2 * 2 * 4 * s * b) / split
-    gathered = 2 * e * sbh
+    gathered = 2 * e * sbh / (t if sequence_parallel == "regather" else 1)
     sharded = (4 + 8) * e * sbh / t
     lse = 0 if recompute == "selective" else LSE_BYTES * a * s * b / t
     return norms + gathered + sharded + lse

@@ -167,7 +167,8 @@ def size_bucket(tokens: int) -> int:
 def decoder_overlap_calls(*, b: int, s: int, h: int, qkv_out: int, ffn_in: int, ffn: int,
                           tp: int, layers: int, attention: str, sequence_parallel: bool,
                           recompute: str, overlap: str, chunks: int, profile=None,
-                          bytes_per_element: int = 4, ffn_layers: int | None = None) -> Comm:
+                          bytes_per_element: int = 4, ffn_layers: int | None = None,
+                          regather: bool = False) -> Comm:
     """The calls chunking adds to one training step of the reference decoder's dense layers on
     one rank (``elements`` 0: chunks move the same elements): per chunked region ``chunks − 1``
     more of each of its collectives (:func:`region_pieces`), and, with ``recompute="full"``,
@@ -175,16 +176,20 @@ def decoder_overlap_calls(*, b: int, s: int, h: int, qkv_out: int, ffn_in: int, 
     this rank's Q, K and V output features; ``ffn_in``: its first FFN matrix's (``2·ffn/tp``
     for SwiGLU); ``attention``: the strategy (its output projection is a chunked exit only for
     ``heads``; ``kv_split`` and ``naive`` have no chunked attention region); ``ffn_layers``: the
-    layers with a dense FFN (default all; an MoE FFN's chunks are :func:`moe_chunk_calls`')."""
+    layers with a dense FFN (default all; an MoE FFN's chunks are :func:`moe_chunk_calls`');
+    ``regather``: the re-gathering sequence-parallel entries
+    (``sequence_parallel="regather"``), which stay whole — only the exits are chunked."""
     tokens, rows = b * s, (b * s // tp if sequence_parallel else b * s)
     entry, exit_ = ("sp_entry", "sp_exit") if sequence_parallel else ("tp_entry", "tp_exit")
     dense = layers if ffn_layers is None else ffn_layers
     regions = []  # (region, in, out, replayed by full recompute, layers)
-    if attention in ("heads", "heads_allgather"):
+    if attention in ("heads", "heads_allgather") and not regather:
         regions.append((entry, h, qkv_out, True, layers))
     if attention == "heads":
         regions.append((exit_, h // tp, h, True, layers))
-    regions += [(entry, h, ffn_in, True, dense), (exit_, ffn // tp, h, False, dense)]
+    if not regather:
+        regions.append((entry, h, ffn_in, True, dense))
+    regions.append((exit_, ffn // tp, h, False, dense))
     out = Comm()
     for region, n_in, n_out, replayed, count in regions:
         c = region_chunks(region, tokens, n_in, n_out, tp, rows, overlap=overlap, chunks=chunks,

@@ -261,7 +261,7 @@ def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
 
 
 def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
-                        vocab: str = "parallel", *, sequence_parallel: bool = False,
+                        vocab: str = "parallel", *, sequence_parallel: bool | str = False,
                         recompute: str = "none", partial_elements: int = 0,
                         overlap: str = "none", chunks: int = 2, profile=None,
                         ep: int = 1) -> Comm:
@@ -277,10 +277,13 @@ def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
     With ``sequence_parallel`` each layer is :func:`sequence_parallel_cost`, and around the layers
     come the entry's backward and the exit's forward all-gather (``b·s·h`` each) and the one
     coalesced all-reduce of the ``partial_elements`` norm (and row-bias) gradients;
+    ``sequence_parallel="regather"`` adds each layer's :func:`regather_cost` (not with
+    ``recompute="full"``, under which ``parallelize`` runs plain sequence parallelism);
     ``recompute="full"`` adds each layer's :func:`full_recompute_replay`. ``overlap`` /
     ``chunks`` (``profile``: the one ``auto`` decides on) add the calls of the chunked regions
-    (:func:`~.overlap.decoder_overlap_calls`; the elements stay; over ``ep > 1`` ranks an MoE
-    layer's chunks add TP all-reduces too, :func:`~.overlap.moe_chunk_calls`)."""
+    (:func:`~.overlap.decoder_overlap_calls`; the elements stay; the re-gathering entries stay
+    whole; over ``ep > 1`` ranks an MoE layer's chunks add TP all-reduces too,
+    :func:`~.overlap.moe_chunk_calls`)."""
     if tp == 1:
         return Comm()
     swiglu = cfg.mlp == "swiglu"
@@ -288,6 +291,8 @@ def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
                       tp, bias=cfg.bias, swiglu=swiglu)
     cost = sequence_parallel_cost(cost) if sequence_parallel else cost
     layer = cost.total()
+    if sequence_parallel == "regather" and recompute != "full":
+        layer = layer + regather_cost(batch, seq, cfg.d_model)
     if recompute == "full":
         layer = layer + full_recompute_replay(cost, batch, seq, cfg.d_model)
     out = layer.scaled(cfg.n_layers) + vocab_cost(vocab, batch, seq, cfg.d_model,
@@ -305,7 +310,8 @@ def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
         out = out + decoder_overlap_calls(
             b=batch, s=seq, h=cfg.d_model, qkv_out=cfg.d_model // tp + 2 * kv_local,
             ffn_in=(2 if swiglu else 1) * cfg.d_ff // tp, ffn=cfg.d_ff, tp=tp,
-            layers=cfg.n_layers, attention=attention, sequence_parallel=sequence_parallel,
+            layers=cfg.n_layers, attention=attention, sequence_parallel=bool(sequence_parallel),
+            regather=sequence_parallel == "regather" and recompute != "full",
             recompute=recompute, overlap=overlap, chunks=chunks, profile=profile,
             ffn_layers=cfg.n_layers - n_moe)
     if n_moe:  # the routed FFN pair in place of the dense one
@@ -338,6 +344,15 @@ def sequence_parallel_cost(cost: LayerCost) -> LayerCost:
     keep = Comm({k: v for k, v in cost.subgroup.items() if k == "all_reduce"})
     return LayerCost(convert(cost.fwd, Comm()), convert(cost.bwd, keep), cost.flops,
                      cost.activation_bytes, cost.group_size, cost.subgroup, cost.subgroup_size)
+
+
+def regather_cost(b: int, s: int, h: int, regions: int = 2) -> Comm:
+    """What re-gathering sequence parallelism adds to a layer
+    (:mod:`ops_transformer.layers.sequence_regather`; Korthikanti et al. 2022, §4.2.2): in
+    backward, one all-gather of ``b·s·h`` per region entry (attention and FFN) — the share each
+    rank kept, gathered again for the column-parallel weight gradients — for ``sbh·(1 − 1/t)``
+    fewer values kept per region."""
+    return Comm.of(*[("all_gather", b * s * h)] * regions)
 
 
 def full_recompute_replay(cost: LayerCost, b: int, s: int, h: int) -> Comm:

@@ -12,6 +12,13 @@ From the model alone (a dense model about to be parallelised at ``ctx.tp_size``,
 With ``step_fn`` (every rank calls ``diagnose``; the step runs once watched, :mod:`.watch`, then
 three times under :func:`~.profile.profile_step`):
 
+- ``implicit_broadcast`` (error): an element-wise operation inside a tensor-parallel region that
+  broadcasts a statistic of this rank's slice back over a dimension the plan shards (a per-token
+  statistic over the local ``h/tp`` features where the model means all ``h``; a norm or softmax
+  over a sharded dimension), with the module, both shapes and the fix (:mod:`.broadcasts`; the
+  step runs once more, watched by :class:`~.shards.ShardTracker`). Broadcasts along unsharded
+  dimensions, and of tensors that do not come from a shard (rotary tables, masks), are not
+  findings;
 - ``host_sync`` (warning): ``.item()``, ``.tolist()``, ``.cpu()``, ``print(tensor)``,
   ``torch.cuda.synchronize()`` … inside the model, with the module (or backward node) that did it;
 - ``redundant_collective`` (warning): collectives beyond the plan's minimum (the cost model's
@@ -35,11 +42,15 @@ from dataclasses import asdict, dataclass
 from torch import nn
 
 from ..planner.hardware import CPU_GLOO, HardwareProfile
+from .broadcasts import broadcast_checks
 from .dims import dimension_checks
-from .steps import comm_checks
+from .steps import PROFILED_STEPS, comm_checks
 
 SEVERITIES = ("error", "warning", "info")
-CODES = ("not_divisible", "unaligned_dim", "host_sync", "redundant_collective",
+# how many times diagnose() calls step_fn: once watched for implicit broadcasts, once watched for
+# collectives and syncs, then the profiled steps
+STEP_CALLS = 2 + PROFILED_STEPS
+CODES = ("not_divisible", "unaligned_dim", "implicit_broadcast", "host_sync", "redundant_collective",
          "small_collectives", "exposed_comm", "load_imbalance")
 
 
@@ -73,6 +84,7 @@ def diagnose(model: nn.Module, ctx, step_fn=None, *, profile: HardwareProfile | 
     number of back-to-back small collectives that counts as frequent."""
     found = [Diagnostic(**d) for d in dimension_checks(model, ctx.tp_size)]
     if step_fn is not None:
+        found += [Diagnostic(**d) for d in broadcast_checks(model, ctx, step_fn)]
         found += [Diagnostic(**d) for d in comm_checks(
             model, ctx, step_fn, profile or getattr(ctx, "profile", None) or CPU_GLOO,
             exposed_threshold=exposed_threshold,

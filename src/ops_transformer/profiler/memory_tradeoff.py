@@ -1,6 +1,8 @@
 """The memory trade-off table behind ``ops-transformer memory`` and claim (f): for each combination
 of techniques, the measured activation bytes (per layer and in total), Korthikanti et al.'s formula
-for the same layer, the optimizer-state bytes, and the step time relative to the plain run.
+for the same layer, the optimizer-state bytes, the tensor-parallel communication of a step (what
+re-gathering sequence parallelism pays for its memory: one more all-gather per region) and the
+step time relative to the plain run.
 
 Every combination is built once (same seed, same weights) and kept; the timed training steps are
 interleaved — one step of each combination per round — so that a machine's load drifts over all of
@@ -16,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..comm.ledger import CommLedger
 from ..models.gpt import GPT, preset
 from ..parallel.context import init_parallel
 from ..planner.memory import activation_bytes_per_layer
@@ -30,7 +33,7 @@ class Technique:
     """One combination of memory techniques."""
 
     name: str
-    sequence_parallel: bool = False
+    sequence_parallel: bool | str = False  # True, or "regather"
     recompute: str = "none"
     activation_cache: str = "none"
     zero: int = 0
@@ -43,6 +46,8 @@ TECHNIQUES = (
     Technique("full recompute", recompute="full"),
     Technique("int8 cache", activation_cache="int8"),
     Technique("SP + selective", sequence_parallel=True, recompute="selective"),
+    Technique("SP regather", sequence_parallel="regather"),
+    Technique("SP regather + selective", sequence_parallel="regather", recompute="selective"),
     Technique("SP + full", sequence_parallel=True, recompute="full"),
     Technique("SP + selective + int8", sequence_parallel=True, recompute="selective",
               activation_cache="int8"),
@@ -51,6 +56,8 @@ TECHNIQUES = (
     Technique("SP + selective + ZeRO-2", sequence_parallel=True, recompute="selective", zero=2),
     Technique("SP + selective + int8 + ZeRO-2", sequence_parallel=True, recompute="selective",
               activation_cache="int8", zero=2),
+    Technique("SP regather + selective + int8 + ZeRO-2", sequence_parallel="regather",
+              recompute="selective", activation_cache="int8", zero=2),
 )
 
 
@@ -109,6 +116,16 @@ def _step(model, opt, x, y) -> float:
     return time.perf_counter() - start
 
 
+def _tp_comm_bytes(model, opt, x, y, tp_group) -> int:
+    """Bytes of the collectives on the TP group in one training step (the ledger's count)."""
+    if tp_group is None:
+        return 0
+    with CommLedger() as ledger:
+        _step(model, opt, x, y)
+    ranks = tuple(torch.distributed.get_process_group_ranks(tp_group))
+    return sum(r.bytes for r in ledger.records if r.group_ranks == ranks)
+
+
 def _formula(run: MemoryRun, cfg, t: Technique, tp: int, micro: int) -> float:
     return activation_bytes_per_layer(run.sequence, micro, cfg.d_model, cfg.n_heads, tp,
                                       sequence_parallel=t.sequence_parallel,
@@ -136,10 +153,11 @@ def _measure(run: MemoryRun, ctx) -> list[dict] | None:
                             activation_cache=t.activation_cache)
         opt = make_optimizer(model, ctx, t.zero, lr=1e-4)
         x, y = batches[0][:, :-1].to(ctx.device), batches[0][:, 1:].to(ctx.device)
-        built.append((t, model, opt, activation_memory(model, x, y), []))
+        built.append((t, model, opt, activation_memory(model, x, y), [],
+                      _tp_comm_bytes(model, opt, x, y, ctx.tp_group)))
     for round_, batch in enumerate(batches):
         x, y = batch[:, :-1].to(ctx.device), batch[:, 1:].to(ctx.device)
-        for t, model, opt, _, times in built:
+        for t, model, opt, _, times, _ in built:
             elapsed = _step(model, opt, x, y)
             if round_:  # the first round pays one-off costs
                 times.append(elapsed)
@@ -150,7 +168,7 @@ def _measure(run: MemoryRun, ctx) -> list[dict] | None:
 
 def _rows(run, cfg, ctx, micro, built) -> list[dict]:
     rows = []
-    for t, model, opt, act, times in built:
+    for t, model, opt, act, times, comm in built:
         state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                     if torch.is_tensor(v))
         per_layer = act["per_layer"]
@@ -159,6 +177,7 @@ def _rows(run, cfg, ctx, micro, built) -> list[dict]:
                      "bytes_per_layer": per_layer[-1],
                      "formula_bytes_per_layer": _formula(run, cfg, t, ctx.tp_size, micro),
                      "activation_bytes": act["total_bytes"], "optimizer_state_bytes": state,
+                     "tp_comm_bytes_per_step": comm,
                      "step_s": statistics.median(times), "step_times_s": times})
     plain = rows[0]
     for row in rows:

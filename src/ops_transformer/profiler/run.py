@@ -15,11 +15,10 @@ from pathlib import Path
 
 from ..models.gpt import GPT
 from ..train import TrainConfig, join, setup_training
-from .diagnose import Diagnostic, diagnose
+from .diagnose import STEP_CALLS, Diagnostic, diagnose
 from .dims import dimension_checks
 from .profile import profile_step
 from .report import write_breakdown_png, write_timeline_of_step_png
-from .steps import PROFILED_STEPS
 
 
 # train's options that write or read what only a training run has: (field, flag, off value)
@@ -79,7 +78,7 @@ def diagnose_worker(cfg: TrainConfig, steps: bool = True, profile=None) -> list[
     The small-message threshold and α come from the profile the ranks agreed on."""
     with join(cfg, profile) as ctx:
         state = setup_training(cfg, ctx)
-        batches = iter([state.batch(i) for i in range(1 + PROFILED_STEPS)])
+        batches = iter([state.batch(i) for i in range(STEP_CALLS)])
         step_fn = (lambda: state.step(*next(batches))) if steps else None
         found = diagnose(state.model, ctx, step_fn)
         return [d.to_dict() for d in found] if ctx.rank == 0 else None

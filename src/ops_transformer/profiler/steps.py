@@ -9,6 +9,7 @@ from ..comm.ledger import CommLedger
 from ..memory.apply import transformer_layers
 from ..memory.train_flags import partial_numel
 from ..memory.recompute import checkpointed
+from ..parallelize.sequence_plan import REGATHER_STYLES
 from ..planner.strategies import model_comm_per_step
 from .profile import gather_objects, profile_step, world_group
 from .watch import BACKWARD, OUTSIDE, StepWatch
@@ -68,11 +69,14 @@ def _paired(rank: dict) -> list[tuple[list, list]] | None:
     return list(zip(rank["records"], rank["collectives"]))
 
 
-def sequence_parallel_of(model) -> bool:
-    """Whether ``model``'s plan is sequence-parallel (its layers keep a slice of the tokens)."""
+def sequence_parallel_of(model) -> bool | str:
+    """Whether ``model``'s plan is sequence-parallel (its layers keep a slice of the tokens):
+    ``"regather"`` for the re-gathering variant, else ``True`` or ``False``."""
     plan = getattr(model, "parallel_plan", None)
-    return plan is not None and any(r.get("style") == "sequence_scatter"
-                                    for r in plan.rules.values())
+    styles = {r.get("style") for r in plan.rules.values()} if plan is not None else set()
+    if "sequence_scatter" not in styles:
+        return False
+    return "regather" if styles & set(REGATHER_STYLES) else True
 
 
 def recompute_of(model) -> str:
@@ -105,7 +109,8 @@ def beyond_minimum(model, ctx, rank: dict, latency: dict) -> list[dict]:
                                    partial_elements=partial_numel(model, ctx.tp_group),
                                    profile=ctx.profile, ep=ctx.ep_size, **overlap)
     described = ", ".join([f"{plan.attention} attention", f"{plan.vocab} vocabulary"]
-                          + ["sequence parallel"] * sp
+                          + ["sequence parallel" + (" (regather)" if sp == "regather" else "")]
+                          * bool(sp)
                           + ["full recompute"] * (recompute_of(model) == "full"))
     calls: dict[str, int] = {}
     for kind, _, _, group, _ in rank["records"]:

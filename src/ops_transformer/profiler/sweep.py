@@ -28,7 +28,7 @@ from ..planner.specs import ModelSpec
 from ..train import TrainConfig, join, setup_training, validate
 
 # flag -> how its values parse; the TrainConfig field is the flag with "_" for "-".
-AXES = {"tp": int, "dp": int, "attention": str, "sequence-parallel": "bool", "recompute": str,
+AXES = {"tp": int, "dp": int, "attention": str, "sequence-parallel": "sp", "recompute": str,
         "activation-cache": str, "zero": int, "precision": str, "ep": int, "preset": str,
         "batch": int, "seq": int, "layers": int, "overlap": str, "chunks": int}
 TRUE, FALSE = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
@@ -40,10 +40,10 @@ def parse_values(flag: str, text: str) -> list:
     for item in (s.strip() for s in text.split(",")):
         if not item:
             continue
-        if kind == "bool":
-            if item.lower() not in TRUE + FALSE:
-                raise ValueError(f"--{flag} takes on/off values, got {item!r}")
-            values.append(item.lower() in TRUE)
+        if kind == "sp":  # on / off, or "regather" (sequence parallelism that re-gathers)
+            if item.lower() not in TRUE + FALSE + ("regather",):
+                raise ValueError(f"--{flag} takes on/off values (or regather), got {item!r}")
+            values.append("regather" if item.lower() == "regather" else item.lower() in TRUE)
         elif kind is int:
             try:
                 values.append(int(item))

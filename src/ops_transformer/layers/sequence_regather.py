@@ -1,0 +1,167 @@
+"""Sequence parallelism that re-gathers in backward (Megatron-LM's sequence-parallel linear;
+Korthikanti et al. 2022, §4.2.2 — the layout behind their ``34·sbh/t``).
+
+Plain sequence parallelism (:mod:`.sequence_parallel`) all-gathers the tokens at each region entry
+and the column-parallel linears inside keep the gathered ``(b, s, h)`` input for their weight
+gradients. Here each rank keeps only its ``(b, s/t, h)`` share, and backward all-gathers it again::
+
+    forward   share (b, s/t, h) ─ all-gather ─▶ x (b, s, h) ─ Q, K, V (column) ─▶ …
+              kept: the share                   not kept
+    backward  ∂Q, ∂K, ∂V ─ ∂x = Σ ∂Y·W ─ reduce-scatter ─▶ ∂share
+                  │   (overlapped with the re-gather)
+                  └── all-gather share again ─▶ x ─ ∂W = ∂Yᵀ x
+
+================================= ================================= ================================
+piece                             forward                           backward
+================================= ================================= ================================
+:func:`gather_sequence_regather`  all-gather (keeps the share)      reduce-scatter of ``∂x``
+:class:`RegatherColumnLinear`     local matmul, keeps no input      all-gather of the share (once
+                                                                    per region, async, overlapped
+                                                                    with ``∂x = ∂Y·W``)
+================================= ================================= ================================
+
+Per region that is the plain layout's all-gather and reduce-scatter of ``b·s·h`` elements plus
+**one** all-gather of ``b·s·h`` in backward (the linears of one region — Q, K and V, or gate and
+up — share it), for ``sbh·(1 − 1/t)`` fewer values kept per region: the share instead of the
+gathered input.
+
+How the linears find the share: the gathered tensor is the output of the entry's autograd node
+(:class:`_GatherKeepingShare`), which keeps the share and the re-gathered input. A
+:class:`RegatherColumnLinear` whose input comes from somewhere else runs as a plain column layer
+(it keeps its input): nothing is silently wrong, only less is saved.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..comm import collectives as C
+from .linear import ColumnParallelLinear, _autocast_dtype
+from .sequence_parallel import SEQ_DIM, _active
+
+
+def _tokens_gathered(share: torch.Tensor, group, label: str, async_op: bool = False):
+    """All-gather the ``(b, s/t, h)`` share into ``(b, s, h)`` (rank-major over the tokens);
+    ``(full, handle)``, the handle ``None`` unless ``async_op``."""
+    tp = C.group_size(group)
+    rows = share.reshape(-1, share.shape[-1])  # (b·s/t, h): a view of a contiguous share
+    full = rows.new_empty((tp * rows.shape[0], rows.shape[1]))
+    handle = C.all_gather_into(full, rows.contiguous(), group, async_op=async_op, label=label)
+    return full.view(share.shape[0], share.shape[SEQ_DIM] * tp, *share.shape[2:]), handle
+
+
+class _GatherKeepingShare(torch.autograd.Function):
+    """Forward: all-gather of the tokens; keeps only this rank's share (for the linears' weight
+    gradients). Backward: reduce-scatter of the input gradient. Its node also holds the
+    re-gathered input while the region's linears run their backward (:func:`regathered`)."""
+
+    @staticmethod
+    def forward(ctx, share, group):
+        ctx.group, ctx.full = group, None
+        ctx.save_for_backward(share)
+        return _tokens_gathered(share, group, "sequence_region.fwd")[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.full = None  # the region's linears are done: free the re-gathered input
+        tp = C.group_size(ctx.group)
+        rows = grad.reshape(-1, grad.shape[-1]).contiguous()
+        out = rows.new_empty((rows.shape[0] // tp, rows.shape[1]))
+        C.reduce_scatter_into(out, rows, ctx.group, label="sequence_region.bwd")
+        return out.view(grad.shape[0], grad.shape[SEQ_DIM] // tp, *grad.shape[2:]), None
+
+
+def entry_of(x: torch.Tensor):
+    """The region entry that produced ``x`` (its autograd node), or ``None``."""
+    node = x.grad_fn
+    return node if isinstance(node, _GatherKeepingShare._backward_cls) else None
+
+
+def regathered(entry) -> tuple[torch.Tensor, object]:
+    """The region's gathered input, all-gathered again from the kept share — started by the first
+    linear of the region to ask (asynchronously: ``(full, handle)``, the caller waits on
+    ``handle`` when it needs ``full``), shared by the others (``handle`` ``None``)."""
+    if entry.full is None:
+        (share,) = entry.saved_tensors
+        entry.full, pending = _tokens_gathered(share, entry.group, "sequence_regather.bwd",
+                                               async_op=True)
+        return entry.full, pending
+    return entry.full, None  # the first asker waited for it before any other could ask
+
+
+def gather_sequence_regather(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter a TP region: ``(b, s/t, h)`` → ``(b, s, h)`` by an all-gather, keeping only the share
+    for backward (backward: reduce-scatter; the region's :class:`RegatherColumnLinear` layers
+    all-gather the share again)."""
+    if not _active(group):
+        return x
+    return _GatherKeepingShare.apply(x, group)
+
+
+class _RegatheringLinear(torch.autograd.Function):
+    """``F.linear(x, W, b)`` on ``(tokens, in)`` rows that keeps no input: backward takes ``x``
+    from the region entry's re-gather, overlapping its all-gather with ``∂x = ∂Y·W``. (2-D in and
+    out: its output is then a tensor of its own, not a view of one made inside ``forward``.)"""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, entry):
+        dtype = _autocast_dtype(x)
+        if dtype is not None:  # as autocast's F.linear would; backward casts the re-gathered x
+            weight = weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        ctx.save_for_backward(weight)
+        ctx.entry, ctx.dtype, ctx.has_bias = entry, dtype, bias is not None
+        return F.linear(x if dtype is None else x.to(dtype), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        full, pending = regathered(ctx.entry)
+        grad_x = grad.matmul(weight) if need_x else None  # while the all-gather runs
+        if pending is not None:
+            pending.wait()
+        grad_w = grad_b = None
+        if need_w:
+            x = full if ctx.dtype is None else full.to(ctx.dtype)
+            grad_w = grad.t().mm(x.reshape(-1, x.shape[-1]))  # (out/tp, in)
+        if need_b and ctx.has_bias:
+            grad_b = grad.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def linear_regathering_input(x: torch.Tensor, weight, bias, entry) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for an ``x`` made by the region entry ``entry``
+    (:func:`entry_of`), keeping nothing of ``x`` for backward."""
+    rows = _RegatheringLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, entry)
+    return rows.view(*x.shape[:-1], rows.shape[-1])
+
+
+class RegatherColumnLinear(ColumnParallelLinear):
+    """A :class:`ColumnParallelLinear` inside a re-gathering sequence-parallel region: its input,
+    made by :func:`gather_sequence_regather`, is not kept for backward; the weight gradient uses
+    the region's re-gathered input. No input-gradient all-reduce (the entry reduce-scatters it).
+    Outside such a region (another input, no autograd, one rank) it is the plain layer."""
+
+    @classmethod
+    def from_column(cls, layer: ColumnParallelLinear) -> RegatherColumnLinear:
+        """``layer`` (a plain column-parallel layer of a sequence-parallel region, with its
+        parameters and their shard metadata) as a re-gathering one."""
+        if type(layer) is not ColumnParallelLinear or layer.gather_output \
+                or layer.reduce_input_grad:
+            raise ValueError(f"a re-gathering column layer replaces a ColumnParallelLinear of a "
+                             f"sequence-parallel region (reduce_input_grad=False, no gathered "
+                             f"output); got {layer!r}")
+        new = cls.__new__(cls)
+        new.__dict__.update(layer.__dict__)  # the same parameters, buffers and hooks
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        entry = entry_of(x) if self.tp_size > 1 else None
+        if entry is None or not torch.is_grad_enabled():
+            return super().forward(x)
+        return linear_regathering_input(x, self.weight, self.bias, entry)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", sequence_parallel='regather'"

@@ -15,7 +15,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,profiler,checkpoint]"
+	$(PY) -m pip install -q -e ".[test,profiler,checkpoint,lora]"
 	touch $(STAMP)
 
 install: $(STAMP)

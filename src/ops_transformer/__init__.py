@@ -9,6 +9,7 @@ from .models import GPT, GPTConfig
 from .parallel.state import no_sync
 from .parallelize import ParallelOptions, Plan, parallelize
 from .parallelize.linear_split import parallel_linear
+from .parallelize.lora import LoRAConfig, lora
 from .parallel import (ParallelContext, RankError, ShardSpec, gather_full, gather_full_state_dict,
                        init_parallel, launch)
 
@@ -21,6 +22,7 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "ShardSpec", "gather_full", "gather_full_state_dict",
     "GPT", "GPTConfig", "Plan", "ParallelOptions", "parallelize", "no_sync", "parallel_linear",
+    "lora", "LoRAConfig",
 ]
 from .comm.bucketing import all_reduce_coalesced, mark_partial_grad
 from .parallel.grad_reduce import GradSums
@@ -47,3 +49,7 @@ __all__ += ["save_checkpoint", "load_checkpoint", "CheckpointError"]
 from .loading import from_pretrained  # noqa: E402
 
 __all__ += ["from_pretrained"]
+
+from .parity import ParityReport, check_parity  # noqa: E402
+
+__all__ += ["check_parity", "ParityReport"]

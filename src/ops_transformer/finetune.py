@@ -1,6 +1,8 @@
 """``train --model DIR``: what fine-tuning a Hugging Face causal LM adds to the training loop of
 :mod:`ops_transformer.train` — the model (:func:`~ops_transformer.from_pretrained`, fp32 master
-weights, every rank reading only its shards), its data (:mod:`ops_transformer.corpus`), its loss.
+weights, every rank reading only its shards), its data (:mod:`ops_transformer.corpus`), its loss;
+and ``--lora-rank`` (with ``--model`` or a preset): LoRA adapters (:func:`~ops_transformer.lora`)
+with every other weight frozen, and what they cost per rank.
 
 Everything else is the loop ``train`` runs for the reference GPT: precision, clipping, ZeRO,
 checkpoints and resumption, restarts, TensorBoard. The loss is the mean next-token cross-entropy
@@ -12,6 +14,7 @@ full ``tokens × vocabulary`` logits are never gathered.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +22,15 @@ import torch.nn.functional as F
 from .corpus import packed_corpus
 from .layers.loss import vocab_parallel_cross_entropy
 from .loading import from_pretrained
+from .models.gpt import GPT
 from .parallelize.hf_plans import hf_plan
+from .parallelize.lora import check_lora_args, check_rank, lora, resolve_targets
 from .parallelize.moe_plan import check_expert_parallel, n_experts_of
 from .parallelize.sequence_plan import sequence_parallel_plan
 
 
-def _meta_model(model_dir: str):
+def meta_model(model_dir: str):
+    """The model of ``model_dir`` on the ``meta`` device (no weights read)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
@@ -45,7 +51,7 @@ def check_model(cfg, tp: int, ep: int):
     if cfg.attention not in ("auto", "heads"):
         raise ValueError(f"--attention {cfg.attention} is for the reference GPT; a Hugging Face "
                          f"model runs head-parallel attention (heads)")
-    model = _meta_model(cfg.model)
+    model = meta_model(cfg.model)
     plan = hf_plan(model, tp, loss_parallel=True)
     if ep > 1:
         check_expert_parallel(model, plan, _Degrees(tp, ep))
@@ -95,3 +101,55 @@ def describe(model) -> dict:
 def local_param_bytes(model) -> int:
     """The bytes of this rank's parameters (each tensor once)."""
     return sum(p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()))
+
+
+def check_lora(cfg, model_cfg) -> None:
+    """The ``--lora-*`` flags: a rank to go with the others; rank, alpha, dropout and targets
+    valid for the model (built on ``meta`` from ``model_cfg``, or ``cfg.model``'s config)."""
+    if cfg.lora_rank is None:
+        given = [flag for flag, value in (("--lora-alpha", cfg.lora_alpha),
+                                          ("--lora-targets", cfg.lora_targets),
+                                          ("--lora-dropout", cfg.lora_dropout)) if value]
+        if given:
+            verb = "configure" if len(given) > 1 else "configures"
+            raise ValueError(f"{' and '.join(given)} {verb} LoRA adapters: add --lora-rank R")
+        return
+    check_lora_args(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
+    if cfg.model:
+        model = meta_model(cfg.model)
+    else:
+        with torch.device("meta"):
+            model = GPT(model_cfg)
+    check_rank(model, resolve_targets(model, cfg.lora_targets), cfg.lora_rank)
+
+
+def with_lora(cfg, ctx, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with LoRA adapters when ``cfg.lora_rank`` is set (before the optimizer is built:
+    only the adapters then get gradients and optimizer state). Their base, recorded in the
+    checkpoints: the model directory, or the preset and the seed that initialised it."""
+    if cfg.lora_rank is None:
+        return model
+    base = ({"model_dir": str(Path(cfg.model).resolve())} if cfg.model
+            else {"preset": cfg.preset, "seed": cfg.seed})
+    return lora(model, ctx, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
+                dropout=cfg.lora_dropout, seed=cfg.seed, base=base)
+
+
+def lora_report(model: torch.nn.Module, opt, measured: dict | None) -> dict | None:
+    """What a LoRA run trains on this rank: its adapters' configuration, the parameters that
+    train and those that stay frozen, the bytes of the optimizer's state (the adapters'), and
+    next to the measured model state (``measured``: parameters, gradients, optimizer state) what
+    full fine-tuning would hold with AdamW (every parameter's gradient and two moments)."""
+    config = model.parallel_state.lora
+    if config is None:
+        return None
+    params = list(dict.fromkeys(model.parameters()))
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    return {**config.to_dict(), "modules": len(config.targets),
+            "trainable_params_per_rank": sum(p.numel() for p in params if p.requires_grad),
+            "frozen_params_per_rank": sum(p.numel() for p in params if not p.requires_grad),
+            "optimizer_state_bytes_per_rank": sum(t.numel() * t.element_size() for t in state),
+            "state_bytes_per_rank": measured,
+            "full_finetune_state_bytes_per_rank": {"params": param_bytes, "grads": param_bytes,
+                                                   "optimizer": 2 * param_bytes}}

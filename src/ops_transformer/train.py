@@ -74,12 +74,18 @@ class TrainConfig:
     zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
     ckpt_dir: str | None = None  # sharded checkpoints (docs/checkpoints.md)
     save_every: int = 0  # checkpoint every N steps (0: only after the last step)
-    resume: bool = False  # continue from the latest checkpoint in ckpt_dir, if there is one
+    resume: bool | str = False  # continue from the newest good checkpoint in ckpt_dir, if any
+    #                             ("strict": from the latest one, or fail)
     max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
     keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
+    on_save_error: str = "stop"  # a failed save (full disk): "stop" the run, or "continue" it
     model: str | None = None  # a Hugging Face save_pretrained directory to fine-tune (no preset)
     lr_schedule: str = "constant"  # or "cosine" (ops_transformer.schedule)
     warmup: int = 0  # linear warmup steps
+    lora_rank: int | None = None  # LoRA adapters of this rank; every other weight frozen
+    lora_alpha: float | None = None  # None: the rank (scaling 1)
+    lora_targets: tuple[str, ...] | None = None  # module names / fnmatch patterns; None: default
+    lora_dropout: float = 0.0
 
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
@@ -133,6 +139,7 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     except ValueError as exc:  # "chunks must be ..." → "--chunks must be ..."
         name, _, rest = str(exc).partition(" ")
         raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
+    finetune.check_lora(cfg, model_cfg)
     if cfg.model:
         finetune.check_data(cfg, model_cfg, say=say)
     else:
@@ -240,6 +247,7 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
 
 
 def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
+    model = finetune.with_lora(cfg, ctx, model)  # before the optimizer: it sees what trains
     opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
     return TrainState(cfg, ctx, model, opt, data, policy, scaler)
@@ -251,7 +259,8 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
     moe = bool(_n_experts(model))
     lead = ctx.rank == 0
     position = data_position(cfg)
-    first, saved = (ckpt.resume(cfg.ckpt_dir, model, opt, ctx, position, scaler=scaler)
+    first, saved = (ckpt.resume(cfg.ckpt_dir, model, opt, ctx, position, steps=cfg.steps,
+                                strict=cfg.resume == "strict", scaler=scaler)
                     if cfg.resume else (0, {}))
     losses, moe_history = list(saved.get("losses", [])), list(saved.get("moe", []))
     step_times, last, report = [], None, None
@@ -278,7 +287,8 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
             moe_history.append(_moe_report(report.metrics))
         if cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every):
             ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
-                      keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history})
+                      keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
+                      on_error=cfg.on_save_error)
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
                                        "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"},
                    **_precision_stats(report, scaler),
@@ -302,6 +312,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                      "comm_by_dtype": last.by_dtype(),
                      "resumed_from": first if cfg.resume else None,
                      "model_state_bytes_per_rank": state.state_bytes,
+                     "lora": finetune.lora_report(model, opt, state.state_bytes),
                      **({} if scaler is None else {"loss_scale": scaler.scale_value,
                                                    "skipped_steps": scaler.skipped_steps}),
                      **({"moe": {k: [m[k] for m in moe_history]
@@ -383,7 +394,10 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "plan": model.parallel_plan.to_dict(), **(extra or {}),
     }
     if cfg.out:
-        write_outputs(Path(cfg.out), metrics)
+        try:
+            write_outputs(Path(cfg.out), metrics)
+        except OSError as exc:  # e.g. a full disk: the metrics still go back to the caller
+            metrics["outputs_not_written"] = f"{cfg.out}: {exc.strerror or exc}"
     return metrics
 
 
@@ -394,7 +408,7 @@ def _model_metrics(cfg: TrainConfig, ctx, model) -> dict:
         return {"preset": None, "model_dir": cfg.model, "expected_tp_comm_per_step": None,
                 **finetune.describe(model),
                 "param_bytes_per_rank": finetune.local_param_bytes(model)}
-    return {"expected_tp_comm_per_step": expected_comm_per_step(
+    return {"expected_tp_comm_per_step": None if cfg.lora_rank else expected_comm_per_step(
                 model.cfg, ctx.tp_size, model.parallel_plan.attention,
                 cfg.batch // ctx.dp_ep_size, cfg.seq, model.parallel_plan.vocab,
                 sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
@@ -409,9 +423,15 @@ def _dense_param_count(model_cfg: GPTConfig) -> int:
 
 
 def write_outputs(out: Path, metrics: dict) -> None:
-    """``metrics.json`` and ``loss.png`` in ``out``."""
+    """``metrics.json`` and ``loss.png`` in ``out``; an ``OSError`` (a full disk) leaves no
+    truncated ``metrics.json``."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    partial = out / ".metrics.json.tmp"
+    try:
+        partial.write_text(json.dumps(metrics, indent=2) + "\n")
+        partial.replace(out / "metrics.json")
+    finally:
+        partial.unlink(missing_ok=True)
     write_line_plot_png(out / "loss.png", {f"tp={metrics['tp']} dp={metrics['dp']}":
                                            metrics["losses"]},
                         title=f"{metrics['preset'] or Path(metrics['model_dir']).name} "

@@ -40,7 +40,8 @@ def _torchrun(tmp_path: Path, name: str, hook: bool) -> subprocess.CompletedProc
     torchrun = Path(sys.executable).with_name("torchrun")
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m",
                                                            "torch.distributed.run"]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**{k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"},
+           "OMP_NUM_THREADS": "1"}  # the plain command: no TORCH_DISABLE_SHARE_RDZV_TCP_STORE
     if hook:
         hook_dir = tmp_path / "hook"
         hook_dir.mkdir()

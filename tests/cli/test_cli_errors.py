@@ -225,3 +225,45 @@ def test_only_rank_0_of_a_torchrun_job_prints(monkeypatch, capsys, rank):
         assert json.loads(out)["candidates"]  # exactly one document
     else:
         assert out == ""
+
+
+# --- a failed rank (issue #30 item 8) ------------------------------------------------------------
+
+def _rank1_fails_at_step(monkeypatch, how):
+    import os
+
+    original = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        if os.environ.get("RANK") == "1":
+            how()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+
+
+TRAIN2 = ["train", "--nproc", "2", "--tp", "2", "--steps", "2", "--batch", "2", "--seq", "16",
+          "--no-progress"]
+
+
+def test_a_killed_rank_is_its_cause_in_one_line(tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    _rank1_fails_at_step(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    assert main(TRAIN2 + ["--out", str(tmp_path / "run")]) == 1
+    one_error_line(capsys, "train: error", "rank 1 exited", "SIGKILL")
+
+
+def test_a_crashed_rank_is_its_cause_in_one_line_and_debug_shows_the_traceback(tmp_path,
+                                                                              monkeypatch, capsys):
+    from ops_transformer import RankError
+
+    def crash():
+        raise RuntimeError("disk controller on fire")
+
+    _rank1_fails_at_step(monkeypatch, crash)
+    assert main(TRAIN2 + ["--out", str(tmp_path / "run")]) == 1
+    one_error_line(capsys, "train: error", "[rank 1/2]", "disk controller on fire", "--debug")
+    with pytest.raises(RankError, match="disk controller on fire"):
+        main(["--debug"] + TRAIN2 + ["--out", str(tmp_path / "run2")])

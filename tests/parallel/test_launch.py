@@ -102,3 +102,41 @@ def _square(x):
 
 def test_spawn_start_method():
     assert launch(_square, 2, 3, start_method="spawn", timeout=120) == [9, 9]
+
+
+def _sum_of_ranks():
+    from ops_transformer import init_parallel
+    from ops_transformer.comm import collectives as C
+
+    ctx = init_parallel(tp=2)
+    t = torch.tensor([float(ctx.rank)])
+    C.all_reduce(t, ctx.tp_group)
+    ctx.close()
+    return float(t)
+
+
+def test_another_job_taking_the_port_cannot_break_a_launch(monkeypatch):
+    """Issue #30 item 13: `launch` found a free port, closed it, and rank 0 bound it later; a job
+    starting in between could take it. Simulated: whatever port-picking helper exists hands back
+    a port another socket then holds. The launcher now serves the store on a port it keeps bound
+    from the start, so the job runs."""
+    import importlib
+    import socket
+
+    launch_module = importlib.import_module("ops_transformer.parallel.launch")  # not the function
+
+    thief = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+    def free_port_then_taken() -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        thief.bind(("127.0.0.1", port))  # the other job, between the pick and rank 0's bind
+        thief.listen()
+        return port
+
+    monkeypatch.setattr(launch_module, "_free_port", free_port_then_taken, raising=False)
+    try:
+        assert launch(_sum_of_ranks, 2, timeout=60) == [1.0, 1.0]
+    finally:
+        thief.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -92,17 +93,66 @@ def test_plan_errors_exit_2(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
-@pytest.mark.filterwarnings("ignore:--plan")  # ZeRO-3 in the plan runs as ZeRO-2, with a warning
 def test_train_accepts_a_plan(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     assert main(["plan", "--model", "tiny", "--gpu", "local", "--gpus", "2", "--batch", "8",
                  "--seq", "32", "--out", str(plan), "--json"]) == 0
     capsys.readouterr()
     best = json.loads(plan.read_text())["best"]
-    assert main(["train", "--plan", str(plan), "--steps", "2", "--seq", "32", "--batch", "8",
-                 "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # run as written: nothing changed, nothing to warn about
+        assert main(["train", "--plan", str(plan), "--steps", "2", "--seq", "32", "--batch",
+                     "8", "--no-progress", "--out", str(tmp_path / "run")]) == 0
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert (metrics["tp"], metrics["dp"]) == (best["tp"], best["dp"])
+    config = metrics["config"]
+    assert (config["attention"], config["sequence_parallel"], config["recompute"],
+            config["zero"]) == (best["attention"], best["sequence_parallel"], best["recompute"],
+                                best["zero_stage"])
+
+
+SEARCHES = [("llama3-70b", "h100-sxm", 64), ("gpt3-175b", "a100-80gb", 1024),
+            ("mixtral-8x7b", "h100-sxm", 16), ("llama2-7b", "a100-80gb", 8)]
+
+
+@pytest.mark.parametrize("name,gpu,gpus", SEARCHES)
+def test_the_search_proposes_only_what_train_runs(name, gpu, gpus):
+    """Issue #30 item 6: for llama3-70b on 64 x H100 the search picked heads_allgather with
+    sequence parallelism (which train refuses) and ZeRO-3 (which train ran as ZeRO-2)."""
+    from ops_transformer.planner.runnable import runtime_problem
+
+    model = MODEL_PRESETS[name]
+    result = search(model, ClusterSpec.make(gpu, gpus), top=10**6)
+    assert result["best"] is not None
+    for row in result["candidates"]:
+        assert runtime_problem(tp=row["tp"], dp=row["dp"], ep=row["ep"],
+                               attention=row["attention"],
+                               sequence_parallel=row["sequence_parallel"],
+                               recompute=row["recompute"], zero_stage=row["zero_stage"],
+                               experts=model.experts, seq=model.seq) is None, row
+        assert not (row["sequence_parallel"] and row["attention"] != "heads")
+        assert row["zero_stage"] != 3
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"sequence_parallel": True, "attention": "heads_allgather"},
+     "--sequence-parallel needs --attention heads"),
+    ({"zero_stage": 3}, "--zero 3: train runs ZeRO stages 0, 1, 2"),
+    ({"zero_stage": 1, "dp": 1, "tp": 4}, "dp is 1"),
+])
+def test_train_plan_refuses_what_it_cannot_run_as_written(tmp_path, capsys, monkeypatch, change,
+                                                          needle):
+    from ops_transformer.cli import train as cli_train
+
+    monkeypatch.setattr(cli_train, "run_training", lambda *a, **k: pytest.fail("it ran"))
+    best = {"tp": 2, "dp": 2, "ep": 1, "attention": "heads", "sequence_parallel": False,
+            "recompute": "none", "zero_stage": 0, **change}
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"best": best}))
+    assert main(["train", "--plan", str(plan), "--seq", "32"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot run as written" in lines[0] and needle in lines[0], err
 
 
 def _parallelize_with(layout):

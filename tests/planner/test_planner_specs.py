@@ -316,3 +316,21 @@ def test_cluster_json_round_trip():
         assert ClusterSpec.from_dict(d) == c
     assert isinstance(GPU(**GPUS["h200"].to_dict()), GPU)
     assert isinstance(Link(**LINKS["loopback"].to_dict()), Link)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('{"model_type": "llama", "hidden_size": ', "is not a readable JSON config"),
+    ('{"model_type": "no_such_family"}', "is not a valid model config"),
+    ('{"model_type": "llama", "hidden_size": "abc"}', "'hidden_size'"),
+    ("[1, 2]", "is not a valid model config"),
+])
+def test_plan_with_a_corrupt_config_json_is_one_line(tmp_path, capsys, text, needle):
+    """Issue #30 item 7: `plan --model DIR` printed a 40-54-line traceback (rc 1) for these."""
+    from ops_transformer.cli.main import main
+
+    (tmp_path / "config.json").write_text(text)
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "config.json" in lines[0] and needle in lines[0]

@@ -15,6 +15,7 @@ from ops_transformer.profiler.calibrate import (KINDS, _fit_kinds, crossover, fi
                                                fit_rel_error, message_elements)
 from ops_transformer.cli._calibrated import profile_path
 from ops_transformer.planner.calibrated import CalibratedProfile, load_profile
+from ops_transformer.planner.local import LocalTimeModel, local_time_model
 from ops_transformer.planner.hardware import HardwareProfile
 
 SIZES = [4 * 4 ** k for k in range(12)]  # 4 B … 16 MiB
@@ -158,6 +159,10 @@ def test_quick_calibration_end_to_end(tmp_path, capsys):
     assert all(p["t_comm"] > 0 and p["t_comp"] > 0 and p["t_both"] > 0 and p["matmuls"] >= 1
                for p in overlap["points"])
     assert "an all-reduce beside matmuls hides" in text
+    model = LocalTimeModel.from_dict(data["local_model"])  # the step-time model (issue #30)
+    assert set(model.per_layer_s) == set(model.fixed_s) == {"fp32", "bf16", "fp16"}
+    assert model.alpha_step_s >= 0 and model.sharing >= 1 and model.cores >= 1
+    assert local_time_model(prof) == model
 
 
 def test_overlap_efficiency_from_the_three_times():

@@ -4,10 +4,12 @@ reshardable to another layout. See ``docs/checkpoints.md``."""
 from ..layers.moe import ParallelExperts
 from ..memory.zero import ZeroOptimizer
 from ..parallelize.hf_experts import HFExperts
-from .api import load_checkpoint, save_checkpoint, verify
+from .api import load_checkpoint, verify
+from .writer import save_checkpoint
 from .contents import ModelTensors, register_module_entries
 from .experts import expert_entries, hf_expert_entries
-from .errors import CheckpointError
+from .errors import CheckpointError, DamagedCheckpointError, NoSpaceError
+from .reader import UnsafeCheckpointError
 from .layout import Entry, Layout, Replicated, SpecLayout, layout_of
 from .training import check_options, resume, save, should_save
 from .optim import OptimizerAdapter, TorchOptimizerAdapter, register_optimizer_adapter
@@ -22,4 +24,5 @@ register_optimizer_adapter(ZeroOptimizer, ZERO_ADAPTER)
 __all__ = ["save_checkpoint", "load_checkpoint", "verify", "CheckpointError", "Layout",
            "Replicated", "SpecLayout", "layout_of", "OptimizerAdapter", "TorchOptimizerAdapter",
            "register_optimizer_adapter", "latest_step", "list_steps", "launch_with_restarts", "Entry",
-           "ModelTensors", "register_module_entries", "ZeroOptimizerAdapter"]
+           "ModelTensors", "register_module_entries", "ZeroOptimizerAdapter",
+           "DamagedCheckpointError", "NoSpaceError", "UnsafeCheckpointError"]

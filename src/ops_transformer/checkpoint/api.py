@@ -1,4 +1,5 @@
-"""``save_checkpoint`` and ``load_checkpoint``: sharded, atomic, verified, reshardable.
+"""``load_checkpoint`` (and ``save_checkpoint``, :mod:`.writer`): sharded, atomic, verified,
+reshardable.
 
 Both are collective: every rank of the job calls them with its own model (and optimizer). Each rank
 writes only the chunks it holds, through ``torch.distributed.checkpoint``; rank 0 publishes the
@@ -9,8 +10,6 @@ everything has been read are the model, optimizer, scaler and RNG states replace
 
 from __future__ import annotations
 
-import json
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -18,19 +17,20 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from .._version import __version__
 from ..comm import collectives as C
 from . import store
-from .chunked import LoadPlanner, SavePlanner
-from .contents import (MODEL, OPTIM, RNG, ModelTensors, check_picklable, commit_model,
-                       describe_model, model_entries, model_targets, unclaimed)
-from .errors import CheckpointError
+from .chunked import LoadPlanner
+from .contents import (OPTIM, RNG, ModelTensors, check_lora, commit_model, model_targets,
+                       unclaimed)
+from .errors import CheckpointError, DamagedCheckpointError
 from .optim import adapter_for
-from .rng import rng_state, set_rng_state
+from .reader import SafeReader, rank_failures
+from .rng import set_rng_state
 
 
-def _world(ctx):
+def world_group(ctx):
     return dist.group.WORLD if ctx.world_size > 1 else None
 
 
@@ -42,116 +42,46 @@ def run_dcp(fn, state: dict, group, **kwargs):
         return fn(state, process_group=group, no_dist=group is None, **kwargs)
 
 
-def _max_over_ranks(tensor: torch.Tensor, ctx) -> torch.Tensor:
+def max_over_ranks(tensor: torch.Tensor, ctx) -> torch.Tensor:
     tensor = tensor.to(ctx.device)
-    C.all_reduce(tensor, _world(ctx), op=C.ReduceOp.MAX, label="checkpoint")
+    C.all_reduce(tensor, world_group(ctx), op=C.ReduceOp.MAX, label="checkpoint")
     return tensor.cpu()
 
 
-def _agree(error: BaseException | None, ctx, what: str, cls=RuntimeError) -> None:
-    """Raise on every rank when ``error`` happened on any (no rank is left waiting)."""
-    flag = int(_max_over_ranks(torch.tensor([ctx.rank + 1 if error is not None else 0]), ctx))
+def agree(error: BaseException | None, ctx, what: str, cls=RuntimeError) -> None:
+    """Raise on every rank when ``error`` happened on any (no rank is left waiting): the failing
+    rank raises ``error``; the others a ``CheckpointError`` of the same type and message when it is
+    one (a full disk, a checkpoint that does not fit), else ``cls`` naming the rank and the cause."""
+    flag = int(max_over_ranks(torch.tensor([ctx.rank + 1 if error is not None else 0]), ctx))
+    if not flag:
+        return
+    src = flag - 1
+    mine = ((type(error) if isinstance(error, CheckpointError) else None,
+             " ".join(str(error).split()) or type(error).__name__) if ctx.rank == src else None)
+    kind, message = C.broadcast_object(mine, src, world_group(ctx), label="checkpoint")
     if error is not None:
         raise error
-    if flag:
-        raise cls(f"{what} failed on rank {flag - 1} (its error is reported there)")
+    if kind is not None:
+        raise kind(message)
+    raise cls(f"{what} failed on rank {src}: {message}")
 
 
-def _layout(ctx) -> dict:
+def job_layout(ctx) -> dict:
     return {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "ep": ctx.ep_size}
 
 
-def _save_entries(model: ModelTensors, optimizer, ctx, extra, scaler,
-                  stateful) -> dict[str, Any]:
-    entries: dict[str, Any] = model_entries(model)
-    if optimizer is not None:
-        state = adapter_for(optimizer).save_state(optimizer, model, ctx)
-        entries.update({OPTIM + k: v for k, v in state.items()})
-    entries[f"{RNG}{ctx.rank}"] = rng_state()
-    if ctx.rank == 0:  # the same on every rank: written once
-        singles = {"extra": extra, "scaler": scaler.state_dict() if scaler is not None else None,
-                   **{f"stateful/{k}": v.state_dict() for k, v in (stateful or {}).items()}}
-        for key, value in singles.items():
-            if value is not None:
-                check_picklable(value, key)
-                entries[key] = value
-    return entries
-
-
-def save_checkpoint(root, model, optimizer, ctx, step: int, *, extra=None, keep: int | None = 3,
-                    scaler=None, stateful: Mapping[str, Any] | None = None) -> Path:
-    """Save a sharded checkpoint of step ``step`` under ``root`` (collective on every rank).
-
-    Saved: the model's tensors (each rank its own chunks, in the dense model's names and shapes),
-    the optimizer's state (``None``: none), every rank's RNG states, ``extra`` (plain data:
-    tensors, numbers, strings, lists, dicts — e.g. the data position), and ``scaler`` and
-    ``stateful`` objects (``state_dict()``). The checkpoint appears as ``root/step-<step>`` in one
-    rename once complete; ``root/latest`` then names it; checkpoints older than the ``keep``
-    newest are deleted after that (``keep=None`` keeps all). Returns the checkpoint's directory.
-    """
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    if keep is not None and (not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
-    root, group = Path(root), _world(ctx)
-    name = store.step_dirname(step)
-    tmp = root / f"{store.TMP_PREFIX}{name}"
-    start = time.perf_counter()
-    error = None
-    try:
-        tensors = ModelTensors(model)
-        entries = _save_entries(tensors, optimizer, ctx, extra, scaler, stateful)
-        if ctx.rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            store.clean_stale(root)
-            tmp.mkdir()
-    except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
-        error = exc
-    _agree(error, ctx, "preparing the checkpoint")
-    run_dcp(dcp.save, entries, group, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-            planner=SavePlanner())
-    error = None
-    try:  # each rank hashes the files it wrote; rank 0 collects them through the directory
-        mine = {p.name: store.file_record(p) for p in sorted(tmp.glob(f"__{ctx.rank}_*"))}
-        (tmp / f".hashes-{ctx.rank}.json").write_text(json.dumps(mine))
-    except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
-        error = exc
-    _agree(error, ctx, "hashing the checkpoint files")
-    if ctx.rank == 0:
-        try:
-            manifest = _manifest(tmp, model, tensors, optimizer, ctx, step, extra, scaler,
-                                 stateful)
-            manifest["write_seconds"] = round(time.perf_counter() - start, 3)
-            store.write_manifest(tmp, manifest)
-            store.publish(tmp, root, name)
-            store.prune(root, keep, step)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
-            error = exc
-    _agree(error, ctx, "publishing the checkpoint")
-    return root / name
-
-
-def _manifest(tmp: Path, model, tensors: ModelTensors, optimizer, ctx, step, extra, scaler,
-              stateful) -> dict:
-    files = {".metadata": store.file_record(tmp / ".metadata")}
-    for rank in range(ctx.world_size):
-        part = tmp / f".hashes-{rank}.json"
-        files.update(json.loads(part.read_text()))
-        part.unlink()
-    plan = getattr(model, "parallel_plan", None)
-    return {
-        "format": store.FORMAT, "version": store.VERSION, "step": step,
-        "created_unix": round(time.time(), 3), "torch": torch.__version__,
-        "ops_transformer": __version__, "layout": _layout(ctx),
-        "model": {**describe_model(model), "tensors": len(tensors.keys()),
-                  "aliases": tensors.aliases,
-                  "plan": ({"attention": plan.attention, "vocab": plan.vocab}
-                           if plan is not None else None)},
-        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-        "scaler": scaler is not None, "stateful": sorted(stateful or {}),
-        "extra": extra is not None,
-        "files": files, "total_bytes": sum(f["size"] for f in files.values()),
-    }
+def read_failure(path: Path, exc: BaseException) -> CheckpointError:
+    """The one-line error of a DCP read that failed: the first rank's :class:`CheckpointError`
+    (it names the file), else the first failure's type and first line."""
+    failures = rank_failures(exc) or [(None, exc)]
+    for _, failure in failures:
+        if isinstance(failure, CheckpointError):
+            return failure
+    rank, first = failures[0]
+    where = f" on rank {rank}" if rank is not None else ""
+    text = str(first).splitlines()[0] if str(first) else ""
+    return DamagedCheckpointError(f"checkpoint {path} could not be read{where}: "
+                           f"{type(first).__name__}: {text}")
 
 
 def verify(path: Path, manifest: dict, ctx=None) -> None:
@@ -163,12 +93,12 @@ def verify(path: Path, manifest: dict, ctx=None) -> None:
     for i in range(rank, len(names), world):
         codes[i] = store.check_file(path, names[i], manifest["files"][names[i]])
     if ctx is not None:
-        codes = _max_over_ranks(codes, ctx)
+        codes = max_over_ranks(codes, ctx)
     bad = [(names[i], int(c)) for i, c in enumerate(codes.tolist()) if c]
     if bad:
         first, code = bad[0]
         more = f"; {len(bad) - 1} more: {[b[0] for b in bad[1:4]]}" if len(bad) > 1 else ""
-        raise CheckpointError(f"checkpoint {path}: file {first!r} is {store.PROBLEMS[code]}"
+        raise DamagedCheckpointError(f"checkpoint {path}: file {first!r} is {store.PROBLEMS[code]}"
                               f"{more}; nothing was loaded")
 
 
@@ -188,10 +118,11 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
     path = store.resolve(root, step)
     manifest = store.read_manifest(path)
     verify(path, manifest, ctx)
-    reader = dcp.FileSystemReader(path)
+    reader = SafeReader(path)  # no pickle of the checkpoint may run code (reader.py)
     saved = reader.read_metadata().state_dict_metadata
     tensors, adapter, targets, error = ModelTensors(model), None, {}, None
     try:
+        check_lora(manifest["model"], model, path)
         targets = model_targets(tensors, saved)
         if optimizer is not None:
             adapter = adapter_for(optimizer)
@@ -200,8 +131,8 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
                             adapter.load_targets(optimizer, tensors, optim_saved, ctx).items()})
     except (CheckpointError, ValueError) as exc:
         error = exc
-    _agree(error, ctx, "checking the checkpoint against the model", CheckpointError)
-    extra_keys = unclaimed(tensors, saved, lambda flags: _max_over_ranks(flags, ctx))
+    agree(error, ctx, "checking the checkpoint against the model", CheckpointError)
+    extra_keys = unclaimed(tensors, saved, lambda flags: max_over_ranks(flags, ctx))
     if extra_keys:
         raise CheckpointError(f"the checkpoint does not fit this model: {len(extra_keys)} of its "
                               f"tensors are in no rank's model (e.g. {extra_keys[:3]})")
@@ -217,9 +148,9 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
             warnings.warn(f"checkpoint {path} has no {key!r} state: that object keeps its "
                           f"current state", stacklevel=2)
     try:
-        run_dcp(dcp.load, targets, _world(ctx), storage_reader=reader, planner=LoadPlanner())
-    except Exception as exc:  # verified files that still do not load: report, load nothing
-        raise CheckpointError(f"checkpoint {path} could not be read: {exc}") from exc
+        run_dcp(dcp.load, targets, world_group(ctx), storage_reader=reader, planner=LoadPlanner())
+    except (Exception, CheckpointException) as exc:  # verified files that still do not
+        raise read_failure(path, exc) from None                # load: report, load nothing
     if adapter is not None:
         adapter.commit(optimizer, tensors, {k[len(OPTIM):]: v for k, v in targets.items()
                                             if k.startswith(OPTIM)}, ctx)
@@ -231,4 +162,4 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
     if restore_rng:
         set_rng_state(targets[rng_key])
     return {"step": manifest["step"], "extra": targets.get("extra"), "path": str(path),
-            "saved_layout": manifest["layout"], "resharded": manifest["layout"] != _layout(ctx)}
+            "saved_layout": manifest["layout"], "resharded": manifest["layout"] != job_layout(ctx)}

@@ -11,6 +11,7 @@ with ``weights_only=True``.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import torch
@@ -69,11 +70,47 @@ class ChunkedTensor:
         return f"ChunkedTensor({tuple(self.global_shape)}, {len(self.chunks)} chunks)"
 
 
-class SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner on a flat state dict holding :class:`ChunkedTensor` values."""
+ITEM_OVERHEAD, BYTES_ITEM = 2 << 10, 64 << 10  # per stored tensor (its zip records); per value
 
-    def __init__(self):
+
+def planned_bytes(plans) -> int:
+    """About the bytes a save of DCP's global ``plans`` writes: every stored chunk's data plus
+    :data:`ITEM_OVERHEAD`, :data:`BYTES_ITEM` for each pickled value, the metadata."""
+    total = 0
+    for plan in plans:
+        for item in plan.items:
+            data = item.tensor_data
+            if data is None:
+                total += BYTES_ITEM
+            else:
+                numel = 1
+                for n in data.chunk.sizes:
+                    numel *= n
+                total += numel * data.properties.dtype.itemsize + ITEM_OVERHEAD
+    return total + 256 * sum(len(p.items) for p in plans)
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner on a flat state dict holding :class:`ChunkedTensor` values.
+
+    ``check(needed_bytes)``, when given, runs on the coordinator once the global plan is known
+    (deduplicated: what will be written) and may raise to stop the save before any file is
+    written; every rank then finds ``needed_bytes`` in :attr:`needed_bytes`."""
+
+    def __init__(self, check=None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.check, self.needed_bytes = check, None
+
+    def create_global_plan(self, all_plans):
+        plans, metadata = super().create_global_plan(all_plans)
+        needed = planned_bytes(plans)
+        if self.check is not None:
+            self.check(needed)
+        return [dataclasses.replace(p, planner_data=needed) for p in plans], metadata
+
+    def finish_plan(self, new_plan):
+        self.needed_bytes = new_plan.planner_data
+        return super().finish_plan(new_plan)
 
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]

@@ -5,7 +5,10 @@ key                        value                                              wr
 =========================  =================================================  ==================
 ``model/<name>``           each dense tensor of the model before              the ranks holding
                            parallelisation, its name and shape (tied weights  its chunks (once
-                           once: the others are aliases in the manifest)      per distinct chunk)
+                           once: the others are aliases in the manifest); a   per distinct chunk)
+                           LoRA model's adapters only (``lora_A``/``lora_B``,
+                           and any parameter unfrozen after ``ot.lora``):
+                           its base is referenced in the manifest
 ``optim/…``                the optimizer adapter's entries (:mod:`.optim`)    idem
 ``rng/<rank>``             that rank's RNG states                             that rank
 ``extra``, ``scaler``,     the caller's ``extra``; ``state_dict()`` of the    rank 0
@@ -23,6 +26,7 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..layers.lora import adapter_parameters
 from .chunked import ChunkedTensor
 from .errors import CheckpointError
 from .layout import Entry, layout_of
@@ -51,7 +55,10 @@ class ModelTensors:
         self.tensors: dict[str, torch.Tensor] = {}
         self.aliases: dict[str, str] = {}
         seen: dict[int, str] = {}
+        trained = _lora_tensors(model)
         for name, tensor in model.state_dict(keep_vars=True).items():
+            if trained is not None and name not in trained:
+                continue  # a LoRA model's frozen base: referenced, not saved
             if id(tensor) in seen:
                 self.aliases[name] = seen[id(tensor)]
             else:
@@ -77,6 +84,20 @@ class ModelTensors:
     def keys(self) -> list[str]:
         """Every dense key, in order."""
         return [e.key for entries in self.entries.values() for e in entries]
+
+
+def lora_config(model: torch.nn.Module):
+    """The :class:`~ops_transformer.parallelize.lora.LoRAConfig` of a model with adapters, or
+    ``None``."""
+    return getattr(getattr(model, "parallel_state", None), "lora", None)
+
+
+def _lora_tensors(model: torch.nn.Module) -> set[str] | None:
+    """What a LoRA model's checkpoint holds: the adapters and whatever else trains."""
+    if lora_config(model) is None:
+        return None
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return set(adapter_parameters(model)) | trainable
 
 
 def model_entries(model: ModelTensors) -> dict[str, ChunkedTensor]:
@@ -124,14 +145,38 @@ def commit_model(model: ModelTensors, loaded: Mapping[str, Any]) -> None:
 
 def describe_model(model: torch.nn.Module) -> dict:
     """Enough to rebuild the dense model for export: its class and configuration."""
+    adapters = lora_config(model)
+    lora = {} if adapters is None else {"lora": adapters.to_dict()}
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_string"):  # Hugging Face
         return {"kind": "huggingface", "class": type(model).__name__,
-                "config": json.loads(config.to_json_string(use_diff=False))}
+                "config": json.loads(config.to_json_string(use_diff=False)), **lora}
     cfg = getattr(model, "cfg", None)
     if cfg is not None and hasattr(cfg, "to_dict"):
-        return {"kind": "gpt", "class": type(model).__name__, "config": cfg.to_dict()}
-    return {"kind": "module", "class": type(model).__name__}
+        return {"kind": "gpt", "class": type(model).__name__, "config": cfg.to_dict(), **lora}
+    return {"kind": "module", "class": type(model).__name__, **lora}
+
+
+def check_lora(saved_model: dict, model: torch.nn.Module, path) -> None:
+    """A :class:`CheckpointError` when the checkpoint's adapters (``saved_model``: its manifest's
+    ``model``) do not belong on ``model``: one has adapters and the other not, or they differ in
+    rank, targets or base."""
+    saved, mine = saved_model.get("lora"), lora_config(model)
+    if saved is None and mine is None:
+        return
+    if mine is None:
+        raise CheckpointError(f"checkpoint {path} holds LoRA adapters (rank {saved['rank']} on "
+                              f"{len(saved['targets'])} modules), not a whole model: load it into "
+                              f"its base with the same adapters (ot.lora, train --lora-rank), or "
+                              f"export it (checkpoint export --adapter or --merge)")
+    if saved is None:
+        raise CheckpointError(f"checkpoint {path} holds a whole model, not LoRA adapters: this "
+                              f"model has adapters (rank {mine.rank}); load it without ot.lora")
+    for key, value in (("rank", mine.rank), ("targets", list(mine.targets)),
+                       ("base", mine.base)):
+        if saved.get(key) != value:
+            raise CheckpointError(f"checkpoint {path}: its LoRA adapters have {key} "
+                                  f"{saved.get(key)!r}, this model's have {value!r}")
 
 
 def check_picklable(value, what: str) -> None:

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import store
-from .api import run_dcp, verify
+from .api import read_failure, run_dcp, verify
 from .chunked import LoadPlanner
 from .contents import MODEL, OPTIM
 from .errors import CheckpointError
+from .reader import SafeReader, UnsafeCheckpointError, check_pickled_values
 
 
 def describe(path: Path, *, check: bool = True) -> dict:
@@ -34,7 +37,14 @@ def describe(path: Path, *, check: bool = True) -> dict:
         except CheckpointError as exc:
             info["status"] = str(exc)
             return info
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    try:  # read as a load would: no pickle of the checkpoint may run code (reader.py)
+        metadata = SafeReader(path).read_metadata()
+        check_pickled_values(path, metadata)
+    except UnsafeCheckpointError as exc:
+        return {**info, "status": str(exc), "unsafe": True}
+    except CheckpointError as exc:
+        return {**info, "status": str(exc)}
+    saved = metadata.state_dict_metadata
     for part, prefix in (("model", MODEL), ("optimizer", OPTIM)):
         tensors = {k: md for k, md in saved.items()
                    if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
@@ -64,11 +74,16 @@ def dense_state_dict(root, step: int | None = None) -> tuple[dict[str, torch.Ten
     path = store.resolve(root, step)
     manifest = store.read_manifest(path)
     verify(path, manifest)
-    reader = dcp.FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
+    reader = SafeReader(path)
+    metadata = reader.read_metadata()
+    check_pickled_values(path, metadata)  # a crafted value is refused, though export skips it
+    saved = metadata.state_dict_metadata
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for k, md in saved.items() if k.startswith(MODEL)}
-    run_dcp(dcp.load, state, None, storage_reader=reader, planner=LoadPlanner())
+    try:
+        run_dcp(dcp.load, state, None, storage_reader=reader, planner=LoadPlanner())
+    except (Exception, CheckpointException) as exc:
+        raise read_failure(path, exc) from None
     return {k[len(MODEL):]: v for k, v in state.items()}, manifest
 
 
@@ -81,7 +96,19 @@ def export_safetensors(state: dict[str, torch.Tensor], manifest: dict, out: Path
     meta = {"format": "pt", "step": str(manifest["step"]),
             "model": json.dumps({k: v for k, v in manifest["model"].items() if k != "tensors"})}
     save_file({k: v.contiguous() for k, v in state.items()}, str(out), metadata=meta)
+    default_modes([out])
     return out
+
+
+def default_modes(paths) -> None:
+    """Give the files ``paths`` (and the files under directories among them) the mode a new file
+    gets here (``0o666`` less the umask): ``safetensors`` creates its files ``0o600``, unreadable
+    to the group that shares the model."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in map(Path, paths):
+        for file in ([path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]):
+            os.chmod(file, 0o666 & ~umask)
 
 
 # What a model directory holds besides its config and weights, copied into an export.
@@ -103,11 +130,17 @@ def export_huggingface(state: dict[str, torch.Tensor], manifest: dict, out: Path
     aliases = {alias: state[name] for alias, name in info.get("aliases", {}).items()}
     model.load_state_dict({**state, **aliases}, strict=True)
     model.save_pretrained(out)
-    source = source_dir(manifest)
-    for name in SIDE_FILES:
-        if source is not None and (source / name).is_file():
-            shutil.copyfile(source / name, out / name)
+    copy_side_files(source_dir(manifest), out)
+    default_modes([out])
     return out
+
+
+def copy_side_files(source: Path | None, out: Path) -> list[str]:
+    """Copy the :data:`SIDE_FILES` that ``source`` (a model directory) has into ``out``."""
+    names = [] if source is None else [n for n in SIDE_FILES if (source / n).is_file()]
+    for name in names:
+        shutil.copyfile(source / name, out / name)
+    return names
 
 
 def source_dir(manifest: dict) -> Path | None:

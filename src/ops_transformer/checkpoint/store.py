@@ -27,7 +27,7 @@ import re
 import shutil
 from pathlib import Path
 
-from .errors import CheckpointError
+from .errors import CheckpointError, DamagedCheckpointError
 
 MANIFEST = "checkpoint.json"
 LATEST = "latest"
@@ -125,11 +125,11 @@ def read_manifest(directory: Path) -> dict:
         body = data["manifest"]
         intact = data["sha256"] == _digest(body)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing (not a complete checkpoint)") from None
+        raise DamagedCheckpointError(f"{path}: missing (not a complete checkpoint)") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path}: unreadable manifest ({type(exc).__name__}: {exc})") from None
+        raise DamagedCheckpointError(f"{path}: unreadable manifest ({type(exc).__name__}: {exc})") from None
     if not intact:
-        raise CheckpointError(f"{path}: corrupted (its SHA-256 differs from the one it records)")
+        raise DamagedCheckpointError(f"{path}: corrupted (its SHA-256 differs from the one it records)")
     if body.get("format") != FORMAT or body.get("version", 0) > VERSION:
         raise CheckpointError(f"{path}: not an ops-transformer checkpoint of a known version "
                               f"(format {body.get('format')!r}, version {body.get('version')!r})")

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import warnings
 
-from .api import load_checkpoint, save_checkpoint
-from .store import latest_step
+from pathlib import Path
+
+from .api import load_checkpoint
+from .errors import CheckpointError, DamagedCheckpointError
+from .store import latest_step, list_steps, read_manifest, step_dirname
+from .writer import save_checkpoint
 
 
 def check_options(cfg) -> None:
@@ -22,6 +26,11 @@ def check_options(cfg) -> None:
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got "
                              f"{getattr(cfg, name)}")
+    if cfg.resume not in RESUME:
+        raise ValueError(f"--resume takes no value or 'strict', got {cfg.resume!r}")
+    if getattr(cfg, "on_save_error", "stop") not in ON_SAVE_ERROR:
+        raise ValueError(f"--on-save-error must be one of {', '.join(ON_SAVE_ERROR)}, got "
+                         f"{cfg.on_save_error!r}")
     if cfg.keep_checkpoints < 1:
         raise ValueError(f"--keep-checkpoints must be at least 1, got {cfg.keep_checkpoints}")
     if not cfg.ckpt_dir:
@@ -39,12 +48,63 @@ def should_save(step: int, total: int, every: int) -> bool:
     return step == total or (every > 0 and step % every == 0)
 
 
-def resume(ckpt_dir, model, optimizer, ctx, data_position: dict, **objects) -> tuple[int, dict]:
-    """``(step, extra)`` of the latest checkpoint in ``ckpt_dir``, loaded into the job; ``(0, {})``
-    when there is none yet (the first start of a job that will be restarted)."""
-    if latest_step(ckpt_dir) is None:
+RESUME = (False, True, "strict")
+
+
+def nothing_to_train(ckpt_dir, saved: int, steps: int) -> ValueError:
+    return ValueError(f"--resume: the checkpoint in {str(ckpt_dir)!r} is at step {saved} and "
+                      f"--steps is {steps}: nothing to train (pass --steps above {saved} to train "
+                      f"on, or drop --resume to start over)")
+
+
+def check_resume(cfg) -> None:
+    """Before any rank starts: ``--resume`` with ``--steps`` at or below the step of the newest
+    checkpoint (whose manifest reads) would train nothing."""
+    if not (cfg.resume and cfg.ckpt_dir):
+        return
+    for step in reversed(list_steps(cfg.ckpt_dir)):
+        try:
+            read_manifest(Path(cfg.ckpt_dir) / step_dirname(step))
+        except CheckpointError:
+            continue  # damaged: --resume falls back past it
+        if cfg.steps <= step:
+            raise nothing_to_train(cfg.ckpt_dir, step, cfg.steps)
+        return
+
+
+def resume(ckpt_dir, model, optimizer, ctx, data_position: dict, *, steps: int | None = None,
+           strict: bool = False, **objects) -> tuple[int, dict]:
+    """``(step, extra)`` of the newest checkpoint in ``ckpt_dir`` that verifies, loaded into the
+    job; ``(0, {})`` when there is none yet (the first start of a job that will be restarted).
+
+    A damaged newest checkpoint (a missing, truncated or corrupted file) is skipped with a
+    warning naming it, and the next older one loaded; ``strict=True`` (``--resume strict``)
+    refuses instead. A checkpoint that does not fit the model, or one that asks to run code, is
+    never skipped. ``steps`` (the run's total): a checkpoint at or beyond it is an error, the run
+    would train nothing."""
+    newest = latest_step(ckpt_dir)
+    if newest is None:
         return 0, {}
-    info = load_checkpoint(ckpt_dir, model, optimizer, ctx, **objects)
+    older = [s for s in reversed(list_steps(ckpt_dir)) if s < newest]
+    skipped = []
+    for step in [newest] + ([] if strict else older):
+        try:
+            info = load_checkpoint(ckpt_dir, model, optimizer, ctx, step=step, **objects)
+            break
+        except DamagedCheckpointError as exc:  # the same on every rank (verified together)
+            if strict:
+                raise
+            skipped.append((step, exc))
+    else:
+        raise DamagedCheckpointError(f"--resume: no checkpoint in {str(ckpt_dir)!r} verifies "
+                                     f"(the newest: {skipped[0][1]})")
+    if skipped and ctx.rank == 0:
+        names = ", ".join(f"step {s}" for s, _ in skipped)
+        warnings.warn(f"--resume: skipped {names} of {ckpt_dir} ({skipped[0][1]}); resuming from "
+                      f"step {info['step']}, the newest checkpoint that verifies (--resume strict "
+                      f"refuses instead)", stacklevel=2)
+    if steps is not None and info["step"] >= steps:
+        raise nothing_to_train(ckpt_dir, info["step"], steps)
     extra = info["extra"] or {}
     saved = extra.get("data_position")
     if saved is not None and saved != data_position:
@@ -56,8 +116,22 @@ def resume(ckpt_dir, model, optimizer, ctx, data_position: dict, **objects) -> t
     return info["step"], extra
 
 
+ON_SAVE_ERROR = ("stop", "continue")
+
+
 def save(ckpt_dir, model, optimizer, ctx, step: int, data_position: dict, *, keep: int | None,
-         extra: dict | None = None, **objects):
-    """A checkpoint of ``step`` whose ``extra`` records the data position."""
-    return save_checkpoint(ckpt_dir, model, optimizer, ctx, step, keep=keep,
-                           extra={**(extra or {}), "data_position": data_position}, **objects)
+         extra: dict | None = None, on_error: str = "stop", **objects):
+    """A checkpoint of ``step`` whose ``extra`` records the data position. A save that fails (a
+    full disk: :class:`~.errors.NoSpaceError`) raises on every rank, or with
+    ``on_error="continue"`` (``train --on-save-error continue``) is a warning and returns
+    ``None``: training goes on, the next save tries again."""
+    try:
+        return save_checkpoint(ckpt_dir, model, optimizer, ctx, step, keep=keep,
+                               extra={**(extra or {}), "data_position": data_position},
+                               **objects)
+    except CheckpointError as exc:  # the same on every rank: they all go on, or all stop
+        if on_error != "continue":
+            raise
+        if ctx.rank == 0:
+            warnings.warn(f"{exc}; training goes on (--on-save-error continue)", stacklevel=2)
+        return None

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
@@ -56,6 +57,28 @@ def quiet_unless_lead():
         return
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         yield
+
+
+@contextlib.contextmanager
+def one_line_warnings(command: str):
+    """While the block runs, a Python warning prints as ``ops-transformer CMD: warning: MESSAGE``
+    (one line, no source path), once per message, and only from the lead process or rank 0: local
+    ranks forked by ``launch`` inherit this, so a warning every rank raises appears once."""
+    seen: set[str] = set()
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = " ".join(str(message).split())
+        if text in seen or not is_lead():
+            return
+        seen.add(text)
+        print(f"ops-transformer {command}: warning: {text}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 def refuse_torchrun(command: str, why: str) -> None:
@@ -98,6 +121,29 @@ def check_out_file(path: str | os.PathLike, flag: str = "--out") -> Path:
                          f"{_reason(exc)}") from None
     _check_writable(out.parent, flag, path)
     return out
+
+
+def missing_dirs(path: str | os.PathLike | None) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first: what
+    :func:`check_out_dir` will create, for :func:`remove_if_empty`."""
+    if not path:
+        return []
+    missing = []
+    for p in [Path(path), *Path(path).parents]:
+        if p.exists():
+            break
+        missing.append(p)
+    return missing
+
+
+def remove_if_empty(dirs: list[Path]) -> None:
+    """Remove the directories of :func:`missing_dirs` that are still empty (a run that failed
+    before writing leaves no empty ``runs/train-…`` behind), deepest first."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            break  # not empty (or gone): keep it and its parents
 
 
 def _check_writable(directory: Path, flag: str, path) -> None:

@@ -159,6 +159,28 @@ def load_tokenizer(root: Path):
     return AutoTokenizer.from_pretrained(root) if has_files else ByteTokenizer()
 
 
+def check_split(config, auto_class: str, tp: int, command: str) -> None:
+    """The sizes ``parallelize`` would split divide by ``tp`` (whole heads per rank, KV heads
+    split or replicated): checked from the config with the model built on the meta device, so that
+    ``--tp 5`` on 12 heads is one line before any rank starts or loads a weight."""
+    if tp <= 1:
+        return
+    import torch
+
+    from ..parallelize.hf_plans import hf_plan
+
+    transformers = import_transformers(command)
+    try:
+        with torch.device("meta"):
+            model = getattr(transformers, auto_class).from_config(config)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"cannot build the model from its config: {_first_line(exc)}") from None
+    try:
+        hf_plan(model, tp)
+    except ValueError as exc:
+        raise ValueError(f"--tp {tp}: {exc}") from None
+
+
 def load_parallel(root: Path, auto_class: str, tp: int):
     """``(ctx, model)``: the model loaded on this rank, in eval mode, parallelised over ``tp`` —
     each rank reading only its shards onto its device (:func:`~ops_transformer.from_pretrained`).

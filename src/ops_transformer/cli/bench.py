@@ -3,11 +3,14 @@ training step, interleaved (:mod:`ops_transformer.profiler.bench`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..models.gpt import preset
 from ..parallel import launch
 from ..profiler.bench import METHODS, RATIOS, TP, Size, _key, rank_main, summarise
 from ..utils.progress import format_table
 from ._common import add_launch_timeout, launch_timeout, print_json, refuse_torchrun, status
+from ._calibrated import command_profile
 
 HELP = ("time one GPT training step: ours (tp=2) vs PyTorch DTensor TP vs the plain model, "
         "interleaved; medians and ratios")
@@ -40,10 +43,27 @@ def check(args) -> Size:
                 warmup=args.warmup)
 
 
+def predictions(size: Size, profile) -> dict[str, float]:
+    """The calibrated local model's step time (ms) of ``ours`` (tp 2 on 2 ranks) and of ``tp1``
+    and ``plain`` (one process while the other waits); ``{}`` without a calibrated profile."""
+    from ..profiler.local_model import predict_step_s
+    from ..train import TrainConfig
+
+    cfg = TrainConfig(preset=size.preset, batch=size.batch, seq=size.seq, steps=size.steps)
+    ours = predict_step_s(replace(cfg, tp=TP), TP, profile)
+    if ours is None:
+        return {}
+    one = predict_step_s(cfg, 1, profile, attention="heads", vocab="replicated")
+    return {"ours": 1e3 * ours, "tp1": 1e3 * one, "plain": 1e3 * one}
+
+
 def table(row: dict) -> str:
+    predicted = row.get("predicted_ms", {})
     times = format_table([{"method": m, "rank 0 median ms": round(row["ms"][m], 3),
                            "per-round ms (min-max)": f"{row['round_ms'][m][0]:.2f}-"
-                                                     f"{row['round_ms'][m][1]:.2f}"}
+                                                     f"{row['round_ms'][m][1]:.2f}",
+                           **({"predicted ms": round(predicted[m], 2) if m in predicted else None}
+                              if predicted else {})}
                           for m in METHODS])
     ratios = format_table([{"ratio": _key(n, d), "pooled": round(row["ratios"][_key(n, d)], 3),
                             "paired median [min-max]": "{median:.2f} [{min:.2f}-{max:.2f}]".format(
@@ -62,8 +82,11 @@ def run(args) -> int:
     per_rank = launch(rank_main, TP, [size], args.rounds, args.steps, args.warmup,
                       timeout=timeout)
     row = summarise(per_rank)[0]
+    row["predicted_ms"] = predictions(size, command_profile(None))  # calibrated model, if any
     if args.json:
         print_json({"row": row, "methods": METHODS})
         return 0
     print(table(row))
+    if not row["predicted_ms"]:
+        print("\n(no predicted times: run `ops-transformer calibrate` for the local model)")
     return 0

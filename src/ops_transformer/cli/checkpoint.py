@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..checkpoint import adapters as lora_export
 from ..checkpoint import export as ex
 from ..checkpoint import store
+from ..checkpoint.reader import UnsafeCheckpointError
 from ..train import TrainConfig
 from ..utils.progress import format_table
 from ._common import check_out_dir, check_out_file, print_json, refuse_torchrun
@@ -28,6 +30,14 @@ def add_parser(p) -> None:
     export.add_argument("--step", type=int, help="which checkpoint (default: the latest)")
     export.add_argument("--out", required=True, help="a .safetensors file; for a Hugging Face "
                         "model a directory (save_pretrained) unless it ends in .safetensors")
+    form = export.add_mutually_exclusive_group()
+    form.add_argument("--adapter", action="store_true", help="a LoRA checkpoint's adapters as a "
+                      "PEFT adapter directory (PeftModel.from_pretrained(base, OUT) loads it)")
+    form.add_argument("--merge", action="store_true", help="a LoRA checkpoint's base with the "
+                      "adapters merged: a save_pretrained directory (a .safetensors file for a "
+                      "preset GPT)")
+    export.add_argument("--base", metavar="DIR", help="with --merge: the base model directory, "
+                        "when it is no longer where training read it")
 
 
 def add_checkpoint_arguments(p) -> None:
@@ -36,18 +46,25 @@ def add_checkpoint_arguments(p) -> None:
     defaults = TrainConfig()
     p.add_argument("--save-every", type=int, default=defaults.save_every, help="checkpoint every "
                    f"N steps (default {defaults.save_every}: only after the last step)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in "
-                   "--ckpt-dir if there is one (the same command starts and restarts a job)")
+    p.add_argument("--resume", nargs="?", const=True, default=False, choices=(True, "strict"),
+                   metavar="strict", help="continue from the latest checkpoint in --ckpt-dir if "
+                   "there is one (the same command starts and restarts a job); a damaged latest "
+                   "one is skipped with a warning for the newest that verifies, unless "
+                   "'--resume strict'")
     p.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
                    help="with --nproc: restart all ranks after a failure this many times "
                    "(torchrun: use its own --max-restarts)")
     p.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints,
                    help=f"newest checkpoints kept (default {defaults.keep_checkpoints})")
+    p.add_argument("--on-save-error", choices=("stop", "continue"), default=defaults.on_save_error,
+                   help="when a checkpoint cannot be saved (a full disk): stop the run (default), "
+                   "or warn and go on training (the next save tries again)")
 
 
 def checkpoint_settings(args) -> dict:
     """The ``TrainConfig`` fields of the checkpoint flags (absent flags: the defaults)."""
-    names = ("ckpt_dir", "save_every", "resume", "max_restarts", "keep_checkpoints")
+    names = ("ckpt_dir", "save_every", "resume", "max_restarts", "keep_checkpoints",
+             "on_save_error")
     return {n: getattr(args, n) for n in names if hasattr(args, n)}
 
 
@@ -69,7 +86,9 @@ def _rows(info: dict) -> list[dict]:
             "layout": (f"dp={layout['dp']} × tp={layout['tp']}"
                        + (f" × ep={layout['ep']}" if layout.get("ep", 1) > 1 else "")
                        if layout else "?"),
-            "model": c.get("model", {}).get("class", "?"),
+            "model": c.get("model", {}).get("class", "?") + (
+                f" + LoRA r{c['model']['lora']['rank']}" if c.get("model", {}).get("lora")
+                else ""),
             "optimizer": c.get("optimizer") or "-",
             "size": _size(c["total_bytes"]) if "total_bytes" in c else "?",
             "files": len(c.get("files", {})),
@@ -84,6 +103,7 @@ def _inspect(args) -> int:
     info = ex.describe_root(Path(args.dir), check=not args.no_verify)
     if args.json:
         print_json(info)
+        _refuse_unsafe(info)
         return 0
     if not info["checkpoints"]:
         print(f"{info['root']}: no checkpoint")
@@ -91,13 +111,26 @@ def _inspect(args) -> int:
         print(format_table(_rows(info)))
     for name in info["incomplete"]:
         print(f"incomplete (a save in progress or interrupted; ignored): {name}")
+    _refuse_unsafe(info)
     bad = [c for c in info["checkpoints"] if c["status"] not in ("ok", "not verified")]
     return 1 if bad else 0
 
 
+def _refuse_unsafe(info: dict) -> None:
+    """A checkpoint whose pickles ask for more than checkpoints hold is an error (exit 2), after
+    the table: it is crafted, not damaged."""
+    unsafe = [c for c in info["checkpoints"] if c.get("unsafe")]
+    if unsafe:
+        more = f" ({len(unsafe) - 1} more)" if len(unsafe) > 1 else ""
+        raise UnsafeCheckpointError(unsafe[0]["status"] + more)
+
+
 def _export(args) -> int:
     out = Path(args.out)
-    manifest = store.read_manifest(store.resolve(args.dir, args.step))  # small: no tensors read
+    path = store.resolve(args.dir, args.step)
+    manifest = store.read_manifest(path)  # small: no tensors read
+    if args.adapter or args.merge or manifest["model"].get("lora"):
+        return _export_lora(args, out, path, manifest)
     huggingface = manifest["model"].get("kind") == "huggingface" and out.suffix != ".safetensors"
     (check_out_dir if huggingface else check_out_file)(out, "--out")
     state, manifest = ex.dense_state_dict(args.dir, args.step)
@@ -111,6 +144,30 @@ def _export(args) -> int:
         ex.export_safetensors(state, manifest, out)
         what = "a safetensors file"
     print(f"wrote {out}: {what}, {len(state)} tensors of step {manifest['step']}")
+    return 0
+
+
+def _export_lora(args, out: Path, path: Path, manifest: dict) -> int:
+    """``--adapter`` / ``--merge`` of a LoRA checkpoint (which holds its adapters only)."""
+    info = lora_export.lora_info(manifest, path)
+    if not (args.adapter or args.merge):
+        raise ValueError(f"checkpoint {path} holds LoRA adapters only (rank {info['rank']} on "
+                         f"{len(info['targets'])} modules): export them with --adapter (a PEFT "
+                         f"adapter directory) or --merge (the base with them merged)")
+    if args.base and not args.merge:
+        raise ValueError("--base applies to --merge (the adapter directory needs no base)")
+    directory = args.adapter or manifest["model"].get("kind") == "huggingface"
+    (check_out_dir if directory else check_out_file)(out, "--out")
+    state, manifest = ex.dense_state_dict(args.dir, args.step)
+    if args.adapter:
+        lora_export.export_peft_adapter(state, manifest, out, path)
+        what = (f"a PEFT adapter directory (rank {info['rank']}, {len(info['targets'])} "
+                f"modules)")
+    else:
+        lora_export.export_merged(state, manifest, out, path, base_dir=args.base)
+        what = (f"the base with {len(info['targets'])} adapters merged"
+                + (" (save_pretrained)" if directory else ""))
+    print(f"wrote {out}: {what}, step {manifest['step']}")
     return 0
 
 

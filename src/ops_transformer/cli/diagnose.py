@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..profiler.diagnose import SEVERITIES
 from ..profiler.run import check_measuring_only, dense_diagnostics, diagnose_worker
 from ..utils.progress import format_table
@@ -29,7 +31,7 @@ def table(found: list[dict]) -> str:
 
 
 def run(args) -> int:
-    cfg = train_cli.config_from_args(args, "diagnose")
+    cfg = replace(train_cli.config_from_args(args, "diagnose"), out=None)  # it writes no file
     check_measuring_only(cfg, "diagnose")
     found = dense_diagnostics(cfg, cfg.tp)
     if not args.static and not any(d["severity"] == "error" for d in found):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import add_launch_timeout, launch_timeout, print_json
-from ._hf import check_model_dir, load_parallel, load_tokenizer, run_on_ranks
+from ._hf import check_model_dir, check_split, load_parallel, load_tokenizer, run_on_ranks
 
 HELP = "sentence embeddings from a local Hugging Face encoder split over tp ranks"
 
@@ -47,7 +47,10 @@ def _worker(root, tp, texts):
 def run(args) -> int:
     if any(not t for t in args.text):
         raise ValueError("--text is empty: give a sentence to embed")
-    root, _ = check_model_dir(args.model, "embed")
+    if args.tp < 1:
+        raise ValueError(f"--tp must be at least 1, got {args.tp}")
+    root, config = check_model_dir(args.model, "embed")
+    check_split(config, "AutoModel", args.tp, "embed")
     result = run_on_ranks(_worker, args.tp, args.nproc, root, args.tp, args.text,
                           timeout=launch_timeout(args))
     if result is None:  # not rank 0 of a torchrun job

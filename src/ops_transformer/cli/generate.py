@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ._common import add_launch_timeout, launch_timeout, print_json
-from ._hf import check_causal_lm, check_model_dir, load_parallel, load_tokenizer, run_on_ranks
+from ._hf import (check_causal_lm, check_model_dir, check_split, load_parallel, load_tokenizer,
+                  run_on_ranks)
 
 HELP = "generate text with a local Hugging Face causal LM split over tp ranks"
 
@@ -54,8 +55,11 @@ def run(args) -> int:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if not args.temperature >= 0:
         raise ValueError(f"--temperature must be 0 (greedy) or positive, got {args.temperature}")
+    if args.tp < 1:
+        raise ValueError(f"--tp must be at least 1, got {args.tp}")
     root, config = check_model_dir(args.model, "generate")
     check_causal_lm(root, config)
+    check_split(config, "AutoModelForCausalLM", args.tp, "generate")
     result = run_on_ranks(_worker, args.tp, args.nproc, root, args.tp, args.prompt,
                           args.max_new_tokens, args.temperature, args.seed,
                           timeout=launch_timeout(args))

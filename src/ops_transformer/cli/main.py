@@ -1,25 +1,30 @@
 """``ops-transformer <command>``: argument parsing and uniform error handling.
 
 A user error (``ValueError``, also when raised on a rank) prints one clear line and exits with code
-2; ``--debug`` shows its traceback instead. Nothing else is caught. Under ``torchrun`` only rank 0
+2; a rank that died or failed otherwise prints its cause in one line (exit 1; a timeout adds the
+ranks' stacks); ``--debug`` shows the traceback instead. Nothing else is caught. Under ``torchrun`` only rank 0
 writes to stdout, so a result (and a ``--json`` document) appears once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from .._version import __version__
 from . import calibrate, checkpoint, demo, embed, generate, plan, train
 from . import bench, diagnose, memory, profile, sweep
-from ._common import error_line, quiet_unless_lead
+from . import check
+from ..parallel.launch import RankError
+from ._common import error_line, one_line_warnings, quiet_unless_lead
 
 COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,
             "calibrate": calibrate, "profile": profile, "diagnose": diagnose, "sweep": sweep,
             "bench": bench}
 COMMANDS["memory"] = memory
 COMMANDS["checkpoint"] = checkpoint
+COMMANDS["check"] = check
 DEBUG_HELP = "show the traceback of an error instead of one line"
 
 
@@ -45,16 +50,34 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with quiet_unless_lead():
+        with quiet_unless_lead(), (contextlib.nullcontext() if args.debug
+                                   else one_line_warnings(args.command)):
             return COMMANDS[args.command].run(args) or 0
     except ValueError as exc:
         if args.debug:
             raise
         print(error_line(args.command, exc), file=sys.stderr)
         return 2
+    except RankError as exc:  # a rank died or failed: its cause, not the launcher's traceback
+        if args.debug:
+            raise
+        print(rank_failure(args.command, exc), file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def rank_failure(command: str, exc: BaseException) -> str:
+    """A failed rank in one line — ``[rank 1/2] rank 1 exited with code -9 (killed by signal 9,
+    SIGKILL) …`` and which ranks failed after it; a timeout keeps the ranks' stacks below it."""
+    text = str(exc)
+    first, _, stacks = text.partition("\n--- rank ")
+    notes = " ".join(getattr(exc, "__notes__", []))
+    line = error_line(command, Exception(first + (f" ({notes})" if notes else "")))
+    if stacks:
+        return f"{line}\n--- rank {stacks}"
+    return line + (" (--debug shows its traceback)" if getattr(exc, "remote_traceback", "") else "")
 
 
 if __name__ == "__main__":

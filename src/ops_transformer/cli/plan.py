@@ -232,6 +232,8 @@ def run(args) -> int:
               f"s/step predicted, MFU {result['mfu']:.0%}, "
               f"{result['memory_per_gpu_bytes'] / 1e9:.1f} GB per GPU"
               + ("" if result["fits"] else f" — {'; '.join(result['problems'])}"))
+        if result.get("train_problem"):
+            print(f"train cannot run this layout as written: {result['train_problem']}")
         return 0
     print(f"\n{'best' if result['best'] else 'no plan fits'}: {result['advice']}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import statistics
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -78,7 +79,7 @@ def chart(result: dict, path: Path) -> Path:
     return write_bar_pairs_png(
         path, [r["config"] for r in ok],
         {"measured": [1e3 * r["step_s"] for r in ok],
-         "planner's prediction": [None if r["predicted_step_s"] is None
+         "predicted": [None if r["predicted_step_s"] is None
                                   else 1e3 * r["predicted_step_s"] for r in ok]},
         title=f"{result['preset']}, batch {result['batch']} × seq {result['seq']} on "
               f"{result['nproc']} rank(s): median step time", ylabel="ms per step")
@@ -115,6 +116,11 @@ def run(args) -> int:
         print_json(result)
         return 0
     print(table(result))
+    ok = [r for r in result["rows"] if r["status"] == "ok" and r["predicted_step_s"]]
+    if ok:
+        errors = sorted(abs(r["predicted_step_s"] / r["step_s"] - 1) for r in ok)
+        print(f"\npredicted by the {result['prediction_model']}: median |error| "
+              f"{statistics.median(errors):.0%} over {len(ok)} configuration(s)")
     for name, values in result["unavailable"].items():
         shown = ",".join("on" if v is True else "off" if v is False else str(v) for v in values)
         print(f"\n--{name.replace('_', '-')} {shown}: unavailable in this "

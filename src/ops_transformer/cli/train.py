@@ -3,13 +3,17 @@ fine-tuned), with ``dp × ep × tp`` parallelism on local ranks or under ``torch
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ..models.gpt import PRESETS
+from ..checkpoint.space import check_free
+from ..checkpoint.training import check_resume
+from ..models.gpt import GPT, PRESETS
 from ..parallel.restart import launch_with_restarts
 from ..parallel import launch
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
@@ -24,8 +28,8 @@ from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..planner.overlap import OVERLAP_MODES
 from ..utils.progress import format_table
-from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
-                      status, under_torchrun, world_size)
+from ._common import (add_launch_timeout, check_out_dir, launch_timeout, missing_dirs,
+                      print_json, remove_if_empty, status, under_torchrun, world_size)
 from ._calibrated import command_profile
 from ._hf import check_causal_lm, check_model_dir
 from .checkpoint import add_checkpoint_arguments, checkpoint_settings
@@ -104,10 +108,36 @@ def add_training_arguments(p) -> None:
                    f"(fp16 with a dynamic loss scaler); default {D.precision}")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
+    add_lora_arguments(p)
     add_checkpoint_arguments(p)
     add_launch_timeout(p)
     p.add_argument("--tensorboard", metavar="DIR", help="log loss, tokens/s, communication (and "
                    "the loss scale, with one) as TensorBoard scalars in DIR")
+
+
+def add_lora_arguments(p) -> None:
+    """``--lora-rank`` and the options of LoRA fine-tuning (docs/finetuning.md)."""
+    p.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R on "
+                   "the attention and FFN linears (or --lora-targets), every other weight frozen")
+    p.add_argument("--lora-alpha", type=float, metavar="A",
+                   help="the adapters' alpha: their output is scaled by A/R (default: R)")
+    p.add_argument("--lora-targets", type=_targets, metavar="P1,P2,...", help="module names or "
+                   "fnmatch patterns of the linears to adapt, e.g. '*.q_proj,*.v_proj'")
+    p.add_argument("--lora-dropout", type=float, default=D.lora_dropout, metavar="P",
+                   help=f"dropout on the adapters' input (default {D.lora_dropout:g})")
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    targets = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not targets:
+        raise argparse.ArgumentTypeError("expected comma-separated module names or patterns")
+    return targets
+
+
+def lora_settings(args) -> dict:
+    """The ``TrainConfig`` fields of the ``--lora-*`` flags (absent flags: the defaults)."""
+    return {name: getattr(args, name) for name in ("lora_rank", "lora_alpha", "lora_targets",
+                                                   "lora_dropout") if hasattr(args, name)}
 
 
 def layout_from_plan(path: str) -> dict:
@@ -125,6 +155,23 @@ def layout_from_plan(path: str) -> dict:
             "attention": layout["attention"], **memory_from_plan(layout, path)}
 
 
+def _note_micro_batch(args, layout: dict) -> None:
+    """The plan's micro-batch is a property of its global batch; ``train`` runs each rank's rows
+    of ``--batch`` in one step (no gradient accumulation): say so when they differ."""
+    try:
+        data = json.loads(Path(args.plan).read_text())
+        chosen_layout(data)
+        planned = (data.get("best") or data).get("micro_batch")
+    except (OSError, ValueError, AttributeError):
+        return
+    readers = (layout["dp"] or 1) * layout.get("ep", 1)
+    if planned and planned * readers != args.batch:
+        status(f"ops-transformer train: note: --plan plans micro-batches of {planned} "
+               f"sequence(s) per rank; train runs the {args.batch / readers:g} rows of --batch "
+               f"{args.batch} each rank reads in one step (--batch {planned * readers} runs the "
+               f"plan's micro-batch)")
+
+
 def config_from_args(args, out_prefix: str) -> TrainConfig:
     out = args.out or f"runs/{out_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
     given = {"tp": args.tp, "dp": args.dp, "ep": getattr(args, "ep", None),
@@ -134,6 +181,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
     layout = {k: getattr(D, k) if v is None else v for k, v in given.items()}  # absent: defaults
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
+        _note_micro_batch(args, layout)
         conflicts = [f"--{k.replace('_', '-')} {v} (the plan has {layout[k]})"
                      for k, v in given.items() if v is not None and v != layout[k]]
         if conflicts:
@@ -157,7 +205,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        activation_cache=getattr(args, "activation_cache", D.activation_cache),
                        overlap=getattr(args, "overlap", D.overlap),
                        chunks=getattr(args, "chunks", D.chunks),
-                       **checkpoint_settings(args))
+                       **checkpoint_settings(args), **lora_settings(args))
 
 
 def run_training(cfg: TrainConfig, nproc: int | None,
@@ -173,11 +221,32 @@ def run_training(cfg: TrainConfig, nproc: int | None,
     if cfg.model:
         _check_model_dir(cfg.model)
     validate(cfg, world_size() if nproc is None else nproc, say=status)
+    check_resume(cfg)
     profile = command_profile("--attention auto" if cfg.attention == "auto" else None)
+    created = [missing_dirs(cfg.out), missing_dirs(cfg.ckpt_dir)]
+    try:
+        return _checked_run(cfg, nproc, timeout, worker, args, profile)
+    except BaseException:
+        for dirs in created:  # a run that failed before writing leaves no empty directory
+            remove_if_empty(dirs)
+        raise
+
+
+def _checked_run(cfg: TrainConfig, nproc: int | None, timeout: float, worker, args: tuple,
+                 profile) -> dict | None:
     if cfg.out:
         check_out_dir(cfg.out)
     if cfg.ckpt_dir:
         check_out_dir(cfg.ckpt_dir, "--ckpt-dir")
+        goes_on = cfg.on_save_error == "continue"
+        try:
+            check_free(cfg.ckpt_dir, checkpoint_bytes(cfg), "saving the first checkpoint of "
+                       "this run", "; training anyway (--on-save-error continue)" if goes_on
+                       else "; nothing was run", place=f"--ckpt-dir {cfg.ckpt_dir}")
+        except ValueError as exc:
+            if not goes_on:
+                raise
+            status(f"ops-transformer train: warning: {exc}")
     extra = {} if profile is None else {"profile": profile}  # none: the built-in profile
     if nproc is not None:
         return launch_with_restarts(worker, nproc, cfg, *args, max_restarts=cfg.max_restarts,
@@ -195,6 +264,23 @@ def run_training(cfg: TrainConfig, nproc: int | None,
         torch.set_num_threads(threads)
 
 
+def checkpoint_bytes(cfg: TrainConfig) -> int:
+    """About the size of one checkpoint of ``cfg``: the weights and AdamW's two states (fp32 for
+    the reference GPT; for ``--model DIR`` three times its weight files, in their dtype)."""
+    if cfg.model:
+        files = [p for p in Path(cfg.model).iterdir()
+                 if p.suffix in (".safetensors", ".bin") and p.is_file()]
+        return 3 * sum(p.stat().st_size for p in files) + (1 << 20)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(cfg.model_config()).parameters())
+    return 3 * 4 * params + (1 << 20)
+
+
+def output_bytes(cfg: TrainConfig) -> int:
+    """About what ``train`` writes to ``--out``: ``metrics.json`` (the losses) and ``loss.png``."""
+    return (256 << 10) + 64 * cfg.steps
+
+
 def _check_model_dir(path: str) -> None:
     root, config = check_model_dir(path, "train --model")
     check_causal_lm(root, config, "train --model")
@@ -207,6 +293,18 @@ def launch_size(args, cfg: TrainConfig) -> int | None:
     if args.nproc is None and not under_torchrun() and (args.plan or size > 1):
         return size
     return args.nproc
+
+
+def _add_prediction(metrics: dict, cfg: TrainConfig, nproc: int) -> None:
+    """``train --plan``: the calibrated local model's step time for this run next to the
+    measured one (``predicted_step_s``; ``None`` without a calibrated profile)."""
+    from ..profiler.local_model import predict_step_s
+
+    if cfg.model:  # the local model knows the reference GPT only
+        return
+    metrics["predicted_step_s"] = predict_step_s(cfg, nproc, command_profile(None),
+                                                 attention=metrics["attention"],
+                                                 vocab=metrics["vocab"])
 
 
 def summary(metrics: dict) -> str:
@@ -222,6 +320,8 @@ def summary(metrics: dict) -> str:
         {"": "loss first → last", "value": f"{metrics['loss_first']:.4f} → "
                                            f"{metrics['loss_last']:.4f}"},
         {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s'] or 0:,.0f}"},
+        *([{"": "step ms measured / predicted", "value": _predicted_line(metrics)}]
+          if "predicted_step_s" in metrics else []),
         {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
     ]
     if metrics["config"].get("overlap", "none") != "none":
@@ -237,6 +337,14 @@ def summary(metrics: dict) -> str:
     return format_table(rows)
 
 
+def _predicted_line(metrics: dict) -> str:
+    measured, predicted = metrics["median_step_s"], metrics["predicted_step_s"]
+    if predicted is None:
+        return f"{1e3 * (measured or 0):.2f} / - (run `ops-transformer calibrate`)"
+    return (f"{1e3 * (measured or 0):.2f} / {1e3 * predicted:.2f} (calibrated local model, "
+            f"{predicted / measured - 1:+.0%})" if measured else f"- / {1e3 * predicted:.2f}")
+
+
 def _precision_line(metrics: dict) -> str:
     line = metrics.get("precision", "fp32")
     if "loss_scale" in metrics:
@@ -248,14 +356,27 @@ def _precision_line(metrics: dict) -> str:
 
 def run(args) -> int:
     cfg = config_from_args(args, "train")
-    metrics = run_training(cfg, launch_size(args, cfg), launch_timeout(args))
+    check_free(cfg.out, output_bytes(cfg), "writing metrics.json and loss.png",
+               "; nothing was run", place=f"--out {cfg.out}")
+    nproc = launch_size(args, cfg)
+    metrics = run_training(cfg, nproc, launch_timeout(args))
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
+    if getattr(args, "plan", None):
+        _add_prediction(metrics, cfg, nproc or world_size())
     if args.json:
         print_json(metrics)
-        return 0
-    print(summary(metrics))
-    if metrics["sample"] is not None:
-        print(f"\nsample: {metrics['sample']!r}")
-    print(f"\nwrote {Path(cfg.out) / 'metrics.json'} and {Path(cfg.out) / 'loss.png'}")
+    else:
+        print(summary(metrics))
+        if metrics["sample"] is not None:
+            print(f"\nsample: {metrics['sample']!r}")
+    lost = metrics.get("outputs_not_written")
+    if lost:  # the run is done; its results are what was printed
+        print(f"ops-transformer train: error: metrics.json and loss.png could not be written to "
+              f"{lost}; the metrics are printed above" + ("" if args.json else
+                                                          " (--json prints all of them)"),
+              file=sys.stderr)
+        return 1
+    if not args.json:
+        print(f"\nwrote {Path(cfg.out) / 'metrics.json'} and {Path(cfg.out) / 'loss.png'}")
     return 0

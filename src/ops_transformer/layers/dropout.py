@@ -162,9 +162,16 @@ def dropout(x: torch.Tensor, p: float, layout: Layout, training: bool = True) ->
     ``p == 0``."""
     if not training or p == 0.0:
         return x
+    return dropout_at(x, p, layout.index(tuple(x.shape), x.device))
+
+
+def dropout_at(x: torch.Tensor, p: float, index: torch.Tensor) -> torch.Tensor:
+    """Dropout ``p`` (in training) of ``x``, whose elements have the one-device indices ``index``
+    (shaped like ``x``): for a part no :class:`Layout` describes (a row-parallel layer's input
+    features, LoRA's dropout)."""
     if p >= 1.0:
         return x * 0.0
-    keep = keep_mask(draw_seed(x.device), layout.index(tuple(x.shape), x.device), p)
+    keep = keep_mask(draw_seed(x.device), index, p)
     return _MaskedScale.apply(x, keep, 1.0 / (1.0 - p))
 
 
@@ -182,7 +189,8 @@ class ParallelDropout(nn.Module):
     def from_dense(cls, module: nn.Dropout, layout: Layout) -> ParallelDropout:
         if type(module) is not nn.Dropout:
             raise ValueError(f"ParallelDropout replaces an nn.Dropout, got {type(module).__name__}")
-        return cls(module.p, layout)
+        layer = cls(module.p, layout)
+        return layer.train(module.training)  # the mode of the nn.Dropout it replaces
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.p, self.layout, self.training)

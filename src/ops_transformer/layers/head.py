@@ -84,6 +84,15 @@ class GatheredLMHead(VocabParallelLMHead):
     ``N·V_padded`` elements — so ``generate`` and the model's loss work unchanged. With
     ``gather=False`` it returns this rank's shard instead, for a vocab-parallel loss."""
 
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        """The vocabulary, as on the ``nn.Linear`` it replaced (models read it for their loss)."""
+        return self.vocab_size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shard = self.logits_shard(x)
         return self.full_logits(shard) if self.options.get("gather", True) else shard

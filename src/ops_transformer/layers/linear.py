@@ -175,17 +175,21 @@ class ColumnParallelLinear(nn.Module):
         return self._forward(x, self.weight, self.bias)
 
     def _forward(self, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+        y = self.local_output(x, weight, bias)
         if self.tp_size == 1:
-            return F.linear(x, weight, bias)
-        if self.reduce_input_grad:
-            y = linear_with_grad_all_reduce(x, weight, bias, self.tp_group)
-        else:
-            y = F.linear(x, weight, bias)
+            return y
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group, -1)
             if self._gather_order is not None:
                 y = y.index_select(-1, self._gather_order)
         return y
+
+    def local_output(self, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+        """This rank's output features ``x W_rᵀ + b_r``, before any gather (an adapter adds its
+        own here: :mod:`.lora`)."""
+        if self.tp_size > 1 and self.reduce_input_grad:
+            return linear_with_grad_all_reduce(x, weight, bias, self.tp_group)
+        return F.linear(x, weight, bias)
 
     def to_dense(self) -> nn.Linear:
         """The dense ``nn.Linear`` (collective over the TP group; every rank gets it)."""
@@ -251,15 +255,22 @@ class RowParallelLinear(nn.Module):
 
     def _forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, weight, self.bias)
+            return self.partial_output(x, weight, self.bias)  # the whole sum
         x_local = x if self.input_is_parallel else scatter_to_tp_region(x, self.tp_group, -1)
         if x_local.shape[-1] != self.in_features_per_rank:
             raise ValueError(
                 f"RowParallelLinear expects the last dimension of its input to be "
                 f"in_features_per_rank ({self.in_features_per_rank} = {self.in_features} / tp "
                 f"{self.tp_size}) with input_is_parallel=True, got {x_local.shape[-1]}")
-        y = reduce_from_tp_region(F.linear(x_local, weight), self.tp_group, inplace=True)
+        y = reduce_from_tp_region(self.partial_output(x_local, weight), self.tp_group,
+                                  inplace=True)
         return y + self.bias if self.bias is not None else y
+
+    def partial_output(self, x_local: torch.Tensor, weight: torch.Tensor,
+                       bias=None) -> torch.Tensor:
+        """``x_r W_rᵀ (+ b)``: this rank's partial sum of the output, before it is reduced (an
+        adapter adds its own partial here: :mod:`.lora`)."""
+        return F.linear(x_local, weight, bias)
 
     def to_dense(self) -> nn.Linear:
         """The dense ``nn.Linear`` (collective over the TP group; every rank gets it)."""

@@ -45,7 +45,6 @@ draw the same pattern for their slices (Megatron keeps a separate generator per 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..comm import collectives as C
 from ..comm.bucketing import mark_partial_grad, partial_grad_group
@@ -145,7 +144,7 @@ class SequenceParallelRowLinear(RowParallelLinear):
                              f"to be in_features_per_rank ({self.in_features_per_rank}), got "
                              f"{x.shape[-1]}")
         check_sequence_length(x, self.tp_group)
-        y = reduce_scatter_sequence(F.linear(x, self.weight), self.tp_group)
+        y = reduce_scatter_sequence(self.partial_output(x, self.weight), self.tp_group)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -157,11 +157,11 @@ class RegatherColumnLinear(ColumnParallelLinear):
         new.__dict__.update(layer.__dict__)  # the same parameters, buffers and hooks
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def local_output(self, x: torch.Tensor, weight, bias) -> torch.Tensor:
         entry = entry_of(x) if self.tp_size > 1 else None
         if entry is None or not torch.is_grad_enabled():
-            return super().forward(x)
-        return linear_regathering_input(x, self.weight, self.bias, entry)
+            return super().local_output(x, weight, bias)
+        return linear_regathering_input(x, weight, bias, entry)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", sequence_parallel='regather'"

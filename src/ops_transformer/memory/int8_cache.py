@@ -80,11 +80,14 @@ def _overlaps(x: torch.Tensor) -> bool:
 
 def _produced_by_autograd(x: torch.Tensor) -> bool:
     """An activation: computed from the parameters (has a ``grad_fn``) and not a view of a leaf
-    (a parameter's transpose saved by a linear layer is a view of a leaf)."""
+    that requires grad (a parameter's transpose saved by a linear layer is a view of one). A view
+    whose base is a leaf that does *not* require grad is an activation too: a custom autograd
+    function's output — the tensor-parallel linears' at tp > 1 — is a view of what ``F.linear``
+    computed under no-grad inside ``forward`` (a 3-d input's matmul reshaped)."""
     if x.grad_fn is None:
         return False
     base = x._base
-    return base is None or not base.is_leaf
+    return base is None or not (base.is_leaf and base.requires_grad)
 
 
 class Int8ActivationCache:

@@ -3,18 +3,15 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
 from ..comm.bucketing import partial_grad_group
 from ..layers.sequence_parallel import sequence_parallel_mode
+from ..planner.runnable import ZERO_STAGES, runtime_problem
 from .apply import ACTIVATION_CACHES
 from .recompute import RECOMPUTE
 from .zero import zero_optimizer
-
-ZERO_STAGES = (0, 1, 2)
 
 
 def check_memory_flags(cfg, dp: int, tp: int) -> None:
@@ -28,76 +25,59 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
                          f"{cfg.activation_cache!r}")
     if cfg.zero not in ZERO_STAGES:
         raise ValueError(f"--zero must be 0, 1 or 2, got {cfg.zero!r}")
-    if cfg.zero and dp == 1:
-        raise ValueError(f"--zero {cfg.zero} shards the optimizer over data-parallel ranks, but "
-                         f"dp is 1: run more processes than --tp ({tp}), or drop --zero")
-    if cfg.zero and getattr(cfg, "ep", 1) > 1:
-        raise ValueError(f"--zero with --ep {cfg.ep} is not supported: expert parameters average "
-                         f"over another group than the dense ones; drop --zero or --ep")
     try:
         sequence_parallel_mode(cfg.sequence_parallel)
     except ValueError:
         raise ValueError(f"--sequence-parallel takes no value (the gathered region inputs kept "
                          f"for backward) or 'regather' (only this rank's slice kept, all-gathered "
                          f"again in backward), got {cfg.sequence_parallel!r}") from None
-    if cfg.sequence_parallel and getattr(cfg.model_config(), "n_experts", 0) > 0:
-        raise ValueError(f"--sequence-parallel is not supported for the MoE preset "
-                         f"{cfg.preset!r}: its expert layers have no sequence-parallel form")
-    if cfg.sequence_parallel:
-        if tp == 1:
-            raise ValueError("--sequence-parallel splits the sequence over tensor-parallel ranks, "
-                             "but tp is 1: set --tp 2 or more, or drop --sequence-parallel")
-        if cfg.seq % tp:
-            raise ValueError(f"--sequence-parallel splits the sequence over tp ({tp}) ranks: "
-                             f"the sequence length s ({cfg.seq}) must be divisible by tp ({tp})")
-        if cfg.attention not in ("auto", "heads"):
-            raise ValueError(f"--sequence-parallel needs --attention heads (or auto), got "
-                             f"{cfg.attention!r}")
-    if cfg.recompute == "selective" and cfg.attention == "kv_split" and tp > 1:
-        raise ValueError("--recompute selective replays the attention core, which "
-                         "--attention kv_split spreads over the ranks with communication: use "
-                         "--recompute full or another attention strategy")
+    model = f"the MoE preset {cfg.preset!r}"
+    problem = runtime_problem(tp=tp, dp=dp, ep=getattr(cfg, "ep", 1), attention=cfg.attention,
+                              sequence_parallel=bool(cfg.sequence_parallel),
+                              recompute=cfg.recompute, zero_stage=cfg.zero,
+                              experts=getattr(cfg.model_config(), "n_experts", 0) or 1,
+                              seq=cfg.seq, model=model)
+    if problem:  # the planner's search applies the same rule
+        raise ValueError(problem)
 
 
 def make_optimizer(model: nn.Module, ctx, zero: int, **adamw_kwargs) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s parameters, sharded with ZeRO ``zero`` (1 or 2) when non-zero."""
+    """AdamW over ``model``'s trainable parameters (a LoRA model: its adapters), sharded with
+    ZeRO ``zero`` (1 or 2) when non-zero."""
     if zero:
         return zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, **adamw_kwargs)
-    return torch.optim.AdamW(model.parameters(), **adamw_kwargs)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **adamw_kwargs)
 
 
 def memory_from_plan(layout: dict, path: str) -> dict:
-    """``sequence_parallel``, ``recompute`` and ``zero`` of a planner layout (``train --plan``).
-    What train cannot run is changed with a warning: ZeRO-3 runs as ZeRO-2 (the parameters stay
-    whole), and sequence parallelism is dropped for attention strategies without a
-    sequence-parallel form."""
+    """``sequence_parallel``, ``recompute`` and ``zero`` of a planner layout (``train --plan``),
+    run as written: a combination train cannot run (ZeRO-3, sequence parallelism with an attention
+    strategy that has no sequence-parallel form, …: :func:`~ops_transformer.planner.runnable.
+    runtime_problem`, the rule the planner's search applies) is refused, never changed."""
     zero = layout.get("zero_stage", 0)
-    if zero == 3:
-        warnings.warn(f"--plan {path!r} uses ZeRO-3, which train does not run (parameters are not "
-                      f"sharded): running ZeRO-2; parameter memory will be higher than planned",
-                      stacklevel=3)
-        zero = 2
-    if zero not in ZERO_STAGES:
+    if zero not in (0, 1, 2, 3):
         raise ValueError(f"--plan {path!r} has zero_stage {zero!r}; expected 0, 1, 2 or 3")
     recompute = layout.get("recompute", "none")
     if recompute not in RECOMPUTE:
         raise ValueError(f"--plan {path!r} has recompute {recompute!r}; expected one of "
                          f"{', '.join(RECOMPUTE)}")
     sequence_parallel = bool(layout.get("sequence_parallel", False))
-    if sequence_parallel and layout.get("attention", "heads") not in ("auto", "heads"):
-        warnings.warn(f"--plan {path!r} combines sequence parallelism with attention="
-                      f"{layout['attention']!r}, which has no sequence-parallel form: running "
-                      f"without sequence parallelism; activation memory will be higher than "
-                      f"planned", stacklevel=3)
-        sequence_parallel = False
+    problem = runtime_problem(tp=layout.get("tp", 1), dp=layout.get("dp", 1),
+                              ep=layout.get("ep", 1), attention=layout.get("attention", "heads"),
+                              sequence_parallel=sequence_parallel, recompute=recompute,
+                              zero_stage=zero)
+    if problem:
+        raise ValueError(f"--plan {path!r} cannot run as written: {problem} (train runs a plan as "
+                         f"it is or not at all; plans from this version's planner always run)")
     return {"sequence_parallel": sequence_parallel, "recompute": recompute, "zero": zero}
 
 
 def partial_numel(model: nn.Module, group) -> int:
     """Elements of the parameters whose partial gradients are summed over ``group`` (sequence
-    parallelism's norms and row biases on the TP group)."""
+    parallelism's norms and row biases on the TP group; a LoRA model's replicated factors); a
+    frozen parameter has no gradient to sum."""
     return sum(p.numel() for p in dict.fromkeys(model.parameters())
-               if group is not None and partial_grad_group(p) is group)
+               if group is not None and p.requires_grad and partial_grad_group(p) is group)
 
 
 def memory_summary(config: dict) -> str:

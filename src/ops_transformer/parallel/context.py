@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..comm import collectives as C
 from .nodes import agree_setup, build_engine, resolve_profile_source
+from .rendezvous import job_store
 from .teardown import DEFAULT_TEARDOWN_TIMEOUT_S, destroy_process_groups
 
 MESH_AXES = ("dp", "ep", "tp")
@@ -233,7 +234,9 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
         dp, ep, tp = check_degrees(world_size, tp, dp, ep)  # fail before any rendezvous
         if backend == "nccl":
             torch.cuda.set_device(_local_rank(rank))
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        store = job_store(os.environ, backend, world_size, timeout)  # torchrun's, namespaced
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                **({} if store is None else {"store": store}))
     dp, ep, tp = check_degrees(world_size, tp, dp, ep)
     rank = dist.get_rank()
     declared = ranks_per_node is not None

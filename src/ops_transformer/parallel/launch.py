@@ -2,7 +2,10 @@
 
 ``launch(fn, nprocs, *args, **kwargs)`` starts ``nprocs`` processes with the ``torchrun`` environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)
-already set, so the same ``fn`` runs unchanged under ``torchrun``. Each rank runs with one intra-op
+already set, so the same ``fn`` runs unchanged under ``torchrun``. Forked ranks meet in a store
+that rank 0 serves on a socket the launcher bound before any rank started (the ranks connect to
+it as torchrun's workers do to the agent's, ``TORCHELASTIC_USE_AGENT_STORE=True``), so no other
+job can take the port in between; spawned ranks (no socket to inherit) get a port found free. Each rank runs with one intra-op
 thread. Processes are forked when that is safe (Linux, CUDA not initialised in the parent: ~0.1 s a
 start) and spawned otherwise (every child then imports torch, 3–10 s).
 
@@ -58,6 +61,17 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _listener() -> socket.socket:
+    """A socket listening on a port the system picks. Forked ranks inherit it and rank 0 serves
+    the job's store on it (``TCPStore(master_listen_fd=…)``): the port is bound from before any
+    rank starts, so no other job can take it in between (a port found free, closed, and bound
+    later by rank 0 could be taken by another job in between)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(128)
+    return s
 
 
 def _fork_is_safe() -> bool:
@@ -128,7 +142,9 @@ def launch(fn, nprocs: int, *args, timeout: float = DEFAULT_LAUNCH_TIMEOUT,
     if method not in ("fork", "spawn", "forkserver"):
         raise ValueError(f"start_method must be 'fork', 'spawn' or 'forkserver', got {method!r}")
     mp_ctx = mp.get_context(method)
-    port = _free_port()
+    listener = _listener() if method == "fork" else None  # spawned ranks inherit no socket
+    port = listener.getsockname()[1] if listener is not None else _free_port()
+    endpoint = (port, None if listener is None else listener.fileno())
     parent_pid = None if method == "forkserver" else os.getpid()
     procs, conns, stacks = [], [], []
     with _stop_on_signals():
@@ -137,7 +153,7 @@ def launch(fn, nprocs: int, *args, timeout: float = DEFAULT_LAUNCH_TIMEOUT,
                 reader, writer = mp_ctx.Pipe(duplex=False)
                 stack_reader, stack_writer = mp_ctx.Pipe(duplex=False)
                 p = mp_ctx.Process(target=rank_main, name=f"ops-transformer-rank{rank}",
-                                   daemon=True, args=(rank, nprocs, port, parent_pid, writer,
+                                   daemon=True, args=(rank, nprocs, endpoint, parent_pid, writer,
                                                       stack_writer, fn, args, kwargs))
                 p.start()
                 writer.close()
@@ -145,11 +161,15 @@ def launch(fn, nprocs: int, *args, timeout: float = DEFAULT_LAUNCH_TIMEOUT,
                 procs.append(p)
                 conns.append(reader)
                 stacks.append(stack_reader)
+            if listener is not None:  # the ranks hold it now
+                listener.close()
             return _collect(procs, conns, stacks, nprocs, timeout)
         finally:
             _reap(procs)
             for c in conns + stacks:
                 c.close()
+            if listener is not None:
+                listener.close()
 
 
 class _Stopped(BaseException):

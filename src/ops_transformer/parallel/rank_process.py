@@ -67,7 +67,26 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="ops-transformer-parent-watch", daemon=True).start()
 
 
-def rank_main(rank, nprocs, port, parent_pid, conn, stack_conn, fn, args, kwargs) -> None:
+def serve_store(rank: int, nprocs: int, endpoint: tuple[int, int | None]):
+    """Rank 0 serves the job's store on the socket the launcher bound (``endpoint``: its port and
+    file descriptor, inherited through the fork); the other ranks close their copy. Returns the
+    server (kept alive by the caller) or ``None``."""
+    port, listen_fd = endpoint
+    if listen_fd is None:
+        return None
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank connects as a client
+    if rank != 0:
+        os.close(listen_fd)
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, nprocs, is_master=True, wait_for_workers=False,
+                         master_listen_fd=listen_fd, timeout=timedelta(minutes=10))
+
+
+def rank_main(rank, nprocs, endpoint, parent_pid, conn, stack_conn, fn, args, kwargs) -> None:
     """The body of each rank process started by ``launch``."""
     die_with_parent(parent_pid)
     for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
@@ -77,7 +96,8 @@ def rank_main(rank, nprocs, port, parent_pid, conn, stack_conn, fn, args, kwargs
         del os.environ[key]  # an enclosing torchrun's agent store serves no one here
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(endpoint[0]))
+    server = serve_store(rank, nprocs, endpoint)  # noqa: F841 - serves until this rank ends
     set_rank_threads()  # before any compute: a fork after a threaded matmul can hang
     if hasattr(signal, "SIGUSR1"):
         import faulthandler

@@ -71,11 +71,14 @@ class GradReducers:
 class ParallelState:
     """``plan``: the applied :class:`~ops_transformer.parallelize.Plan` (``None`` for a model
     prepared by hand); ``options``: the :class:`~ops_transformer.parallelize.ParallelOptions`;
-    ``reducers``: the gradient reducers, in the order they finish at the end of backward."""
+    ``reducers``: the gradient reducers, in the order they finish at the end of backward;
+    ``lora``: the :class:`~ops_transformer.parallelize.lora.LoRAConfig` of the adapters
+    :func:`~ops_transformer.lora` added (``None``: none)."""
 
     plan: object = None
     options: object = None
     reducers: GradReducers = field(default_factory=GradReducers)
+    lora: object = None
 
 
 def parallel_state_of(model: nn.Module, *, create: bool = False) -> ParallelState | None:

@@ -126,11 +126,12 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
 def gradient_reducers(model: nn.Module, ctx, options: ParallelOptions) -> GradReducers:
     """The model's gradient reductions, in the order they finish: data-parallel averaging of the
     dense parameters over ``dp × ep`` (EP ranks read different micro-batches, like DP ranks) and of
-    the experts over ``dp``, then the sums of the partial gradients the plan marked."""
+    the experts over ``dp``, then the sums of the partial gradients the plan marked. Frozen
+    parameters (``requires_grad=False``: a LoRA model's base) get none."""
     dtype = resolve_grad_reduce_dtype(model, options.grad_reduce_dtype)
     buckets, reducers = options.bucket_bytes, GradReducers()
     if ctx.dp_ep_size > 1:
-        dense, experts = split_expert_params(model.parameters())
+        dense, experts = split_expert_params(p for p in model.parameters() if p.requires_grad)
         scale_expert_grads(experts, ctx.ep_size)
         group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
         reducers.append(GradSync(dense, group, bucket_bytes=buckets, reduce_dtype=dtype))

@@ -86,7 +86,8 @@ def match_rules(model: nn.Module, plan: Plan) -> list[tuple[str, dict]]:
 def apply_plan(model: nn.Module, plan: Plan, ctx) -> nn.Module:
     """Swap or wrap every module the plan names, in plan order (so a tied head follows its
     embedding): ``styles[rule["style"]](module, ctx, model, **options)`` takes the place of the
-    module; a parameter style (``shard_param``) changes the parameter's owner in place."""
+    module, in the module's mode (``train``/``eval``); a parameter style (``shard_param``)
+    changes the parameter's owner in place."""
     for name, rule in match_rules(model, plan):
         style, options = STYLES[rule["style"]], {k: v for k, v in rule.items() if k != "style"}
         parent_name, _, child = name.rpartition(".")
@@ -94,5 +95,31 @@ def apply_plan(model: nn.Module, plan: Plan, ctx) -> nn.Module:
         if rule["style"] in PARAM_STYLES:  # the parameter's owner keeps its place
             style(parent, ctx, model, param=child, **options)
         else:
-            setattr(parent, child, style(getattr(parent, child), ctx, model, **options))
+            dense = getattr(parent, child)
+            trainable = {n: p.requires_grad for n, p in dense.named_parameters()}
+            new = style(dense, ctx, model, **options)
+            new.train(dense.training)  # a module built for it starts in training mode
+            keep_requires_grad(name, trainable, new)
+            setattr(parent, child, new)
     return model
+
+
+def keep_requires_grad(name: str, trainable: dict[str, bool], new: nn.Module) -> None:
+    """Give the parameters of ``new`` (the module that replaces module ``name``) the
+    ``requires_grad`` of the dense parameters they come from (``trainable``: name → flag before
+    the swap): by name, and for a parameter of another name (a fused Q|K|V from ``wq``, ``wk``,
+    ``wv``) the flag all of them share. Fused parameters that were frozen differently cannot keep
+    both flags: a ``ValueError``."""
+    flags = set(trainable.values())
+    for pname, param in new.named_parameters():
+        if pname in trainable:
+            param.requires_grad_(trainable[pname])
+        elif len(flags) == 1:
+            param.requires_grad_(next(iter(flags)))
+        elif flags:
+            frozen = sorted(n for n, on in trainable.items() if not on)
+            shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3
+                                             else "")
+            raise ValueError(f"parallelize: {name}.{pname} is built from the {len(trainable)} "
+                             f"parameters of {name}, of which only some are frozen ({shown}): "
+                             f"freeze all of them or none before parallelize")

@@ -46,6 +46,8 @@ class CalibratedProfile(HardwareProfile):
     # {catalogue card: bf16 matmul efficiency} measured by `calibrate` on a GPU (the planner's
     # efficiency for that card, planner/efficiency.py); empty on a CPU machine.
     gpu_efficiency: dict = field(default_factory=dict, compare=False, repr=False)
+    # the fitted CPU step-time constants (planner/local.py LocalTimeModel); {} when not fitted
+    local_model: dict = field(default_factory=dict, compare=False, repr=False)
 
     def alpha_beta(self, kind: str, group_size: int) -> tuple[float, float]:
         if not self.per_kind:
@@ -105,7 +107,19 @@ def _from_dict(data: dict) -> CalibratedProfile:
         p2p_threshold_bytes=None if threshold is None else int(threshold),
         p2p_small_messages=str((data.get("p2p") or {}).get("small_messages", "send_recv")),
         gpu_efficiency=_gpu_efficiency(data.get("gpu")),
-        overlap_efficiency=float((data.get("overlap") or {}).get("efficiency", 1.0)))
+        overlap_efficiency=float((data.get("overlap") or {}).get("efficiency", 1.0)),
+        local_model=_local_model(data.get("local_model")))
+
+
+def _local_model(entry) -> dict:
+    """The ``"local_model"`` entry as written (checked to have its keys), or ``{}``."""
+    if not entry:
+        return {}
+    keys = ("matmul_flops", "per_layer_s", "fixed_s", "alpha_step_s", "bandwidth", "cores")
+    missing = [k for k in keys if k not in entry]
+    if missing:
+        raise ValueError(f"local_model lacks {', '.join(missing)}")
+    return dict(entry)
 
 
 def _optional_float(value) -> float | None:

@@ -17,6 +17,7 @@ from .choose import attention_problem
 from . import efficiency as fitted
 from .memory import (ATTENTION_KERNELS, LOSS_KERNELS, activation_bytes_per_layer,
                      logits_bytes, model_state_bytes)
+from .runnable import runtime_problem
 from .strategies import ATTENTION_STRATEGIES
 from .timing import Execution
 from .timing import step_time as _step_time
@@ -82,7 +83,7 @@ def layout_problem(model, cluster, o: Options) -> str | None:
 
 
 def candidates(model, cluster) -> list[Options]:
-    """Every layout the model's sizes allow on the cluster."""
+    """Every layout the model's sizes allow on the cluster and ``train`` can run."""
     out = []
     n = cluster.count
     for tp, ep in itertools.product(_powers_of_two(n), _powers_of_two(model.experts)):
@@ -93,9 +94,18 @@ def candidates(model, cluster) -> list[Options]:
                 ATTENTION_STRATEGIES if tp > 1 else ("heads",), MICRO_BATCHES, (False, True),
                 SEARCHED_RECOMPUTE, (0, 1, 2, 3)):
             o = Options(dp, tp, ep, attention, sp, rc, zero, mb)
-            if layout_problem(model, cluster, o) is None:
+            if layout_problem(model, cluster, o) is None and train_problem(model, o) is None:
                 out.append(o)
     return out
+
+
+def train_problem(model, o: Options) -> str | None:
+    """Why ``train`` cannot run layout ``o`` of ``model`` (:mod:`.runnable`, the rule ``train``
+    checks its options with): the search proposes only layouts it can run."""
+    return runtime_problem(tp=o.tp, dp=o.dp, ep=o.ep, attention=o.attention,
+                           sequence_parallel=o.sequence_parallel, recompute=o.recompute,
+                           zero_stage=o.zero_stage, experts=model.experts, seq=model.seq,
+                           model=model.name)
 
 
 def params_per_gpu(model, o: Options) -> float:
@@ -186,7 +196,7 @@ def evaluate_layout(model, cluster, o: Options, run: Execution | None = None) ->
         parts = ", ".join(f"{k} {_gb(v)}" for k, v in row["memory_breakdown"].items())
         problems.append(f"needs {_gb(row['memory_per_gpu_bytes'])} per GPU ({parts}) but one "
                         f"{cluster.gpu.name} has {_gb(cluster.gpu.memory_bytes)}")
-    return {**row, "problems": problems}
+    return {**row, "problems": problems, "train_problem": train_problem(model, o)}
 
 
 def search(model, cluster, *, top: int = 10, run: Execution | None = None) -> dict:

@@ -220,6 +220,27 @@ def _hf_attr(config, *names, default=None):
                      f"(GPT-2, Llama, Mistral, Qwen2, Mixtral, BERT)")
 
 
+def _hf_config(path: Path, file: Path):
+    """``AutoConfig.from_pretrained(path)``, or a one-line ``ValueError`` naming ``file``: not
+    JSON, not a model config ``transformers`` knows, a field of the wrong type."""
+    try:
+        json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} is not a readable JSON config: {exc}") from None
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ValueError(f"reading {file} needs the Hugging Face `transformers` package: install "
+                         f"the `hf` extra (pip install 'ops-transformer[hf]')") from None
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types; report in one line
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        cut = detail.find(". ", 80)
+        raise ValueError(f"{file} is not a valid model config: "
+                         f"{detail[:cut + 1] if cut > 0 else detail[:300]}") from None
+
+
 def _load(arg) -> ModelSpec:
     if isinstance(arg, ModelSpec):
         return arg
@@ -234,9 +255,7 @@ def _load(arg) -> ModelSpec:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"directory {key!r} has no config.json")
-        from transformers import AutoConfig
-
-        return ModelSpec.from_hf_config(AutoConfig.from_pretrained(path), name=path.name)
+        return ModelSpec.from_hf_config(_hf_config(path, path / "config.json"), name=path.name)
     if path.is_file():
         try:
             d = json.loads(path.read_text())
@@ -247,9 +266,7 @@ def _load(arg) -> ModelSpec:
         if "layers" in d and "hidden" in d:
             return ModelSpec.from_dict(d)
         if "model_type" in d:
-            from transformers import AutoConfig
-
-            return ModelSpec.from_hf_config(AutoConfig.from_pretrained(path), name=path.stem)
+            return ModelSpec.from_hf_config(_hf_config(path, path), name=path.stem)
         unknown = set(d) - {f.name for f in fields(GPTConfig)}
         if unknown:
             raise ValueError(f"{key!r} is neither a ModelSpec, a Hugging Face config nor GPTConfig "

@@ -17,6 +17,9 @@ training, see :func:`~ops_transformer.parallel.launch.launch`):
   everywhere).
 - **overlap** (CPU): how much of an all-reduce running beside matmuls is hidden, ``η``
   (:mod:`.overlap_efficiency`), which ``overlap="auto"`` weighs chunks by.
+- **step-time model** (CPU machines): the constants of the local step-time model that ``sweep``,
+  ``bench`` and ``train --plan`` predict with, fitted on small training runs
+  (:mod:`.local_model`), under ``"local_model"``.
 
 The profile (JSON, keys are strings)::
 
@@ -49,6 +52,7 @@ from ..comm.ledger import wire_elements
 from ..parallel.context import init_parallel
 from ..parallel.launch import launch
 from ..utils.progress import Progress
+from .local_model import fit_local_model, fit_runs
 from ..comm.topology import detect_topology
 from ..planner.catalogue import GPUS, gpu_for_device
 from .overlap_efficiency import measure_overlap
@@ -325,4 +329,9 @@ def calibrate(world_sizes=(2, 4), *, quick: bool = False, progress: bool = True,
         profile["gpu"] = launch(_gpu_matmul_worker, 1, 3 if quick else 10, timeout=timeout)[0]
     else:  # (NCCL runs on engines of its own; a GPU profile keeps η = 1)
         profile["overlap"] = measure_overlap(launch, quick=quick, timeout=timeout)
+        # the step-time model of this machine's CPU ranks (sweep, bench, train --plan)
+        base = collectives[str(min(sizes))]["all_reduce"]["bandwidth"]
+        with Progress(fit_runs(quick), desc="step-time model", enabled=progress) as bar:
+            model = fit_local_model(base, quick=quick, timeout=timeout, tick=bar.update)
+        profile["local_model"] = model.to_dict()
     return profile

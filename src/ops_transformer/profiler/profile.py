@@ -21,8 +21,13 @@ Times are per step (means over the profiled steps), in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import statistics
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +48,30 @@ def world_group(ctx):
     return dist.group.WORLD if ctx.world_size > 1 else None
 
 
+_BANNER = re.compile(rb"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\] ")
+
+
+@contextlib.contextmanager
+def without_kineto_banners():
+    """Kineto (torch.profiler's C++ side) prints ``USDT:… profiler_start`` / ``profiler_stop`` and
+    ``STAGE:…`` lines straight to the process's stderr, at any ``KINETO_LOG_LEVEL``: hold them
+    back while the block runs (the profiler's start or stop), and pass on everything else."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            rest = b"".join(line for line in held.read().splitlines(keepends=True)
+                            if not _BANNER.match(line))
+            if rest:
+                os.write(2, rest)
+
+
 def profile_step(step_fn, ctx, steps: int = 5, warmup: int = 2) -> Profile:
     """Profile ``steps`` calls of ``step_fn()`` after ``warmup`` unprofiled ones, on every rank
     of ``ctx`` (module docstring)."""
@@ -58,7 +87,10 @@ def profile_step(step_fn, ctx, steps: int = 5, warmup: int = 2) -> Profile:
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     ledgers, walls = [], []
-    with torch.profiler.profile(activities=activities) as prof:
+    prof = torch.profiler.profile(activities=activities)
+    with without_kineto_banners():
+        prof.start()
+    try:
         for i in range(steps):
             with CommLedger() as ledger, torch.profiler.record_function(f"{T.STEP_PREFIX}{i}"):
                 start = time.perf_counter()
@@ -67,6 +99,9 @@ def profile_step(step_fn, ctx, steps: int = 5, warmup: int = 2) -> Profile:
                     torch.cuda.synchronize(ctx.device)
                 walls.append(time.perf_counter() - start)
             ledgers.append(ledger)
+    finally:
+        with without_kineto_banners():
+            prof.stop()
     mine = _rank_summary(prof, ledgers, walls, ctx)
     return Profile(rank=ctx.rank, per_rank=gather_objects(mine, world), steps=steps,
                    warmup=warmup, torch_profile=prof)

@@ -22,10 +22,11 @@ from dataclasses import fields, replace
 
 from ..comm.topology import detect_topology
 from ..memory.measure import activation_memory
-from ..planner.local import local_cluster
+from ..planner.local import local_cluster, local_time_model
 from ..planner.search import Options, evaluate_layout, execution
 from ..planner.specs import ModelSpec
 from ..train import TrainConfig, join, setup_training, validate
+from .local_model import predict_step_s
 
 # flag -> how its values parse; the TrainConfig field is the flag with "_" for "-".
 AXES = {"tp": int, "dp": int, "attention": str, "sequence-parallel": "sp", "recompute": str,
@@ -102,13 +103,18 @@ def _timed(state, warmup: int) -> dict | None:
             "activation_bytes": activation, "comm_bytes_per_step": ledger.total_bytes,
             "comm_wire_bytes_per_step": ledger.wire_bytes(),
             "loss": report.metrics["loss"], "attention_used": plan.attention,
-            "dp_used": state.ctx.dp_size}
+            "vocab_used": plan.vocab, "dp_used": state.ctx.dp_size}
 
 
 def predicted_step_s(cfg: TrainConfig, nproc: int, attention: str, dp: int,
-                     profile=None) -> float | None:
-    """The planner's step time for this layout on ``nproc`` local ranks (``plan --gpu local``,
-    with ``profile``: the calibrated one, else the built-in CPU figures)."""
+                     profile=None, vocab: str | None = None) -> float | None:
+    """The predicted step time of this run on ``nproc`` local ranks: the calibrated local model
+    when ``profile`` has one (:mod:`.local_model`, what ``calibrate`` fits), else the planner's
+    (``plan --gpu local`` on the built-in CPU figures: no per-operator overhead, bf16 priced like
+    fp32; it can be far below the measurement)."""
+    calibrated = predict_step_s(cfg, nproc, profile, attention=attention, vocab=vocab)
+    if calibrated is not None:
+        return calibrated
     model = ModelSpec.from_gpt_config(cfg.model_config(), seq=cfg.seq, global_batch=cfg.batch,
                                       micro_batch=cfg.batch // dp,
                                       dtype=getattr(cfg, "precision", "fp32"))
@@ -134,7 +140,8 @@ def run_one(cfg: TrainConfig, nproc: int, warmup: int, launch, profile=None) -> 
                      **({} if profile is None else {"profile": profile}))[0]
     except Exception as exc:  # noqa: BLE001 - a failing configuration is a row, not the end
         return {"status": "failed", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
-    got["predicted_step_s"] = predicted_step_s(cfg, nproc, got["attention_used"], dp, profile)
+    got["predicted_step_s"] = predicted_step_s(cfg, nproc, got["attention_used"], dp, profile,
+                                               got.get("vocab_used"))
     return {"status": "ok", **got}
 
 
@@ -150,6 +157,9 @@ def run_sweep(base: TrainConfig, axes: dict[str, list], nproc: int, warmup: int,
         rows.append(row)
         if progress is not None:
             progress(row)
+    model = ("calibrated local model" if local_time_model(profile) is not None else
+             "built-in CPU figures (run `ops-transformer calibrate` for the calibrated model)")
     return {"axes": available, "unavailable": unavailable, "nproc": nproc,
+            "prediction_model": model,
             "steps": base.steps, "warmup": warmup, "preset": base.preset, "batch": base.batch,
             "seq": base.seq, "rows": rows}

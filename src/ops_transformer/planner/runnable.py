@@ -1,0 +1,61 @@
+"""Which combinations of layout options ``train`` (and ``parallelize``) can run: the one rule the
+planner's search and the runtime's checks share, so that the planner never proposes a plan that
+``train --plan`` must change or refuse.
+
+The sizes that must divide (heads, FFN width, the batch) are the search's
+(:func:`~.search.layout_problem`); this rule covers how the options combine:
+
+=============================  ===============================================================
+option                         runs with
+=============================  ===============================================================
+sequence parallelism           ``tp > 1``, ``attention="heads"`` (the one strategy with a
+                               sequence-parallel form), the sequence divisible by ``tp``, a
+                               dense FFN (the expert layers have no sequence-parallel form)
+ZeRO stage 1 or 2              ``dp > 1``, no experts over ``ep`` (their gradients average over
+                               another group)
+ZeRO stage 3                   not yet (:data:`ZERO_STAGES`: the parameters stay whole)
+``recompute="selective"``      not with ``attention="kv_split"`` at ``tp > 1`` (its attention
+                               core communicates)
+=============================  ===============================================================
+
+Messages name the command-line flags, which ``train`` and ``plan`` share.
+"""
+
+from __future__ import annotations
+
+ZERO_STAGES = (0, 1, 2)  # what train runs; the planner also prices stage 3 for a given layout
+SEQUENCE_PARALLEL_ATTENTION = ("auto", "heads")  # "auto" becomes "heads" under SP
+
+
+def runtime_problem(*, tp: int, dp: int, ep: int = 1, attention: str = "heads",
+                    sequence_parallel: bool = False, recompute: str = "none",
+                    zero_stage: int = 0, experts: int = 1, seq: int | None = None,
+                    model: str = "the model") -> str | None:
+    """Why ``train`` cannot run this combination, or ``None`` when it can."""
+    if zero_stage not in ZERO_STAGES:
+        return (f"--zero {zero_stage}: train runs ZeRO stages "
+                f"{', '.join(map(str, ZERO_STAGES))} (ZeRO-3, sharding the parameters, is not "
+                f"built yet)")
+    if zero_stage and dp == 1:
+        return (f"--zero {zero_stage} shards the optimizer over data-parallel ranks, but dp is 1: "
+                f"run more processes than --tp ({tp}), or drop --zero")
+    if zero_stage and ep > 1:
+        return (f"--zero with --ep {ep} is not supported: expert parameters average over another "
+                f"group than the dense ones; drop --zero or --ep")
+    if sequence_parallel:
+        if experts > 1:
+            return (f"--sequence-parallel is not supported for {model}: its expert layers have "
+                    f"no sequence-parallel form")
+        if tp == 1:
+            return ("--sequence-parallel splits the sequence over tensor-parallel ranks, but tp "
+                    "is 1: set --tp 2 or more, or drop --sequence-parallel")
+        if seq is not None and seq % tp:
+            return (f"--sequence-parallel splits the sequence over tp ({tp}) ranks: the sequence "
+                    f"length s ({seq}) must be divisible by tp ({tp})")
+        if attention not in SEQUENCE_PARALLEL_ATTENTION:
+            return f"--sequence-parallel needs --attention heads (or auto), got {attention!r}"
+    if recompute == "selective" and attention == "kv_split" and tp > 1:
+        return ("--recompute selective replays the attention core, which --attention kv_split "
+                "spreads over the ranks with communication: use --recompute full or another "
+                "attention strategy")
+    return None

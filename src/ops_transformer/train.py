@@ -92,7 +92,13 @@ class TrainConfig:
         policy's ``grad_reduce_dtype``)."""
         return ParallelOptions(attention=self.attention, sequence_parallel=self.sequence_parallel,
                                recompute=self.recompute, activation_cache=self.activation_cache,
-                               overlap=self.overlap, chunks=self.chunks, **more)
+                               overlap=self.overlap_mode, chunks=self.chunks, **more)
+
+    @property
+    def overlap_mode(self) -> str:
+        """``overlap``, except ``auto`` with LoRA: ``none`` (adapters do not combine with chunked
+        collective matmuls; ``--overlap chunked`` with ``--lora-rank`` is refused)."""
+        return "none" if self.lora_rank is not None and self.overlap == "auto" else self.overlap
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -139,6 +145,9 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     except ValueError as exc:  # "chunks must be ..." → "--chunks must be ..."
         name, _, rest = str(exc).partition(" ")
         raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
+    if cfg.lora_rank is not None and cfg.overlap == "chunked":
+        raise ValueError("--overlap chunked does not combine with --lora-rank (LoRA adapters ride "
+                         "on the layers' own matmuls): use --overlap none or auto")
     finetune.check_lora(cfg, model_cfg)
     if cfg.model:
         finetune.check_data(cfg, model_cfg, say=say)
@@ -412,7 +421,7 @@ def _model_metrics(cfg: TrainConfig, ctx, model) -> dict:
                 model.cfg, ctx.tp_size, model.parallel_plan.attention,
                 cfg.batch // ctx.dp_ep_size, cfg.seq, model.parallel_plan.vocab,
                 sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
-                partial_elements=partial_numel(model, ctx.tp_group), overlap=cfg.overlap,
+                partial_elements=partial_numel(model, ctx.tp_group), overlap=cfg.overlap_mode,
                 chunks=cfg.chunks, profile=ctx.profile, ep=ctx.ep_size),
             "params": _dense_param_count(model.cfg), "model": model.cfg.to_dict()}
 

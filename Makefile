@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all install bench clean
+.PHONY: demo test test-all install bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_mlp.py
+
+# The prepared GPU check (benchmarks/gpu_check.py, <= 8 min on one GPU): one JSON file of results.
+# Without a visible GPU it says so and exits non-zero.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py --out runs/gpu-check.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache runs

@@ -6,11 +6,13 @@
 every rank (under ``launch`` or ``torchrun``) and returns the metrics on rank 0. The loop is the plain
 one a user writes — ``loss = model(x, y)[1]; loss.backward(); opt.step()`` — on a model that
 :func:`parallelize` prepared; each data-parallel rank feeds its rows of the global batch, which
-depends only on ``(seed, step)``.
+depends only on ``(seed, step)``, in ``grad_accum`` micro-batches (gradient accumulation: the
+data-parallel reductions run once per step, on the accumulated gradients).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -23,6 +25,7 @@ from . import checkpoint as ckpt
 from . import finetune
 from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
+from .layers.dropout import micro_batch_masks
 from .layers.overlap_policy import overlap_decisions, overlap_summary
 from .memory.train_flags import (check_memory_flags, make_optimizer, measured_state_bytes,
                                  partial_numel)
@@ -30,6 +33,7 @@ from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corp
 from .models.gpt import GPT, GPTConfig, preset
 from .models.moe import moe_stats
 from .parallel.context import check_degrees, init_parallel
+from .parallel.state import no_sync
 from .parallelize import ParallelOptions, parallelize
 from .parallelize.gpt_plan import gpt_plan
 from .parallelize.moe_plan import n_experts_of
@@ -43,7 +47,9 @@ from .utils.tensorboard import ScalarLog, check_log_dir
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run. ``batch`` is the global batch in sequences (split over ``dp``)."""
+    """One training run. ``batch`` is the global batch in sequences: each of the ``dp × ep``
+    ranks that read data runs its rows in ``grad_accum`` micro-batches of
+    ``batch / (grad_accum · dp · ep)`` sequences (:func:`micro_batch`)."""
 
     preset: str = "tiny"
     tp: int = 1
@@ -82,6 +88,9 @@ class TrainConfig:
     model: str | None = None  # a Hugging Face save_pretrained directory to fine-tune (no preset)
     lr_schedule: str = "constant"  # or "cosine" (ops_transformer.schedule)
     warmup: int = 0  # linear warmup steps
+    grad_accum: int = 1  # micro-batches per step and rank; gradients reduced once per step
+    rebalance: str = "auto"  # resume on another size: "auto" re-plans (rebalance.py), "off"
+    elastic: bool = False  # local ranks (--nproc): a restart drops the node whose ranks died
     lora_rank: int | None = None  # LoRA adapters of this rank; every other weight frozen
     lora_alpha: float | None = None  # None: the rank (scaling 1)
     lora_targets: tuple[str, ...] | None = None  # module names / fnmatch patterns; None: default
@@ -111,9 +120,10 @@ class TrainConfig:
 def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     """Every check that needs no process group; returns ``(dp, tp)``. ``say(line)``: where a
     note and the tokenizer's progress go (``train --model``), ``None`` for silence."""
-    for name in ("steps", "batch", "seq"):
+    for name in ("steps", "batch", "seq", "grad_accum"):
         if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
+                             f"{getattr(cfg, name)}")
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be positive, got {cfg.lr}")
     precision_policy(cfg.precision)  # names the valid choices
@@ -135,10 +145,7 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
         if model_cfg.vocab_size < VOCAB_SIZE:
             raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; "
                              f"byte-level data needs at least {VOCAB_SIZE}")
-    if cfg.batch % (dp * ep):
-        raise ValueError(f"--batch ({cfg.batch}) must be divisible by dp ({dp})" if ep == 1 else
-                         f"--batch ({cfg.batch}) must be divisible by dp ({dp}) × ep ({ep}): "
-                         f"each of the {dp * ep} ranks reads its own rows")
+    check_batch(cfg.batch, dp, ep, cfg.grad_accum)
     check_memory_flags(cfg, dp, tp)
     try:
         cfg.parallel_options()  # every option checked once (--overlap, --chunks)
@@ -152,10 +159,29 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     if cfg.model:
         finetune.check_data(cfg, model_cfg, say=say)
     else:
-        gpt_plan(model_cfg, tp, cfg.attention, batch=cfg.batch // (dp * ep), seq=cfg.seq)
+        gpt_plan(model_cfg, tp, cfg.attention, batch=micro_batch(cfg, dp * ep), seq=cfg.seq)
         check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
     return dp, tp
+
+
+def check_batch(batch: int, dp: int, ep: int, grad_accum: int) -> None:
+    """The global batch splits into ``grad_accum`` micro-batches on each of the ``dp × ep``
+    ranks that read data."""
+    readers = ("dp ({dp})" if ep == 1 else "dp ({dp}) × ep ({ep})").format(dp=dp, ep=ep)
+    if batch % (dp * ep):
+        raise ValueError(f"--batch ({batch}) must be divisible by {readers}" if ep == 1 else
+                         f"--batch ({batch}) must be divisible by {readers}: each of the "
+                         f"{dp * ep} ranks reads its own rows")
+    if batch % (dp * ep * grad_accum):
+        raise ValueError(f"--batch ({batch}) must be divisible by {readers} × --grad-accum "
+                         f"({grad_accum}): each rank runs {batch // (dp * ep)} rows in "
+                         f"{grad_accum} equal micro-batches")
+
+
+def micro_batch(cfg: TrainConfig, dp_ep: int) -> int:
+    """Sequences per forward on one rank: ``batch / (grad_accum · dp · ep)``."""
+    return cfg.batch // (cfg.grad_accum * dp_ep)
 
 
 def check_train_ep(model_cfg: GPTConfig, preset_name: str, ep: int) -> None:
@@ -173,7 +199,8 @@ def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch:
                            **memory) -> dict[str, dict[str, int]]:
     """The tensor-parallel collectives the cost model predicts for one training step on one rank
     (:func:`ops_transformer.planner.strategies.model_comm_per_step`, checked against the ledger by
-    the tests); ``memory``: its ``sequence_parallel``, ``recompute`` and ``partial_elements``."""
+    the tests) at a micro-batch of ``batch``; ``memory``: its ``sequence_parallel``,
+    ``recompute``, ``partial_elements`` and ``grad_accum``."""
     return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab, **memory)
 
 
@@ -206,19 +233,57 @@ class TrainState:
     def step(self, x: torch.Tensor, y: torch.Tensor):
         """Forward, backward, clipping and the optimizer step: ``(report, ledger)``, the
         optimizer's report (``report.metrics["loss"]``: the global-batch loss) and the step's
-        collectives."""
+        collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
-            with self.policy.autocast(self.ctx.device):
-                loss = (finetune.causal_lm_loss(self.model, x, y, self.ctx) if self.cfg.model
-                        else self.model(x, y)[1])
-            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+            metrics = self.accumulate(x, y)
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
-                                    max_norm=self.cfg.clip_grad,
-                                    metrics={"loss": loss, **_moe_metrics(self.model, self.cfg)})
+                                    max_norm=self.cfg.clip_grad, metrics=metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)
         self.state_bytes = self.state_bytes or measured_state_bytes(self.model, self.opt)
         self.opt.zero_grad(set_to_none=True)
         return report, ledger
+
+    def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        """Forward and backward of each micro-batch of ``x, y``, the gradients accumulating
+        locally (:func:`no_sync`) until the last one's backward reduces their sum; each backward
+        of ``loss / grad_accum`` (scaled, with fp16), so the accumulated gradient is the one of
+        the mean loss. Every micro-batch starts from the random state the step started with, as
+        every data-parallel rank does, and the dropout sites take its rows of the global batch
+        (:func:`micro_batch_masks`): each draws the one-device masks of its rows whichever rank
+        or micro-step runs it. Returns the step's metrics (loss and MoE statistics: micro-batch means)."""
+        n = self.cfg.grad_accum
+        if x.shape[0] % n:
+            raise ValueError(f"{x.shape[0]} rows do not split into grad_accum ({n}) micro-batches")
+        rng = _RandomState(self.ctx.device) if n > 1 else None
+        parts = []
+        for i, (x_micro, y_micro) in enumerate(zip(x.chunk(n), y.chunk(n))):
+            if i:
+                rng.restore()
+            with no_sync(self.model) if i < n - 1 else contextlib.nullcontext(), \
+                    micro_batch_masks(self.model, i, n):
+                with self.policy.autocast(self.ctx.device):
+                    loss = (finetune.causal_lm_loss(self.model, x_micro, y_micro, self.ctx)
+                            if self.cfg.model else self.model(x_micro, y_micro)[1])
+                scaled = loss / n if n > 1 else loss
+                (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
+            parts.append({"loss": loss.detach(), **_moe_metrics(self.model, self.cfg)})
+        return {k: sum(torch.as_tensor(p[k], dtype=torch.float32) for p in parts) / n
+                if n > 1 else parts[0][k] for k in parts[0]}
+
+
+class _RandomState:
+    """The default generators' state (CPU, and ``device``'s when it is a GPU), to start each
+    micro-batch of a step from."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.gpu = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.gpu is not None:
+            torch.cuda.set_rng_state(self.gpu, self.device)
 
 
 def train_worker(cfg: TrainConfig, profile=None) -> dict | None:
@@ -249,7 +314,7 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
     data = load_corpus(cfg.data)
     options = cfg.parallel_options(grad_reduce_dtype=policy.grad_reduce_dtype)
     plan = gpt_plan(model_cfg, ctx.tp_size, options.plan_attention,
-                    batch=cfg.batch // ctx.dp_ep_size, seq=cfg.seq,
+                    batch=micro_batch(cfg, ctx.dp_ep_size), seq=cfg.seq,
                     profile=ctx.profile)  # `auto`: for this run's shapes, on the agreed profile
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan, options)
     return _with_optimizer(cfg, ctx, model, data, policy)
@@ -268,6 +333,8 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
     moe = bool(_n_experts(model))
     lead = ctx.rank == 0
     position = data_position(cfg)
+    moved = (rebalanced_from(cfg, ctx) if cfg.resume and cfg.ckpt_dir and cfg.rebalance == "auto"
+             else None)
     first, saved = (ckpt.resume(cfg.ckpt_dir, model, opt, ctx, position, steps=cfg.steps,
                                 strict=cfg.resume == "strict", scaler=scaler)
                     if cfg.resume else (0, {}))
@@ -297,7 +364,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
         if cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every):
             ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
                       keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
-                      on_error=cfg.on_save_error)
+                      on_error=cfg.on_save_error, meta=batch_layout(cfg, ctx))
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
                                        "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"},
                    **_precision_stats(report, scaler),
@@ -320,6 +387,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                      "grad_norm_last": report.grad_norm if report else None,
                      "comm_by_dtype": last.by_dtype(),
                      "resumed_from": first if cfg.resume else None,
+                     **({"rebalanced": moved} if first and moved else {}),
                      "model_state_bytes_per_rank": state.state_bytes,
                      "lora": finetune.lora_report(model, opt, state.state_bytes),
                      **({} if scaler is None else {"loss_scale": scaler.scale_value,
@@ -350,6 +418,24 @@ def _moe_report(averaged: dict) -> dict:
     slots = averaged["moe_slots"]
     return {"aux_loss": averaged["moe_aux_loss"],
             "dropped_fraction": averaged["moe_dropped"] / slots if slots else 0.0}
+
+
+def batch_layout(cfg: TrainConfig, ctx) -> dict:
+    """How the global batch was split (a checkpoint's manifest records it, :mod:`.rebalance`
+    reads it): ``{"global_batch", "micro_batch", "grad_accum"}``."""
+    return {"global_batch": cfg.batch, "micro_batch": micro_batch(cfg, ctx.dp_ep_size),
+            "grad_accum": cfg.grad_accum}
+
+
+def rebalanced_from(cfg: TrainConfig, ctx) -> dict | None:
+    """``{"from", "to"}``: the layout and batch split of the checkpoint a resume starts from and
+    of this run, when they differ (``None`` when not, or without a checkpoint)."""
+    saved = ckpt.saved_split(cfg.ckpt_dir, cfg.batch)
+    now = {"world_size": ctx.world_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
+           "tp": ctx.tp_size, "grad_accum": cfg.grad_accum,
+           "micro_batch": micro_batch(cfg, ctx.dp_ep_size)}
+    old = None if saved is None else {k: saved[k] for k in now}
+    return None if old in (None, now) else {"from": old, "to": now}
 
 
 def data_position(cfg: TrainConfig) -> dict:
@@ -383,7 +469,8 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
     tp_ranks = tuple(range(ctx.rank, ctx.rank + ctx.tp_size))  # rank 0's TP group
     metrics = {
         "preset": cfg.preset, "tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
-        "steps": cfg.steps,
+        "steps": cfg.steps, "grad_accum": cfg.grad_accum,
+        "micro_batch": micro_batch(cfg, ctx.dp_ep_size),
         "batch": cfg.batch, "seq": cfg.seq, "lr": cfg.lr, "seed": cfg.seed,
         "attention": model.parallel_plan.attention, "vocab": model.parallel_plan.vocab,
         "attention_reason": model.parallel_plan.reason,
@@ -419,10 +506,11 @@ def _model_metrics(cfg: TrainConfig, ctx, model) -> dict:
                 "param_bytes_per_rank": finetune.local_param_bytes(model)}
     return {"expected_tp_comm_per_step": None if cfg.lora_rank else expected_comm_per_step(
                 model.cfg, ctx.tp_size, model.parallel_plan.attention,
-                cfg.batch // ctx.dp_ep_size, cfg.seq, model.parallel_plan.vocab,
+                micro_batch(cfg, ctx.dp_ep_size), cfg.seq, model.parallel_plan.vocab,
                 sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
                 partial_elements=partial_numel(model, ctx.tp_group), overlap=cfg.overlap_mode,
-                chunks=cfg.chunks, profile=ctx.profile, ep=ctx.ep_size),
+                chunks=cfg.chunks, profile=ctx.profile, ep=ctx.ep_size,
+                grad_accum=cfg.grad_accum),
             "params": _dense_param_count(model.cfg), "model": model.cfg.to_dict()}
 
 

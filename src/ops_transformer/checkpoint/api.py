@@ -113,7 +113,8 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
     Restores ``scaler`` and ``stateful`` objects when given (one the checkpoint has no state for
     keeps its own, with a warning), and each rank's RNG states (a rank the saved job did not have
     gets rank 0's). Returns ``{"step", "extra", "path",
-    "saved_layout", "resharded"}``.
+    "saved_layout", "resharded", "meta"}`` (``meta``: what the save's ``meta=`` wrote into the
+    manifest, ``None`` without it).
     """
     path = store.resolve(root, step)
     manifest = store.read_manifest(path)
@@ -160,6 +161,7 @@ def load_checkpoint(root, model, optimizer, ctx, *, step: int | None = None, sca
             obj.load_state_dict(targets[key])
     commit_model(tensors, targets)
     if restore_rng:
-        set_rng_state(targets[rng_key])
+        set_rng_state(targets[rng_key], ctx.device)
     return {"step": manifest["step"], "extra": targets.get("extra"), "path": str(path),
-            "saved_layout": manifest["layout"], "resharded": manifest["layout"] != job_layout(ctx)}
+            "saved_layout": manifest["layout"], "resharded": manifest["layout"] != job_layout(ctx),
+            "meta": manifest.get("meta")}

@@ -139,4 +139,7 @@ class LoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        # CPU first: what rank 0 wrote from cuda:0 must not land on cuda:0 of every rank (nor
+        # fail on a machine without a GPU); consumers move what they need
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True,
+                                                               map_location="cpu")

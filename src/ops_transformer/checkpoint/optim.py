@@ -191,8 +191,11 @@ def _target(param: torch.Tensor, entry: Entry, md: TensorStorageMetadata, key: s
     replicated = isinstance(entry.layout, Replicated) and \
         tuple(entry.layout.global_shape) == tuple(param.shape)
     if not size or replicated:
-        return ChunkedTensor.of(Replicated(size), torch.zeros(size, dtype=dtype,
-                                                              device=param.device))
+        # a 0-d state (AdamW's ``step``) loads on the CPU, where a non-fused, non-capturable
+        # optimizer keeps it (on a GPU it would cost a host sync per parameter per step);
+        # ``Optimizer.load_state_dict`` moves it to the parameter for fused/capturable ones
+        device = param.device if size else torch.device("cpu")
+        return ChunkedTensor.of(Replicated(size), torch.zeros(size, dtype=dtype, device=device))
     raise CheckpointError(f"optimizer state {key!r} was saved with shape {size}, which does not "
                           f"fit its parameter (dense shape {tuple(entry.layout.global_shape)})")
 

@@ -10,7 +10,6 @@ saved and compared on resume.
 from __future__ import annotations
 
 import warnings
-
 from pathlib import Path
 
 from .api import load_checkpoint
@@ -19,9 +18,13 @@ from .store import latest_step, list_steps, read_manifest, step_dirname
 from .writer import save_checkpoint
 
 
+REBALANCE = ("auto", "off")  # train --rebalance: re-plan a resume on another size, or not
+
+
 def check_options(cfg) -> None:
     """The checkpoint settings of a ``TrainConfig`` (``ckpt_dir``, ``save_every``, ``resume``,
-    ``max_restarts``, ``keep_checkpoints``), named as the ``train`` flags."""
+    ``max_restarts``, ``keep_checkpoints``, ``rebalance``, ``elastic``), named as the ``train``
+    flags."""
     for name in ("save_every", "max_restarts"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got "
@@ -33,6 +36,12 @@ def check_options(cfg) -> None:
                          f"{cfg.on_save_error!r}")
     if cfg.keep_checkpoints < 1:
         raise ValueError(f"--keep-checkpoints must be at least 1, got {cfg.keep_checkpoints}")
+    if getattr(cfg, "rebalance", "auto") not in REBALANCE:
+        raise ValueError(f"--rebalance must be one of {', '.join(REBALANCE)}, got "
+                         f"{cfg.rebalance!r}")
+    if getattr(cfg, "elastic", False) and not cfg.max_restarts:
+        raise ValueError("--elastic continues on the nodes left after a failure: it needs "
+                         "--max-restarts 1 or more (and --resume)")
     if not cfg.ckpt_dir:
         used = [flag for flag, on in (("--save-every", cfg.save_every), ("--resume", cfg.resume),
                                       ("--max-restarts", cfg.max_restarts)) if on]
@@ -121,7 +130,8 @@ ON_SAVE_ERROR = ("stop", "continue")
 
 def save(ckpt_dir, model, optimizer, ctx, step: int, data_position: dict, *, keep: int | None,
          extra: dict | None = None, on_error: str = "stop", **objects):
-    """A checkpoint of ``step`` whose ``extra`` records the data position. A save that fails (a
+    """A checkpoint of ``step`` whose ``extra`` records the data position (``objects``: the
+    scaler, stateful objects and the manifest's ``meta``, see :func:`save_checkpoint`). A save that fails (a
     full disk: :class:`~.errors.NoSpaceError`) raises on every rank, or with
     ``on_error="continue"`` (``train --on-save-error continue``) is a warning and returns
     ``None``: training goes on, the next save tries again."""
@@ -135,3 +145,24 @@ def save(ckpt_dir, model, optimizer, ctx, step: int, data_position: dict, *, kee
         if ctx.rank == 0:
             warnings.warn(f"{exc}; training goes on (--on-save-error continue)", stacklevel=2)
         return None
+
+
+def saved_split(ckpt_dir, batch: int) -> dict | None:
+    """The layout and batch split (``meta``, ``train.batch_layout``) of the newest checkpoint in
+    ``ckpt_dir`` whose manifest reads:
+    ``{"step", "world_size", "dp", "ep", "tp", "global_batch", "micro_batch", "grad_accum"}``;
+    ``None`` when there is none. A checkpoint saved without ``meta`` ran each rank's rows in one
+    micro-batch of ``batch`` (the run's global batch) over its ``dp × ep``."""
+    for step in reversed(list_steps(ckpt_dir)):
+        try:
+            manifest = read_manifest(Path(ckpt_dir) / step_dirname(step))
+        except CheckpointError:
+            continue  # damaged: the resume falls back past it
+        layout = manifest["layout"]
+        readers = layout["dp"] * layout.get("ep", 1)
+        split = {"global_batch": batch, "micro_batch": batch // readers, "grad_accum": 1,
+                 **{k: v for k, v in (manifest.get("meta") or {}).items()
+                    if k in ("global_batch", "micro_batch", "grad_accum")}}
+        return {"step": manifest["step"], "world_size": layout["world_size"],
+                "dp": layout["dp"], "ep": layout.get("ep", 1), "tp": layout["tp"], **split}
+    return None

@@ -70,7 +70,7 @@ def _save_entries(model: ModelTensors, optimizer, ctx, extra, scaler,
     if optimizer is not None:
         state = adapter_for(optimizer).save_state(optimizer, model, ctx)
         entries.update({OPTIM + k: v for k, v in state.items()})
-    entries[f"{RNG}{ctx.rank}"] = rng_state()
+    entries[f"{RNG}{ctx.rank}"] = rng_state(ctx.device)
     if ctx.rank == 0:  # the same on every rank: written once
         singles = {"extra": extra, "scaler": scaler.state_dict() if scaler is not None else None,
                    **{f"stateful/{k}": v.state_dict() for k, v in (stateful or {}).items()}}
@@ -82,20 +82,24 @@ def _save_entries(model: ModelTensors, optimizer, ctx, extra, scaler,
 
 
 def save_checkpoint(root, model, optimizer, ctx, step: int, *, extra=None, keep: int | None = 3,
-                    scaler=None, stateful: Mapping[str, Any] | None = None) -> Path:
+                    scaler=None, stateful: Mapping[str, Any] | None = None,
+                    meta: Mapping[str, Any] | None = None) -> Path:
     """Save a sharded checkpoint of step ``step`` under ``root`` (collective on every rank).
 
     Saved: the model's tensors (each rank its own chunks, in the dense model's names and shapes),
     the optimizer's state (``None``: none), every rank's RNG states, ``extra`` (plain data:
     tensors, numbers, strings, lists, dicts — e.g. the data position), and ``scaler`` and
-    ``stateful`` objects (``state_dict()``). The checkpoint appears as ``root/step-<step>`` in one
-    rename once complete; ``root/latest`` then names it; checkpoints older than the ``keep``
-    newest are deleted after that (``keep=None`` keeps all). Returns the checkpoint's directory.
+    ``stateful`` objects (``state_dict()``); ``meta``: plain JSON data written into the manifest,
+    readable without loading (``train`` records how its global batch was split: a resume on
+    another number of ranks keeps the micro-batch). The checkpoint appears as
+    ``root/step-<step>`` in one rename once complete; ``root/latest`` then names it; checkpoints
+    older than the ``keep`` newest are deleted after that (``keep=None`` keeps all). Returns the checkpoint's directory.
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
+    meta = _check_meta(meta)
     root, group = Path(root), world_group(ctx)
     name = store.step_dirname(step)
     tmp = root / f"{store.TMP_PREFIX}{name}"
@@ -118,6 +122,8 @@ def save_checkpoint(root, model, optimizer, ctx, step: int, *, extra=None, keep:
             try:
                 manifest = _manifest(tmp, model, tensors, optimizer, ctx, step, extra, scaler,
                                      stateful)
+                if meta is not None:
+                    manifest["meta"] = meta
                 manifest["write_seconds"] = round(time.perf_counter() - start, 3)
                 store.write_manifest(tmp, manifest)
                 store.publish(tmp, root, name)
@@ -130,6 +136,17 @@ def save_checkpoint(root, model, optimizer, ctx, step: int, *, extra=None, keep:
             shutil.rmtree(tmp, ignore_errors=True)
         raise _save_error(exc, root, step, planner.needed_bytes) from None
     return root / name
+
+
+def _check_meta(meta):
+    """``meta`` as the JSON the manifest will hold (a ``ValueError`` for anything else)."""
+    if meta is None:
+        return None
+    try:
+        return json.loads(json.dumps(dict(meta), allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"meta must be plain JSON data (a dict of numbers, strings, lists, "
+                         f"dicts): {exc}") from None
 
 
 def _write(entries, tmp: Path, group, planner: SavePlanner, ctx, root: Path, step: int) -> None:

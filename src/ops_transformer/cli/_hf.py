@@ -20,6 +20,7 @@ from ..checkpoint.errors import CheckpointError
 from ..data import decode, encode
 from ..loading import from_pretrained
 from ..parallel import init_parallel, launch
+from ..parallel.context import check_local_ranks
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ._common import under_torchrun
 from ._calibrated import command_profile
@@ -209,5 +210,6 @@ def run_on_ranks(worker, tp: int, nproc: int | None, *args,
         if nproc != tp:
             raise ValueError(f"--nproc ({nproc}) must equal --tp ({tp}): inference uses no data "
                              f"parallelism")
+        check_local_ranks(nproc, "--tp")
         return launch(worker, nproc, *args, timeout=timeout)[0]
     return worker(*args)

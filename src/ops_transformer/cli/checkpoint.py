@@ -9,6 +9,7 @@ from ..checkpoint import adapters as lora_export
 from ..checkpoint import export as ex
 from ..checkpoint import store
 from ..checkpoint.reader import UnsafeCheckpointError
+from ..checkpoint.training import REBALANCE
 from ..train import TrainConfig
 from ..utils.progress import format_table
 from ._common import check_out_dir, check_out_file, print_json, refuse_torchrun
@@ -59,12 +60,20 @@ def add_checkpoint_arguments(p) -> None:
     p.add_argument("--on-save-error", choices=("stop", "continue"), default=defaults.on_save_error,
                    help="when a checkpoint cannot be saved (a full disk): stop the run (default), "
                    "or warn and go on training (the next save tries again)")
+    p.add_argument("--rebalance", choices=REBALANCE, default=defaults.rebalance,
+                   help="--resume on another number of ranks: 'auto' re-plans the layout (tp "
+                   "and ep kept when they fit) and the gradient accumulation so that the global "
+                   "batch, the micro-batch and the sample order stay the run's; 'off' runs the "
+                   f"layout given (default {defaults.rebalance})")
+    p.add_argument("--elastic", action="store_true", help="with --nproc, --ranks-per-node and "
+                   "--max-restarts: a restart drops the node whose ranks died and continues on "
+                   "the others, rebalanced (torchrun: --nnodes MIN:MAX)")
 
 
 def checkpoint_settings(args) -> dict:
     """The ``TrainConfig`` fields of the checkpoint flags (absent flags: the defaults)."""
     names = ("ckpt_dir", "save_every", "resume", "max_restarts", "keep_checkpoints",
-             "on_save_error")
+             "on_save_error", "rebalance", "elastic")
     return {n: getattr(args, n) for n in names if hasattr(args, n)}
 
 
@@ -86,6 +95,7 @@ def _rows(info: dict) -> list[dict]:
             "layout": (f"dp={layout['dp']} × tp={layout['tp']}"
                        + (f" × ep={layout['ep']}" if layout.get("ep", 1) > 1 else "")
                        if layout else "?"),
+            "batch": _batch_split(c.get("meta") or {}),
             "model": c.get("model", {}).get("class", "?") + (
                 f" + LoRA r{c['model']['lora']['rank']}" if c.get("model", {}).get("lora")
                 else ""),
@@ -97,6 +107,14 @@ def _rows(info: dict) -> list[dict]:
             "status": c["status"],
         })
     return rows
+
+
+def _batch_split(meta: dict) -> str:
+    """``"8 = 2 × 4"``: the global batch as accumulation × micro-batch per rank (``train``'s
+    ``meta``), ``"-"`` without it."""
+    if "global_batch" not in meta:
+        return "-"
+    return f"{meta['global_batch']} = {meta['grad_accum']} × {meta['micro_batch']} per rank"
 
 
 def _inspect(args) -> int:

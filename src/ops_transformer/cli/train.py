@@ -13,14 +13,18 @@ import torch
 
 from ..checkpoint.space import check_free
 from ..checkpoint.training import check_resume
+from ..comm.topology import detect_topology
 from ..models.gpt import GPT, PRESETS
-from ..parallel.restart import launch_with_restarts
+from ..parallel.restart import check_elastic, launch_with_restarts
 from ..parallel import launch
+from ..parallel.context import check_local_ranks
 from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
 from ..parallelize.gpt_plan import ATTENTION_CHOICES
+from ..planner.local import local_cluster
 from ..planner.search import chosen_layout
+from ..rebalance import LAYOUT_FIELDS, layout_text, rebalance
 from ..schedule import LR_SCHEDULES
 from ..train import TrainConfig, train_worker, validate
 from ..memory.apply import ACTIVATION_CACHES
@@ -54,8 +58,9 @@ def add_parser(p) -> None:
 
 def add_training_arguments(p) -> None:
     """The options of a training run, shared by ``train``, ``profile``, ``diagnose``."""
-    p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo); without it, "
-                   "run under torchrun (or as one process)")
+    p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo on a CPU "
+                   "machine; NCCL, one rank per GPU, where GPUs are visible); without it, run "
+                   "under torchrun (or as one process)")
     p.add_argument("--tp", type=int, help=f"tensor-parallel degree (default {D.tp})")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (tp·ep))")
     p.add_argument("--ep", type=int, help="expert-parallel degree for MoE models (moe-tiny, "
@@ -67,6 +72,10 @@ def add_training_arguments(p) -> None:
                    "sources on this machine)")
     p.add_argument("--steps", type=int, default=D.steps)
     p.add_argument("--batch", type=int, default=D.batch, help="global batch in sequences")
+    p.add_argument("--grad-accum", type=int, metavar="N", help="gradient accumulation: each "
+                   "rank runs its rows of --batch in N micro-batches of batch / (N·dp·ep) and "
+                   f"reduces the gradients once per step (default {D.grad_accum}; a --resume on "
+                   "another number of ranks sets it, see --rebalance)")
     p.add_argument("--seq", type=int, default=D.seq, help="sequence length in tokens (bytes for "
                    "the presets)")
     p.add_argument("--lr", type=float, default=D.lr, help=f"peak learning rate (default {D.lr})")
@@ -193,10 +202,12 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
         raise ValueError(f"--model {model!r} and --preset {args.preset!r} both name the model: "
                          f"--model fine-tunes a checkpoint, --preset builds a reference GPT; "
                          f"give one")
+    accum = getattr(args, "grad_accum", None)
     return TrainConfig(preset=args.preset or D.preset, steps=args.steps, batch=args.batch,
                        seq=args.seq, lr=args.lr, seed=args.seed, data=args.data, out=out,
                        model=model, lr_schedule=getattr(args, "lr_schedule", D.lr_schedule),
                        warmup=getattr(args, "lr_warmup", D.warmup),
+                       grad_accum=D.grad_accum if accum is None else accum,
                        progress=not args.no_progress, **layout,
                        precision=args.precision, clip_grad=args.clip_grad,
                        tensorboard=getattr(args, "tensorboard", None),
@@ -208,24 +219,54 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        **checkpoint_settings(args), **lora_settings(args))
 
 
+def stated_layout(args) -> set[str]:
+    """The layout flags the command line gave (``--plan`` gives the degrees): a ``--resume`` on
+    another size prefers them to the checkpoint's (:func:`~ops_transformer.rebalance.rebalance`)."""
+    stated = {k for k in LAYOUT_FIELDS if getattr(args, k, None) is not None}
+    return stated | ({"tp", "dp", "ep"} if getattr(args, "plan", None) else set())
+
+
+def rebalanced(cfg: TrainConfig, ranks: int, stated=None) -> TrainConfig:
+    """``cfg`` re-planned for a resume on ``ranks`` (:mod:`ops_transformer.rebalance`), what it
+    changed said on stderr, and validated."""
+    cluster = None
+    if cfg.resume and cfg.ckpt_dir and cfg.rebalance == "auto":
+        cluster = local_cluster(ranks, command_profile(None), topology=detect_topology())
+    plan = rebalance(cfg, ranks, stated=stated, cluster=cluster)
+    if plan.message():
+        status(f"ops-transformer train: {plan.message()}")
+    validate(plan.cfg, ranks, say=status)
+    return plan.cfg
+
+
 def run_training(cfg: TrainConfig, nproc: int | None,
                  timeout: float = DEFAULT_LAUNCH_TIMEOUT, worker=None,
-                 args: tuple = ()) -> dict | None:
+                 args: tuple = (), stated=None) -> dict | None:
     """Validate (the output directory included), then run ``worker(cfg, *args)`` (training by
     default) on ``nproc`` local ranks, on the ranks of this torchrun job, or in this one process
     (with the launcher's thread policy), with the calibrated profile if there is one (needed for
-    ``--attention auto``) as its ``profile=``."""
+    ``--attention auto``) as its ``profile=``. A ``--resume`` is first re-planned for the ranks
+    it has (:func:`rebalanced`; ``stated``: the layout flags given, see :func:`stated_layout`),
+    again after an ``--elastic`` restart lost a node (the metrics then record ``rebalanced``)."""
     worker = worker or train_worker
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    if nproc is not None:
+        check_local_ranks(nproc, "--nproc")
     if cfg.model:
         _check_model_dir(cfg.model)
-    validate(cfg, world_size() if nproc is None else nproc, say=status)
-    check_resume(cfg)
-    profile = command_profile("--attention auto" if cfg.attention == "auto" else None)
-    created = [missing_dirs(cfg.out), missing_dirs(cfg.ckpt_dir)]
+    if cfg.elastic:
+        if nproc is None:
+            raise ValueError("--elastic drops a node of local ranks (--nproc); under torchrun "
+                             "use torchrun --nnodes MIN:MAX, whose restarts train rebalances")
+        check_elastic(nproc, cfg.ranks_per_node)
+    planned = rebalanced(cfg, world_size() if nproc is None else nproc, stated)
+    check_resume(planned)
+    profile = command_profile("--attention auto" if planned.attention == "auto" else None)
+    created = [missing_dirs(planned.out), missing_dirs(planned.ckpt_dir)]
     try:
-        return _checked_run(cfg, nproc, timeout, worker, args, profile)
+        return _checked_run(planned, nproc, timeout, worker, args, profile,
+                            lambda n: (rebalanced(cfg, n, stated), *args))
     except BaseException:
         for dirs in created:  # a run that failed before writing leaves no empty directory
             remove_if_empty(dirs)
@@ -233,7 +274,9 @@ def run_training(cfg: TrainConfig, nproc: int | None,
 
 
 def _checked_run(cfg: TrainConfig, nproc: int | None, timeout: float, worker, args: tuple,
-                 profile) -> dict | None:
+                 profile, resize=None) -> dict | None:
+    """``cfg`` (validated, re-planned) run; ``resize(n)``: its arguments on ``n`` ranks after an
+    ``--elastic`` restart lost a node."""
     if cfg.out:
         check_out_dir(cfg.out)
     if cfg.ckpt_dir:
@@ -250,7 +293,9 @@ def _checked_run(cfg: TrainConfig, nproc: int | None, timeout: float, worker, ar
     extra = {} if profile is None else {"profile": profile}  # none: the built-in profile
     if nproc is not None:
         return launch_with_restarts(worker, nproc, cfg, *args, max_restarts=cfg.max_restarts,
-                                    launcher=launch, timeout=timeout, **extra)[0]
+                                    launcher=launch, elastic=cfg.elastic,
+                                    ranks_per_node=cfg.ranks_per_node, resize=resize,
+                                    timeout=timeout, **extra)[0]
     if cfg.max_restarts:
         raise ValueError("--max-restarts restarts local ranks (--nproc); under torchrun use "
                          "torchrun's own --max-restarts")
@@ -313,7 +358,7 @@ def summary(metrics: dict) -> str:
           if metrics.get("model_dir") else []),
         {"": "layout", "value": f"dp={metrics['dp']} × "
                                 + (f"ep={metrics['ep']} × " if metrics.get("ep", 1) > 1 else "")
-                                + f"tp={metrics['tp']}"},
+                                + f"tp={metrics['tp']}" + _accumulation(metrics)},
         {"": "attention", "value": metrics["attention"]},
         {"": "precision", "value": _precision_line(metrics)},
         {"": "parameters", "value": f"{metrics['params']:,}"},
@@ -335,6 +380,19 @@ def summary(metrics: dict) -> str:
                      "value": f"{metrics['moe']['aux_loss'][-1]:.4f} / "
                               f"{metrics['moe']['dropped_fraction'][-1]:.1%} of token-slots"})
     return format_table(rows)
+
+
+def _accumulation(metrics: dict) -> str:
+    """``", accumulation 2 × micro-batch 2"`` with gradient accumulation; what a rebalanced
+    resume changed."""
+    text = (f", accumulation {metrics['grad_accum']} × micro-batch {metrics['micro_batch']}"
+            if metrics.get("grad_accum", 1) > 1 else "")
+    moved = metrics.get("rebalanced")
+    if moved:
+        old = moved["from"]
+        text += (f" (rebalanced from {layout_text(old['dp'], old['ep'], old['tp'])}, "
+                 f"accumulation {old['grad_accum']})")
+    return text
 
 
 def _predicted_line(metrics: dict) -> str:
@@ -359,7 +417,8 @@ def run(args) -> int:
     check_free(cfg.out, output_bytes(cfg), "writing metrics.json and loss.png",
                "; nothing was run", place=f"--out {cfg.out}")
     nproc = launch_size(args, cfg)
-    metrics = run_training(cfg, nproc, launch_timeout(args))
+    resumed = {"stated": stated_layout(args)} if cfg.resume and cfg.rebalance == "auto" else {}
+    metrics = run_training(cfg, nproc, launch_timeout(args), **resumed)
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if getattr(args, "plan", None):

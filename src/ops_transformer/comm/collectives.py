@@ -165,10 +165,13 @@ def run_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Process
 
 
 def run_swap(send: torch.Tensor, recv: torch.Tensor, peer: int, group: ProcessGroup, name: str):
-    """Post a send of ``send`` to and a receive into ``recv`` from global rank ``peer``; returns
-    both work handles."""
+    """Post a send of ``send`` to and a receive into ``recv`` from global rank ``peer``, as one
+    batch (``batch_isend_irecv``: on NCCL a send blocks until its peer's receive is posted, and a
+    concurrent send and receive must be grouped, or two ranks that both send first can deadlock
+    once the message outgrows NCCL's buffers); returns the work handles."""
     with _step_range(name):
-        return dist.isend(send, dst=peer, group=group), dist.irecv(recv, src=peer, group=group)
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, group),
+                                       dist.P2POp(dist.irecv, recv, peer, group)])
 
 
 def all_to_all_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, *,

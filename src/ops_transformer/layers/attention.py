@@ -78,8 +78,8 @@ class FeatureSplitAttention(nn.Module):
     def _local_rope(self, cos, sin):
         """The cos/sin columns of this rank's features: slice r of each half."""
         half, part = self.head_dim // 2, self.head_dim // 2 // self.tp_size
-        cols = torch.cat([torch.arange(s, s + part) + self.tp_rank * part for s in (0, half)])
-        cols = cols.to(cos.device)
+        cols = torch.cat([torch.arange(s, s + part, device=cos.device) + self.tp_rank * part
+                          for s in (0, half)])  # made on the device: no copy per layer per step
         return cos.index_select(-1, cols), sin.index_select(-1, cols)
 
     def forward(self, x, rope=None):

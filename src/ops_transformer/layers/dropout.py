@@ -32,6 +32,8 @@ mask is kept for backward as booleans (1 byte per element, Korthikanti et al.'s 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -199,3 +201,26 @@ class ParallelDropout(nn.Module):
         lay = self.layout
         return (f"p={self.p}, layout={lay.kind}, tp_rank={lay.tp_rank}/{lay.tp}, "
                 f"dp_rank={lay.dp_rank}/{lay.dp}")
+
+
+@contextlib.contextmanager
+def micro_batch_masks(model: nn.Module, index: int, count: int):
+    """Inside, every dropout site of ``model`` draws the one-device masks of micro-batch
+    ``index`` of the ``count`` consecutive ones this rank's rows split into (gradient
+    accumulation): a site's rows of the global batch ``[d·b, (d+1)·b)`` become those of
+    micro-batch ``d·count + index`` of ``dp·count``. A site is a :class:`ParallelDropout`
+    (``layout``) or a module with a ``dropout_layout`` (the attention cores)."""
+    moved = []
+    if count > 1:
+        for module in model.modules():
+            for name in ("layout", "dropout_layout"):
+                layout = getattr(module, name, None)
+                if isinstance(layout, Layout):
+                    moved.append((module, name, layout))
+                    setattr(module, name, dataclasses.replace(
+                        layout, dp_rank=layout.dp_rank * count + index, dp=layout.dp * count))
+    try:
+        yield
+    finally:
+        for module, name, layout in moved:
+            setattr(module, name, layout)

@@ -54,7 +54,11 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype ``torch.autocast`` runs matrix products in here, or ``None`` outside autocast.
     Backward runs outside autocast, so a custom matmul must cast its saved inputs itself."""
     device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type autocast does not know (meta): nothing is autocast
+        return None
+    return torch.get_autocast_dtype(device) if enabled else None
 
 
 def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:

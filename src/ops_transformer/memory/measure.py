@@ -117,14 +117,28 @@ def activation_memory(model: nn.Module, idx: torch.Tensor,
     codes and scales under the 8-bit cache, each rank's sequence slice under sequence parallelism.
     A storage saved by several layers counts in the first. On a parallel model this is a collective
     call (the forward communicates): every rank must make it; each gets its own bytes.
+
+    On a CUDA device the allocator's view is added, which also holds workspaces, communication
+    buffers, transients and rounding::
+
+         "cuda_max_memory_allocated": int,  # torch.cuda.max_memory_allocated during the forward
+         "cuda_forward_peak_bytes": int}    # that peak less what was allocated before it
     """
     layers = transformer_layers(model)
     meter = ActivationMeter(exclude=list(model.parameters()) + list(model.buffers()))
     handles = _attribute(meter, layers)
+    cuda = idx.device if idx.device.type == "cuda" else None
+    if cuda is not None:
+        torch.cuda.synchronize(cuda)
+        torch.cuda.reset_peak_memory_stats(cuda)
+        before = torch.cuda.memory_allocated(cuda)
     try:
         with torch.enable_grad(), meter:
             out = run_forward(model, idx, targets)
         result = {"total_bytes": meter.total_bytes, "per_layer": meter.per_layer(len(layers))}
+        if cuda is not None:
+            peak = torch.cuda.max_memory_allocated(cuda)
+            result.update(cuda_max_memory_allocated=peak, cuda_forward_peak_bytes=peak - before)
         del out
     finally:
         for h in handles:

@@ -91,7 +91,8 @@ def capacity_mask(index: torch.Tensor, n_experts: int,
 def load_balancing_loss(probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``E · Σ_i f_i · P_i`` over this call's tokens (``f_i`` from all routed slots)."""
     n_experts = probs.shape[-1]
-    f = torch.bincount(index.reshape(-1), minlength=n_experts).to(probs.dtype) / index.numel()
+    flat = index.reshape(-1)  # slots per expert, on the device (bincount reads its max: a sync)
+    f = probs.new_zeros(n_experts).scatter_add_(0, flat, probs.new_ones(flat.shape)) / flat.numel()
     return n_experts * (f * probs.mean(0)).sum()
 
 

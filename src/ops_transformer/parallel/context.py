@@ -223,19 +223,25 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
                     f"tp ({tp}) × dp ({dp or 1}) × ep ({ep}) needs {tp * (dp or 1) * ep} "
                     f"processes, but this is a single process with no torchrun environment: start "
                     f"it with `torchrun --nproc-per-node N` or `ops_transformer.launch(fn, N)`")
-            single = ParallelContext.single("cuda" if backend == "nccl" else "cpu")
+            backend = backend or _default_backend()
+            device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
+                      else torch.device("cpu"))
+            single = ParallelContext.single(device)
             return dataclasses.replace(single, ranks_per_node=1,
                                        profile=resolve_profile_source(profile, backend))
         rank = _env_int("RANK")
         if rank is None:
             raise ValueError("WORLD_SIZE is set but RANK is not: start the job with torchrun or "
                              "ops_transformer.launch")
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or _default_backend()
         dp, ep, tp = check_degrees(world_size, tp, dp, ep)  # fail before any rendezvous
+        device_id = None
         if backend == "nccl":
-            torch.cuda.set_device(_local_rank(rank))
+            device_id = torch.device("cuda", _local_rank(rank))
+            torch.cuda.set_device(device_id)
         store = job_store(os.environ, backend, world_size, timeout)  # torchrun's, namespaced
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device_id,
                                 **({} if store is None else {"store": store}))
     dp, ep, tp = check_degrees(world_size, tp, dp, ep)
     rank = dist.get_rank()
@@ -249,7 +255,9 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
         if created:  # raised on every rank alike: leave no half-made job behind
             destroy_process_groups()
         raise
-    device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+    if not created and "nccl" in backend and _env_int("LOCAL_RANK") is not None:
+        torch.cuda.set_device(_local_rank(rank))  # a caller's group: one GPU a rank
+    device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
               else torch.device("cpu"))
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -265,9 +273,35 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
     return _own_default_group(ctx) if created else ctx
 
 
+def _default_backend() -> str:
+    """NCCL when a GPU is visible, else gloo. ``device_count`` asks NVML and leaves CUDA
+    uninitialised (``is_available`` may not, which would make forking ranks unsafe)."""
+    return "nccl" if torch.cuda.device_count() > 0 else "gloo"
+
+
+def check_local_ranks(nproc: int, what: str = "nproc") -> None:
+    """Raise a ``ValueError`` when ``nproc`` local ranks would run on NCCL (GPUs are visible)
+    with fewer GPUs than ranks: each rank needs its own (``set_device(local_rank)``)."""
+    gpus = torch.cuda.device_count()
+    if 0 < gpus < nproc:
+        raise ValueError(f"{what} {nproc}: NCCL needs one GPU per local rank, but {gpus} GPU(s) "
+                         f"are visible; use {what} {gpus} or fewer (or hide the GPUs with "
+                         f"CUDA_VISIBLE_DEVICES= to run {nproc} CPU ranks on gloo)")
+
+
 def _local_rank(rank: int) -> int:
+    """This rank's GPU: ``LOCAL_RANK``. Every rank of a node checks the same numbers
+    (``LOCAL_WORLD_SIZE`` against the visible GPUs), so all raise alike before the rendezvous
+    rather than some waiting in it for peers that failed."""
+    gpus = torch.cuda.device_count()
     local = _env_int("LOCAL_RANK")
-    return local if local is not None else rank % max(torch.cuda.device_count(), 1)
+    per_node = _env_int("LOCAL_WORLD_SIZE") or (1 if local is None else local + 1)
+    if per_node > gpus:
+        raise ValueError(
+            f"NCCL needs one GPU per local rank: {per_node} ranks on this node "
+            f"(--nproc / --nproc-per-node), but {gpus} GPU(s) are visible; start at most {gpus} "
+            f"ranks per node, or use backend='gloo' (CPU tensors)")
+    return local if local is not None else rank % gpus
 
 
 def _own_default_group(ctx: ParallelContext) -> ParallelContext:

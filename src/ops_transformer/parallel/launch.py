@@ -5,9 +5,9 @@
 already set, so the same ``fn`` runs unchanged under ``torchrun``. Forked ranks meet in a store
 that rank 0 serves on a socket the launcher bound before any rank started (the ranks connect to
 it as torchrun's workers do to the agent's, ``TORCHELASTIC_USE_AGENT_STORE=True``), so no other
-job can take the port in between; spawned ranks (no socket to inherit) get a port found free. Each rank runs with one intra-op
-thread. Processes are forked when that is safe (Linux, CUDA not initialised in the parent: ~0.1 s a
-start) and spawned otherwise (every child then imports torch, 3–10 s).
+job can take the port in between; spawned ranks (no socket to inherit) get a port found free.
+Each rank runs with one intra-op thread. Processes are forked when that is safe (Linux, no GPU
+visible: ~0.1 s a start) and spawned otherwise (every child then imports torch, 3–10 s).
 
 Called inside a job that already has its ranks (a ``torchrun`` worker, or a process with an
 initialised default process group), ``launch`` starts nothing: it runs ``fn`` on the current rank
@@ -75,7 +75,11 @@ def _listener() -> socket.socket:
 
 
 def _fork_is_safe() -> bool:
-    return (sys.platform.startswith("linux") and not torch.cuda.is_initialized())
+    """Fork only where no GPU is visible: ``torch.cuda.is_available()`` (in the caller, or in a
+    library it used) initialises the CUDA driver without ``is_initialized()`` saying so, and a rank
+    forked after that cannot use CUDA. ``device_count`` asks NVML, which is fork-safe."""
+    return (sys.platform.startswith("linux") and not torch.cuda.is_initialized()
+            and torch.cuda.device_count() == 0)
 
 
 def _as_rank_error(exc: BaseException, rank: int, nprocs: int, tb: str) -> BaseException:
@@ -247,6 +251,7 @@ def _collect(procs, conns, stacks, nprocs, timeout) -> list:
         errors.sort(key=lambda e: (not e[4], e[3]))
         rank, exc, tb, _, _ = errors[0]
         err = _as_rank_error(exc, rank, nprocs, tb)
+        err.dead_ranks = tuple(sorted({e[0] for e in errors if e[4]}))  # elastic restarts
         others = [e[0] for e in errors[1:]]
         if others and hasattr(err, "add_note"):
             err.add_note(f"ranks {others} failed after it")

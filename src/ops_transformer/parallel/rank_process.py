@@ -25,11 +25,13 @@ PARENT_POLL_S = 1.0  # outside Linux: how often a rank checks that its launcher 
 
 class RankError(RuntimeError):
     """A rank of a :func:`launch` job failed. ``rank`` names it; ``type_name`` is the type of the
-    exception raised there, ``remote_traceback`` its traceback as text."""
+    exception raised there, ``remote_traceback`` its traceback as text, ``dead_ranks`` the
+    ranks of the job that died rather than raised."""
 
     rank: int = -1
     type_name: str = ""
     remote_traceback: str = ""
+    dead_ranks: tuple = ()  # the ranks that died (a signal, or an exit without a result)
 
 
 def set_rank_threads() -> None:

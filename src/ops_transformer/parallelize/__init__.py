@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
+import torch
 from torch import nn
 
 from ..layers.loss import vocab_parallel_cross_entropy
@@ -93,6 +95,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     """
     if getattr(getattr(model, "parallel_state", None), "plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_state is set)")
+    check_model_device(model, ctx)
     options = ParallelOptions.of(options, **option_kwargs)
     resolved = resolve_plan(model, ctx, plan, options.plan_attention, options.loss_parallel,
                             options.vocab, options.tp_plan)
@@ -121,6 +124,21 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
              ctx.ep_size, resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model
+
+
+def check_model_device(model: nn.Module, ctx) -> None:
+    """A ``ValueError`` when a parameter or buffer lives on a device other than ``ctx.device``
+    (``meta`` is allowed: ``materialize`` places it): a CPU model under an NCCL context would
+    otherwise fail later, inside a collective."""
+    want = torch.device(ctx.device)
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        here = t.device
+        if here.type == "meta" or (here.type == want.type and
+                                   (want.index is None or here.index in (None, want.index))):
+            continue
+        raise ValueError(f"the model's {name} is on {here}, but ctx.device is {want}: move the "
+                         f"model there first (model.to(ctx.device)) or build it on 'meta' and "
+                         f"pass materialize=")
 
 
 def gradient_reducers(model: nn.Module, ctx, options: ParallelOptions) -> GradReducers:

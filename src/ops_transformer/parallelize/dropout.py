@@ -35,9 +35,11 @@ from ..layers.dropout import Layout, ParallelDropout, dropout
 from ..models.gpt import GPT, Attention
 
 
-def _core_with_dropout(attn: Attention, layout: Layout):
-    """``attn.core`` with the attention probabilities dropped by :func:`dropout` (``layout``: the
-    heads this rank holds); the original core (SDPA) without dropout."""
+def _core_with_dropout(attn: Attention):
+    """``attn.core`` with the attention probabilities dropped by :func:`dropout`
+    (``attn.dropout_layout``: the heads this rank holds, read at each call so that
+    :func:`~ops_transformer.layers.dropout.micro_batch_masks` can move it); the original core
+    (SDPA) without dropout."""
     fused = attn.core
 
     def core(q, k, v):  # (B, nh, T, hd), (B, nkv, T, hd)
@@ -51,7 +53,7 @@ def _core_with_dropout(attn: Attention, layout: Layout):
         # an additive -inf bias above the diagonal (an addition keeps nothing for backward)
         causal = torch.full((T, T), float("-inf"), dtype=scores.dtype, device=q.device).triu(1)
         probs = F.softmax(scores + causal, dim=-1)
-        return dropout(probs, attn.dropout, layout) @ v  # (B, nh, T, hd)
+        return dropout(probs, attn.dropout, attn.dropout_layout) @ v  # (B, nh, T, hd)
 
     return core
 
@@ -75,7 +77,7 @@ def apply_dropout(model: nn.Module, ctx, *, attention: str, sequence_parallel: b
         sites += 1
         # the reference attention, or a region of it; kv_split's layer draws its rows' mask itself
         if isinstance(block.attn, Attention):
-            block.attn.core = _core_with_dropout(block.attn, heads)
             block.attn.dropout_layout = heads
+            block.attn.core = _core_with_dropout(block.attn)
             sites += 1
     return sites

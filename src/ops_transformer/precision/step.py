@@ -56,8 +56,8 @@ def optimizer_step(model, optimizer, ctx, *, scaler: DynamicLossScaler | None = 
     after ``backward`` on every rank; then ``optimizer.zero_grad()``."""
     if max_norm is not None:
         check_max_norm(max_norm, 2.0)
-    metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach().reshape(1)
-               for k, v in (metrics or {}).items()}
+    metrics = {k: torch.as_tensor(v, dtype=torch.float32, device=ctx.device).detach().reshape(1)
+               for k, v in (metrics or {}).items()}  # a Python float too joins the device's buffer
     shards = ctx.world_size // ctx.tp_size  # data shards: dp (× ep)
     values: list[torch.Tensor] = []
     zero = hasattr(optimizer, "gather_grad_shards")  # ZeRO (memory.zero): the gradients that

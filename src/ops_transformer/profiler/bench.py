@@ -41,14 +41,24 @@ from ..parallel.context import ParallelContext, init_parallel
 from ..parallelize import Plan, parallelize
 
 
+def sync_cuda() -> None:
+    """Wait for the queued GPU work (when this process uses CUDA): a wall clock read after a step
+    that only queued kernels measures their launch, not their run."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def time_steps(step: Callable[[], object], warmup: int, steps: int) -> list[float]:
-    """Per-step wall times (s) of ``steps`` calls of ``step`` after ``warmup`` untimed ones."""
+    """Per-step wall times (s) of ``steps`` calls of ``step`` after ``warmup`` untimed ones (on a
+    GPU, synchronised before each clock read)."""
     for _ in range(warmup):
         step()
     times = []
     for _ in range(steps):
+        sync_cuda()
         t0 = time.perf_counter()
         step()
+        sync_cuda()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -123,10 +133,11 @@ SIZES = {
 }
 
 
-def dense_gpt(cfg) -> GPT:
-    """The dense reference model, from the same seed on every rank and for every method."""
+def dense_gpt(cfg, device: torch.device | str = "cpu") -> GPT:
+    """The dense reference model, from the same seed on every rank and for every method (drawn
+    on the CPU, then moved to ``device``: the same weights on any device)."""
     torch.manual_seed(SEED)
-    return GPT(cfg)
+    return GPT(cfg).to(device)
 
 
 def applied_plan(model: nn.Module) -> Plan:
@@ -146,7 +157,7 @@ def dtensor_gpt(cfg, tp_mesh) -> nn.Module:
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    model = dense_gpt(cfg)
+    model = dense_gpt(cfg, tp_mesh.device_type)
     for block in model.layers:
         parallelize_module(block, tp_mesh, {
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
@@ -158,23 +169,26 @@ def dtensor_gpt(cfg, tp_mesh) -> nn.Module:
 
 def build_models(cfg, ctx) -> dict[str, nn.Module]:
     """Every method's model of one size (``plain`` and ``tp1`` on rank 0 only)."""
-    ours = parallelize(dense_gpt(cfg), ctx)
+    dev = ctx.device
+    ours = parallelize(dense_gpt(cfg, dev), ctx)
     models = {"ours": ours,
-              "ours-proj": parallelize(dense_gpt(cfg), ctx,
+              "ours-proj": parallelize(dense_gpt(cfg, dev), ctx,
                                        plan=projections_plan(applied_plan(ours))),
               "dtensor": dtensor_gpt(cfg, ctx.mesh["tp"])}
     if ctx.rank == 0:
-        models["plain"] = dense_gpt(cfg)
-        models["tp1"] = parallelize(dense_gpt(cfg), ParallelContext.single())
+        models["plain"] = dense_gpt(cfg, dev)
+        models["tp1"] = parallelize(dense_gpt(cfg, dev), ParallelContext.single(dev))
     return models
 
 
-def make_batches(size: Size, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``N_BATCHES`` pairs of (tokens, next tokens), each ``(batch, seq)``; equal on all ranks."""
+def make_batches(size: Size, vocab: int,
+                 device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``N_BATCHES`` pairs of (tokens, next tokens), each ``(batch, seq)``; equal on all ranks
+    (drawn on the CPU, then moved to ``device``)."""
     gen = torch.Generator().manual_seed(size.batch * 1000 + size.seq)
     pool = []
     for _ in range(N_BATCHES):
-        seq = torch.randint(0, vocab, (size.batch, size.seq + 1), generator=gen)
+        seq = torch.randint(0, vocab, (size.batch, size.seq + 1), generator=gen).to(device)
         pool.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
     return pool
 
@@ -241,7 +255,7 @@ def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | No
     cfg = preset(size.preset)
     models = build_models(cfg, ctx)
     opts = {m: torch.optim.AdamW(model.parameters(), lr=LR) for m, model in models.items()}
-    batches = make_batches(size, cfg.vocab_size)
+    batches = make_batches(size, cfg.vocab_size, ctx.device)
     losses = check_losses(models, opts, batches)
     same_tp1 = repr(models["tp1"]) == repr(models["plain"]) if "tp1" in models else None
     plan = applied_plan(models["ours"])

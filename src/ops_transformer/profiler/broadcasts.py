@@ -76,7 +76,7 @@ def implicit_broadcasts(model, ctx, run) -> list[dict]:
 
 def broadcast_checks(model, ctx, step_fn) -> list[dict]:
     """Every rank: one step of ``step_fn`` watched; the union of every rank's findings."""
-    found = gather_objects(implicit_broadcasts(model, ctx, step_fn), world_group(ctx))
+    found = gather_objects(implicit_broadcasts(model, ctx, step_fn), world_group(ctx), ctx.device)
     union: list[dict] = []
     for rank in found:
         union += [d for d in rank if d not in union]

@@ -25,7 +25,8 @@ The profile (JSON, keys are strings)::
 
     {"name", "created", "machine": {...}, "matmul_flops": {n: FLOP/s}, "matmul_flops_best",
      "gpu": {"device", "catalogue", "bf16_flops": {shape: FLOP/s}, "peak_bf16_flops",
-             "matmul_efficiency"} (GPU machines only),
+             "matmul_efficiency", "matmul_flops_by_dtype": {"bf16", "fp16", "fp32": FLOP/s}}
+            (GPU machines only),
      "collectives": {p: {kind: {"alpha_s", "bandwidth", "fit", "fit_rel_error",
                                 "points": [[message bytes, seconds], ...]}}},
      "p2p_threshold_bytes": int | null,
@@ -205,12 +206,14 @@ def gpu_efficiency(device_name: str, memory_bytes: int, flops: dict) -> dict:
             "peak_bf16_flops": peak, "matmul_efficiency": best / peak if peak else None}
 
 
-def bf16_matmul_flops(device: torch.device, shapes, repeats: int) -> dict[str, float]:
-    """FLOP/s of ``tokens × n_in`` by ``n_in × n_out`` bf16 products, one per shape."""
+def bf16_matmul_flops(device: torch.device, shapes, repeats: int,
+                      dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """FLOP/s of ``tokens × n_in`` by ``n_in × n_out`` products in ``dtype`` (bf16 unless
+    told), one per shape."""
     flops = {}
     for tokens, n_in, n_out in shapes:
-        a = torch.randn(tokens, n_in, device=device, dtype=torch.bfloat16)
-        w = torch.randn(n_in, n_out, device=device, dtype=torch.bfloat16)
+        a = torch.randn(tokens, n_in, device=device, dtype=dtype)
+        w = torch.randn(n_in, n_out, device=device, dtype=dtype)
         seconds = _median_time(lambda: a @ w, None, device, repeats)
         flops[f"{tokens}x{n_in}x{n_out}"] = 2 * tokens * n_in * n_out / seconds
     return flops
@@ -220,8 +223,14 @@ def _gpu_matmul_worker(repeats: int) -> dict:
     """:data:`GPU_SHAPES` on this rank's GPU (one rank, ``cuda:0``), as the profile's entry."""
     device = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(device)
-    return gpu_efficiency(props.name, props.total_memory,
-                          bf16_matmul_flops(device, GPU_SHAPES, repeats))
+    entry = gpu_efficiency(props.name, props.total_memory,
+                           bf16_matmul_flops(device, GPU_SHAPES, repeats))
+    # the best rate per dtype (fp16 and fp32 on the first shape only: seconds, not minutes;
+    # fp32 without TF32, torch's default for matmuls)
+    entry["matmul_flops_by_dtype"] = {"bf16": max(entry["bf16_flops"].values()), **{
+        name: max(bf16_matmul_flops(device, GPU_SHAPES[:1], repeats, dtype).values())
+        for name, dtype in (("fp16", torch.float16), ("fp32", torch.float32))}}
+    return entry
 
 
 def _collectives_worker(message_bytes, quick: bool, progress: bool) -> dict[str, list]:
@@ -255,8 +264,8 @@ def _p2p_worker(message_bytes, quick: bool, progress: bool) -> list[list]:
             mine, theirs, both = (torch.zeros(n, device=dev), torch.zeros(n, device=dev),
                                   torch.zeros(2 * n, device=dev))
 
-            def swap():
-                for work in (C.send(mine, peer, group), C.recv(theirs, peer, group)):
+            def swap():  # one batched send + receive, as the p2p algorithms post it
+                for work in C.run_swap(mine, theirs, peer, group, "calibrate.p2p"):
                     work.wait()
 
             reps = repeats_for(n * FP32, quick)

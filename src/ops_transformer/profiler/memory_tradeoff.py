@@ -26,6 +26,7 @@ from ..memory.measure import activation_memory
 from ..memory.train_flags import make_optimizer
 from ..parallelize import parallelize
 from ..parallelize.gpt_plan import check_tp_for_gpt
+from .bench import sync_cuda
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,12 @@ def check_run(run: MemoryRun) -> None:
 
 
 def _step(model, opt, x, y) -> float:
+    sync_cuda()
     start = time.perf_counter()
     model(x, y)[1].backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    sync_cuda()
     return time.perf_counter() - start
 
 

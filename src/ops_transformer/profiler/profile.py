@@ -103,7 +103,7 @@ def profile_step(step_fn, ctx, steps: int = 5, warmup: int = 2) -> Profile:
         with without_kineto_banners():
             prof.stop()
     mine = _rank_summary(prof, ledgers, walls, ctx)
-    return Profile(rank=ctx.rank, per_rank=gather_objects(mine, world), steps=steps,
+    return Profile(rank=ctx.rank, per_rank=gather_objects(mine, world, ctx.device), steps=steps,
                    warmup=warmup, torch_profile=prof)
 
 
@@ -181,19 +181,23 @@ def _top_operators(prof, steps: int) -> list[dict]:
             for a in rows[:TOP_OPERATORS]]
 
 
-def gather_objects(mine, group) -> list:
-    """Every rank's ``mine`` in rank order (JSON over two all-gathers: lengths, then bytes)."""
+def gather_objects(mine, group, device: torch.device | str = "cpu") -> list:
+    """Every rank's ``mine`` in rank order (JSON over two all-gathers: lengths, then bytes). The
+    buffers live on ``device`` (the ranks' ``ctx.device``: NCCL moves CUDA tensors only) and are
+    read back once, at the end."""
     if group is None:
         return [mine]
     data = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
     p = dist.get_world_size(group)
-    sizes = torch.zeros(p, dtype=torch.int64)
-    C.all_gather_into(sizes, torch.tensor([data.numel()]), group, label="profile")
+    sizes = torch.zeros(p, dtype=torch.int64, device=device)
+    C.all_gather_into(sizes, torch.tensor([data.numel()], device=device), group, label="profile")
+    sizes = sizes.cpu()
     width = int(sizes.max())
-    padded = torch.zeros(width, dtype=torch.uint8)
-    padded[:data.numel()] = data
-    out = torch.zeros(p * width, dtype=torch.uint8)
+    padded = torch.zeros(width, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data.to(device)
+    out = torch.zeros(p * width, dtype=torch.uint8, device=device)
     C.all_gather_into(out, padded, group, label="profile")
+    out = out.cpu()
     return [json.loads(bytes(out[r * width: r * width + int(sizes[r])].tolist()).decode())
             for r in range(p)]
 

@@ -45,7 +45,7 @@ def _observe(model, ctx, step_fn) -> dict:
                       if s.on_device or s.where != OUTSIDE],
             "collectives": [[c.op, c.fingerprint, c.where, c.gemms_before]
                             for c in seen.collectives],
-            "input_shape": seen.input_shape}
+            "input_shape": seen.input_shape, "forwards": seen.forwards}
 
 
 def host_syncs(ranks: list[dict]) -> list[dict]:
@@ -96,7 +96,7 @@ def recompute_of(model) -> str:
 
 def beyond_minimum(model, ctx, rank: dict, latency: dict) -> list[dict]:
     """TP collectives beyond :func:`model_comm_per_step` for the reference GPT's plan (with its
-    sequence parallelism and recompute)."""
+    sequence parallelism and recompute, and as many micro-batches as the step ran forwards)."""
     plan, cfg, shape = getattr(model, "parallel_plan", None), getattr(model, "cfg", None), \
         rank["input_shape"]
     if plan is None or not hasattr(cfg, "d_model") or shape is None or len(shape) != 2:
@@ -107,7 +107,8 @@ def beyond_minimum(model, ctx, rank: dict, latency: dict) -> list[dict]:
     expected = model_comm_per_step(cfg, ctx.tp_size, plan.attention, shape[0], shape[1],
                                    plan.vocab, sequence_parallel=sp, recompute=recompute_of(model),
                                    partial_elements=partial_numel(model, ctx.tp_group),
-                                   profile=ctx.profile, ep=ctx.ep_size, **overlap)
+                                   profile=ctx.profile, ep=ctx.ep_size,
+                                   grad_accum=max(rank.get("forwards", 1), 1), **overlap)
     described = ", ".join([f"{plan.attention} attention", f"{plan.vocab} vocabulary"]
                           + ["sequence parallel" + (" (regather)" if sp == "regather" else "")]
                           * bool(sp)
@@ -248,7 +249,7 @@ def balance(summary: dict, exposed_threshold: float, imbalance_threshold: float,
 def comm_checks(model, ctx, step_fn, profile, *, exposed_threshold: float,
                 imbalance_threshold: float, small_run: int) -> list[dict]:
     """Every rank: one watched step, then :data:`PROFILED_STEPS` profiled ones."""
-    ranks = gather_objects(_observe(model, ctx, step_fn), world_group(ctx))
+    ranks = gather_objects(_observe(model, ctx, step_fn), world_group(ctx), ctx.device)
     summary = profile_step(step_fn, ctx, steps=PROFILED_STEPS, warmup=0).summary()
     latency = {k: v["mean_latency_s"] for k, v in summary["collectives"].items()}
     me = next(r for r in ranks if r["rank"] == 0)

@@ -100,6 +100,7 @@ class WatchResult:
     syncs: list[Sync] = field(default_factory=list)
     collectives: list[Collective] = field(default_factory=list)
     input_shape: tuple | None = None
+    forwards: int = 0  # calls of the model's forward in the step (gradient accumulation: N)
 
 
 def fingerprint(t: torch.Tensor) -> tuple | None:
@@ -229,6 +230,7 @@ class StepWatch:
         return self.result
 
     def _record_shape(self, module, args):
+        self.result.forwards += 1
         if self.result.input_shape is None and args and isinstance(args[0], torch.Tensor):
             self.result.input_shape = tuple(args[0].shape)
 

@@ -197,7 +197,7 @@ def _step(model, ids, ctx=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     final RMSNorm makes nearly constant, its gradient is not rounding noise."""
     model.train()
     out = _output(model(input_ids=ids, use_cache=False))
-    target = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    target = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.device)
     (out.float() - target).square().mean().backward()
     grads = _gradients(model, ctx)
     torch.optim.SGD(model.parameters(), lr=LR).step()
@@ -272,10 +272,11 @@ def check_family(model_type: str, ctx, **parallelize_options) -> dict[str, float
     gradient of the model, whichever is larger) and ``weights`` (each gathered parameter after
     one SGD step, relative to its largest entry); and ``split``, the number of plan rules beyond
     the embedding and LM head (0: the family's plan splits nothing else)."""
-    model = build(model_type)
+    model = build(model_type).to(ctx.device)  # drawn on the CPU: the same weights anywhere
     dense = copy.deepcopy(model)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(3, vocab, (2, 10), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(ctx.device)
     ref_out, ref_grads = _step(dense, ids)
     parallelize(model, ctx, **parallelize_options)
     split = sum(r["style"] not in ("vocab", "vocab_logits")

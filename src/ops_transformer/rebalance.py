@@ -1,0 +1,222 @@
+"""Resuming on another number of ranks: the layout re-planned so that the run stays the run (SPEC F13).
+
+A checkpoint's manifest records the layout it was saved at (``dp × ep × tp``) and how the global
+batch was split (its ``meta``, :func:`~ops_transformer.train.batch_layout`: global batch,
+micro-batch, accumulation). Resuming on ``W`` ranks with ``rebalance="auto"`` (the default):
+
+1. **tp and ep** — the run's own when it states them, else the checkpoint's — are kept when they
+   still fit ``W`` ranks (``tp · ep`` divides ``W``, the global batch divides over the new data
+   readers, ``train`` can run it and the model fits in memory); otherwise the planner ranks every
+   other ``(tp, ep)`` for ``W`` ranks (:func:`~ops_transformer.planner.search.evaluate`: fits in
+   memory first, then the predicted step time) and the first that fits is taken;
+2. **dp** ``= W / (tp · ep)`` (a stated ``--dp`` that no longer fits is replaced);
+3. **accumulation** ``= global batch / (micro-batch · dp · ep)``: the micro-batch — what one
+   forward sees, on which memory, MoE capacity and the load-balancing loss depend — is the
+   checkpoint's, so ``micro × accum × dp × ep`` (the global batch) is unchanged, and with it the
+   sample order (a batch's rows are a function of ``(seed, step)`` and their index alone,
+   :mod:`ops_transformer.data`) and the learning-rate schedule (a function of the step);
+4. ZeRO needs ``dp > 1`` and sequence parallelism ``tp > 1``: where the new layout has neither,
+   they are turned off, and said.
+
+:func:`~ops_transformer.checkpoint.load_checkpoint` then reshards the parameters, the optimizer
+(and ZeRO) state, the loss scaler and the RNG states. A size that holds neither the global batch
+nor the model is a ``ValueError`` naming both. ``rebalance="off"`` keeps the layout and the
+accumulation as given (the micro-batch then follows them). Pure logic: no process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .checkpoint.training import REBALANCE, saved_split
+from .comm.topology import cpu_topology
+from .planner.local import local_cluster
+from .planner.search import Options, evaluate, layout_problem
+from .planner.specs import ModelSpec
+from .planner.strategies import ATTENTION_STRATEGIES
+from .train import TrainConfig, validate
+
+LAYOUT_FIELDS = ("tp", "dp", "ep", "grad_accum")
+
+
+@dataclass(frozen=True)
+class Rebalanced:
+    """What a resume on ``world_size`` ranks runs: ``cfg`` (the re-planned config), ``saved``
+    (the checkpoint's layout and batch split, :func:`saved_split`; ``None`` without one) and
+    ``notes`` (what changed, beyond the layout and the accumulation)."""
+
+    cfg: TrainConfig
+    world_size: int
+    saved: dict | None = None
+    notes: tuple[str, ...] = ()
+    changed: bool = field(default=False)
+
+    def message(self) -> str:
+        """One line for stderr: the old and new layouts and accumulations (``""``: nothing
+        changed)."""
+        if not self.changed:
+            return ""
+        s, c = self.saved, self.cfg
+        dp = self.world_size // (c.tp * c.ep)
+        text = (f"resuming step {s['step']} of {c.ckpt_dir} on {self.world_size} ranks (saved on "
+                f"{s['world_size']}): layout {layout_text(s['dp'], s['ep'], s['tp'])} → "
+                f"{layout_text(dp, c.ep, c.tp)}, accumulation {s['grad_accum']} → "
+                f"{c.grad_accum} (global batch {c.batch}, micro-batch {s['micro_batch']} per "
+                f"rank kept)")
+        return "; ".join([text, *self.notes])
+
+
+def layout_text(dp: int, ep: int, tp: int) -> str:
+    """``"dp 2 × tp 2"`` (``"dp 1 × ep 2 × tp 1"`` with experts over ranks)."""
+    return f"dp {dp} × " + (f"ep {ep} × " if ep > 1 else "") + f"tp {tp}"
+
+
+def stated_fields(cfg: TrainConfig) -> set[str]:
+    """The layout fields of ``cfg`` that differ from :class:`TrainConfig`'s defaults: what a
+    caller that cannot say which it set is taken to have stated."""
+    default = TrainConfig()
+    return {k for k in LAYOUT_FIELDS if getattr(cfg, k) != getattr(default, k)}
+
+
+def rebalance(cfg: TrainConfig, world_size: int, *, stated=None, cluster=None) -> Rebalanced:
+    """``cfg`` re-planned for a resume on ``world_size`` ranks (module docstring); ``cfg``
+    itself without ``--resume``, without a checkpoint, or with ``rebalance="off"``.
+
+    ``stated``: the fields of :data:`LAYOUT_FIELDS` the caller set (the command line passes its
+    flags; ``None``: :func:`stated_fields`) — a stated ``tp`` or ``ep`` is preferred to the
+    checkpoint's. ``cluster``: the planner's picture of these ranks
+    (:func:`~ops_transformer.planner.local.local_cluster`; ``None``: this machine's CPU ranks
+    with the built-in profile)."""
+    if cfg.rebalance not in REBALANCE:
+        raise ValueError(f"--rebalance must be one of {', '.join(REBALANCE)}, got "
+                         f"{cfg.rebalance!r}")
+    if not (cfg.resume and cfg.ckpt_dir) or cfg.rebalance == "off":
+        return Rebalanced(cfg, world_size)
+    saved = saved_split(cfg.ckpt_dir, cfg.batch)
+    if saved is None:
+        return Rebalanced(cfg, world_size)
+    micro = saved["micro_batch"]
+    if cfg.batch % micro:
+        raise ValueError(f"--batch {cfg.batch} is not a multiple of the micro-batch of the "
+                         f"checkpoint in {cfg.ckpt_dir} ({micro} sequences): pass a multiple, or "
+                         f"--rebalance off to run the layout as given")
+    stated = stated_fields(cfg) if stated is None else set(stated)
+    prefer = (cfg.tp if "tp" in stated else saved["tp"], cfg.ep if "ep" in stated else saved["ep"])
+    cluster = cluster or local_cluster(world_size, topology=cpu_topology())
+    spec = model_spec(cfg, micro)
+    problems = {}
+    for tp, ep in _ordered(cfg, world_size, prefer, spec, cluster):
+        planned, notes = _with_layout(cfg, world_size, tp, ep, micro)
+        problem = _problem(planned, world_size, spec, cluster)
+        if problem is None:
+            return _result(cfg, planned, world_size, saved, stated, prefer, notes, problems)
+        problems[(tp, ep)] = problem
+    raise _no_layout(cfg, world_size, micro, problems)
+
+
+def model_spec(cfg: TrainConfig, micro: int) -> ModelSpec:
+    """The planner's picture of the run's model (the preset, or ``--model``'s config) at its
+    sequence, global batch, ``micro``-batch and precision."""
+    run = dict(seq=cfg.seq, global_batch=cfg.batch, micro_batch=micro, dtype=cfg.precision)
+    if cfg.model:
+        return ModelSpec.load(cfg.model, **run)
+    return ModelSpec.from_gpt_config(cfg.model_config(), **run)
+
+
+def _ordered(cfg, world: int, prefer: tuple[int, int], spec: ModelSpec, cluster) -> list:
+    """``prefer`` first, then every other ``(tp, ep)`` of ``world`` ranks as the planner ranks
+    them: those that fit in memory first, then by predicted step time."""
+    pairs = [(tp, ep) for tp in _divisors(world) for ep in _divisors(world // tp)
+             if spec.experts % ep == 0 and (tp, ep) != prefer]
+    rows = {pair: _planned_row(cfg, world, *pair, spec, cluster) for pair in pairs}
+    ranked = sorted(pairs, key=lambda p: (rows[p] is None, not (rows[p] or {}).get("fits"),
+                                          (rows[p] or {}).get("step_time_s", 0.0), p))
+    return [prefer] + ranked
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _planned_row(cfg, world: int, tp: int, ep: int, model: ModelSpec, cluster) -> dict | None:
+    """The planner's row for ``model`` at ``tp × ep`` on ``world`` ranks (its fastest attention
+    strategy when ``cfg.attention`` is ``auto``), or ``None`` when no strategy is valid."""
+    dp, micro = world // (tp * ep), model.micro_batch
+    strategies = ([cfg.attention] if cfg.attention != "auto" else
+                  list(ATTENTION_STRATEGIES) if tp > 1 else ["heads"])
+    rows = []
+    for attention in strategies:
+        o = Options(dp, tp, ep, attention, bool(cfg.sequence_parallel) and tp > 1, cfg.recompute,
+                    cfg.zero if dp > 1 else 0, micro)
+        if layout_problem(model, cluster, o) is None:  # else: its sizes do not divide at tp
+            rows.append(evaluate(model, cluster, o))
+    return min(rows, key=lambda r: r["step_time_s"]) if rows else None
+
+
+def _with_layout(cfg, world: int, tp: int, ep: int, micro: int) -> tuple[TrainConfig, list]:
+    """``cfg`` at ``tp × ep`` on ``world`` ranks with the accumulation that keeps ``micro``; the
+    notes say what else had to change (ZeRO at dp 1, sequence parallelism at tp 1)."""
+    dp = max(world // (tp * ep), 1)  # (0 when tp × ep does not fit: _problem says so)
+    accum = max(cfg.batch // (micro * dp * ep), 1)
+    changes, notes = {"tp": tp, "ep": ep, "dp": None, "grad_accum": accum}, []
+    if cfg.zero and dp == 1:
+        changes["zero"] = 0
+        notes.append(f"ZeRO-{cfg.zero} off (it shards over data-parallel ranks: dp is 1)")
+    if cfg.sequence_parallel and tp == 1:
+        changes["sequence_parallel"] = False
+        notes.append("sequence parallelism off (tp is 1)")
+    return dataclasses.replace(cfg, **changes), notes
+
+
+def _problem(cfg: TrainConfig, world: int, spec: ModelSpec, cluster) -> tuple[str, str] | None:
+    """Why ``cfg`` cannot run on ``world`` ranks at ``spec``'s micro-batch (``None``: it can),
+    as ``(kind, reason)``: ``ranks`` (``tp × ep`` does not divide them), ``batch`` (the
+    micro-batches do not divide over the data-parallel readers) or ``model`` (``train`` refuses
+    the layout, or the planner finds it too big for a rank's memory)."""
+    if world % (cfg.tp * cfg.ep):
+        return "ranks", f"tp × ep = {cfg.tp * cfg.ep} does not divide {world} ranks"
+    readers, micro = world // cfg.tp, spec.micro_batch
+    if cfg.batch % (micro * readers):
+        return "batch", (f"{cfg.batch // micro} micro-batches do not divide over dp × ep = "
+                         f"{readers}")
+    try:
+        validate(cfg, world)
+    except ValueError as exc:
+        return "model", str(exc)
+    row = _planned_row(cfg, world, cfg.tp, cfg.ep, spec, cluster)
+    if row is not None and not row["fits"]:
+        return "model", (f"needs {row['memory_per_gpu_bytes'] / 2**30:.1f} GiB per rank, one "
+                         f"has {cluster.gpu.memory_bytes / 2**30:.1f}")
+    return None
+
+
+def _result(cfg, planned, world, saved, stated, prefer, notes, problems) -> Rebalanced:
+    """The chosen config with what it changed: a stated degree not kept, a new ``dp``."""
+    if (planned.tp, planned.ep) != prefer:
+        why = problems.get(prefer, ("", ""))[1]
+        notes.insert(0, f"tp {prefer[0]}" + (f" × ep {prefer[1]}" if prefer[1] > 1 else "")
+                     + f" does not fit {world} ranks ({why}): the planner chose "
+                     + f"tp {planned.tp}" + (f" × ep {planned.ep}" if planned.ep > 1 else ""))
+    dp = world // (planned.tp * planned.ep)
+    if "dp" in stated and cfg.dp is not None and cfg.dp != dp:
+        notes.append(f"--dp {cfg.dp} replaced by {dp}")
+    if "grad_accum" in stated and cfg.grad_accum != planned.grad_accum:
+        notes.append(f"--grad-accum {cfg.grad_accum} replaced by {planned.grad_accum} (it keeps "
+                     f"the micro-batch; --rebalance off runs the one given)")
+    new = (world, dp, planned.ep, planned.tp, planned.grad_accum)
+    old = tuple(saved[k] for k in ("world_size", "dp", "ep", "tp", "grad_accum"))
+    return Rebalanced(planned, world, saved, tuple(notes), changed=new != old or bool(notes))
+
+
+def _no_layout(cfg, world: int, micro: int, problems: dict) -> ValueError:
+    """The one-line error: the size against the global batch and the model, with why each
+    layout tried does not hold them (a layout of ``tp = world`` always splits the batch, so at
+    least one reason is the model's)."""
+    tried = "; ".join(f"tp {tp}" + (f" × ep {ep}" if ep > 1 else "") + f": {why}"
+                      for (tp, ep), (_, why) in list(problems.items())[:4])
+    return ValueError(f"cannot resume {cfg.ckpt_dir} on {world} ranks: no layout of {world} "
+                      f"ranks holds both the global batch of {cfg.batch} sequences (as "
+                      f"{cfg.batch // micro} micro-batches of {micro}) and the model "
+                      f"({cfg.model or cfg.preset}): {tried}; resume on another number of ranks, or pass "
+                      f"--rebalance off (the micro-batch then changes)")

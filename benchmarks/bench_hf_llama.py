@@ -4,7 +4,10 @@ One step is the forward with ``labels`` (the loss), ``loss.backward()`` and drop
 fp32, on 2 local gloo ranks with one intra-op thread each. Methods, interleaved round by round (the
 order rotates each round):
 
-* ``ours``    — ``parallelize(model, ctx)``: the plan ``parallelize`` chooses for this model;
+* ``ours``    — ``parallelize(model, ctx, overlap="none")``: the plan ``parallelize`` chooses for
+  this model, every collective in one call (as before overlap existed);
+* ``overlap`` — ``parallelize(model, ctx, overlap="chunked", chunks=N)``: the same plan, each
+  region's collective split into ``N`` chunks pipelined with its matmul (``--chunks``, default 2);
 * ``dtensor`` — ``parallelize_module(model, ctx.mesh["tp"], plan)`` with ``ColwiseParallel`` on
   ``q/k/v_proj`` and ``gate/up_proj`` and ``RowwiseParallel`` on ``o_proj`` and ``down_proj`` of
   every layer (embedding and LM head replicated), as torchtitan applies it;
@@ -15,10 +18,14 @@ order rotates each round):
   alone after a barrier, their times summed: the time the step's communication takes without
   compute around it.
 
-Reported: ``ours / dtensor`` and the floor ratio ``ours / (nocomm + alone)`` (1 would mean the step
-costs exactly its compute plus its communication; below 1, communication overlapped compute), each
-as the median over rounds of the per-round ratio of medians. Targets (issue 15): ``ours/dtensor``
-≤ 0.5 at ``small`` and ≤ 0.8 at ``medium``; floor ≤ 1.1 at both.
+Reported: ``ours / dtensor``, ``overlap / dtensor`` and the floor ratios ``ours / (nocomm +
+alone)`` and ``overlap / (nocomm + alone)`` (1 would mean the step costs exactly its compute plus
+its communication; below 1, communication overlapped compute), each as the median over rounds of
+the per-round ratio of medians; what ``overlap="auto"`` (the default) decides for each region on
+this profile; and, after the timed rounds, the profiler's exposed communication per step
+(``profile_step``: the time the step threads wait on collectives) of ``ours`` and ``overlap``.
+Targets (issues 15, 26): ``ours/dtensor`` ≤ 0.5 at ``small`` (0.45 with overlap) and ≤ 0.8 at
+``medium``; floor ≤ 1.1 at both; exposed communication at ``medium`` halved by ``overlap``.
 
 Before timing, every size is checked once: ``ours`` and ``dtensor`` losses and full-vocabulary
 logits against the dense model's, and one step's collectives (``CommLedger``).
@@ -39,13 +46,14 @@ import torch.distributed as dist
 from torch import nn
 
 import ops_transformer
-from ops_transformer import CommLedger, parallelize
+from ops_transformer import CommLedger, parallelize, profile_step
 from ops_transformer.comm import collectives as C
+from ops_transformer.layers.overlap_policy import overlap_summary
 
 from _common import (OtherLoad, add_timing_args, check_counts, finish, format_paired, interleave,
                      job_meta, method_stats, paired_ratio, rel_err, time_steps)
 
-METHODS = ("dtensor", "ours", "nocomm", "alone")  # the baseline first (method_stats)
+METHODS = ("dtensor", "ours", "overlap", "nocomm", "alone")  # the baseline first (method_stats)
 TP = 2
 SEED = 1234
 
@@ -180,11 +188,35 @@ def replay(record, groups: dict) -> float:
     return time.perf_counter() - t0
 
 
-def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | None) -> dict:
+def exposed_comm(model, ctx, batches, steps: int = 3) -> dict:
+    """The profiler's split of ``steps`` steps (after one warm-up): per rank the mean exposed
+    communication and step time, seconds."""
+    state = {"i": 0}
+
+    def step():
+        state["i"] += 1
+        train_step(model, batches[state["i"] % len(batches)])
+
+    summary = profile_step(step, ctx, steps=steps, warmup=1).summary()
+    return {"exposed_comm_s": [r["exposed_comm_s"] for r in summary["per_rank"]],
+            "comm_s": [r["comm_s"] for r in summary["per_rank"]],
+            "step_s": [r["step_time_s"] for r in summary["per_rank"]]}
+
+
+def auto_decisions(size: Size, ctx, batch) -> str:
+    """What ``overlap="auto"`` (the default) decides for each region at this size."""
+    model = parallelize(dense_llama(size), ctx)
+    train_step(model, batch)
+    return overlap_summary(model)
+
+
+def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | None,
+               chunks: int = 2) -> dict:
     from transformers import set_seed
 
     set_seed(SEED)
-    models = {"ours": parallelize(dense_llama(size), ctx),
+    models = {"ours": parallelize(dense_llama(size), ctx, overlap="none"),
+              "overlap": parallelize(dense_llama(size), ctx, overlap="chunked", chunks=chunks),
               "dtensor": dtensor_llama(size, ctx.mesh["tp"])}
     gen = torch.Generator().manual_seed(SEED)
     batches = [(ids, ids.clone()) for ids in
@@ -211,29 +243,44 @@ def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | No
     def block(method: str) -> list[float]:
         if method == "alone":
             return [sum(replay(r, groups) for r in records) for _ in range(steps)]
-        model = models["dtensor" if method == "dtensor" else "ours"]
+        model = models["ours" if method == "nocomm" else method]
         with communication_removed() if method == "nocomm" else contextlib.nullcontext():
             return time_steps(lambda: train_step(model, next_batch()), warmup, steps)
 
+    with CommLedger() as chunked:
+        train_step(models["overlap"], batches[1])
     times = interleave(METHODS, rounds, block)
+    exposed = {m: exposed_comm(models[m], ctx, batches) for m in ("ours", "overlap")}
     return {"size": asdict(size), "losses": losses, "logits_rel_err": logits_err,
             "steps": steps, "warmup": warmup,
             "attention": models["ours"].parallel_plan.reason,
             "ledger": ledger.summary(), "by_algorithm": ledger.by_algorithm(),
+            "overlap_ledger": chunked.summary(), "exposed": exposed,
+            "auto": auto_decisions(size, ctx, batches[0]),
             "collectives_per_step": len(records), "times": times}
 
 
-def rank_main(sizes, rounds, steps, warmup, profile):
+def rank_main(sizes, rounds, steps, warmup, profile, chunks=2):
     ctx = ops_transformer.init_parallel(tp=TP, profile=profile)
     return {"rank": ctx.rank, "backend": ctx.backend, "threads": torch.get_num_threads(),
             "profile": ctx.profile.name,
-            "results": [bench_size(s, ctx, rounds, steps, warmup) for s in sizes]}
+            "overlap_efficiency": getattr(ctx.profile, "overlap_efficiency", 1.0),
+            "results": [bench_size(s, ctx, rounds, steps, warmup, chunks) for s in sizes]}
 
 
-def floor_ratios(times: dict) -> list[float]:
-    """Per round: ours / (nocomm + alone), each the round's median."""
+def floor_ratios(times: dict, method: str = "ours") -> list[float]:
+    """Per round: ``method`` / (nocomm + alone), each the round's median."""
     med = {m: [statistics.median(block) for block in times[m]] for m in METHODS}
-    return [o / (n + a) for o, n, a in zip(med["ours"], med["nocomm"], med["alone"])]
+    return [o / (n + a) for o, n, a in zip(med[method], med["nocomm"], med["alone"])]
+
+
+def _floor(times: dict, method: str) -> dict:
+    floors = floor_ratios(times, method)
+    return {"median": statistics.median(floors), "min": min(floors), "max": max(floors)}
+
+
+def _verdict(value: float, target: float) -> str:
+    return f"target <= {target}: {'met' if value <= target else 'NOT met'}"
 
 
 def report(per_rank: list[dict]) -> list[dict]:
@@ -241,27 +288,39 @@ def report(per_rank: list[dict]) -> list[dict]:
     for i, res in enumerate(per_rank[0]["results"]):
         s, times = res["size"], res["times"]
         stats = method_stats([r["results"][i]["times"] for r in per_rank], METHODS, "dtensor")
-        floors = floor_ratios(times)
-        vs_dtensor = paired_ratio(times, "ours", "dtensor")
-        floor = {"median": statistics.median(floors), "min": min(floors), "max": max(floors)}
+        ratios = {m: paired_ratio(times, m, "dtensor") for m in ("ours", "overlap")}
+        floors = {m: _floor(times, m) for m in ("ours", "overlap")}
+        exposed = {m: max(res["exposed"][m]["exposed_comm_s"]) for m in ("ours", "overlap")}
         dense = res["losses"]["dense"]
         print(f"\n[{s['name']}] Llama hidden {s['hidden']}, FFN {s['ffn']}, {s['layers']} layers, "
               f"{s['heads']} heads / {s['kv_heads']} KV, vocab {s['vocab']}, batch {s['batch']} "
               f"x seq {s['seq']}; {res['warmup']} untimed + {res['steps']} timed steps per block")
-        print(f"  vs dense: loss rel. diff ours {abs(res['losses']['ours'] - dense) / dense:.1e}, "
-              f"dtensor {abs(res['losses']['dtensor'] - dense) / dense:.1e}; logits max rel. "
-              f"err ours {res['logits_rel_err']['ours']:.1e}, dtensor "
-              f"{res['logits_rel_err']['dtensor']:.1e}")
+        print("  vs dense: loss rel. diff " + ", ".join(
+            f"{m} {abs(res['losses'][m] - dense) / dense:.1e}" for m in ("ours", "overlap",
+                                                                       "dtensor"))
+              + "; logits max rel. err " + ", ".join(
+                  f"{m} {res['logits_rel_err'][m]:.1e}" for m in ("ours", "overlap", "dtensor")))
         print(f"  ours per step: {res['collectives_per_step']} collectives {res['ledger']} "
               f"by algorithm {sorted(res['by_algorithm'])}")
+        print(f"  overlap per step: {res['overlap_ledger']}")
+        print(f"  overlap='auto' (the default) here: {res['auto']}")
         print("  rank 0 median ms: " + ", ".join(f"{m} {stats['ms'][m]:.2f}" for m in METHODS))
-        print(f"  ours / dtensor  {format_paired(vs_dtensor)}   target <= {s['target']}: "
-              f"{'met' if vs_dtensor['median'] <= s['target'] else 'NOT met'}")
-        print(f"  floor ours / (nocomm + alone)  {format_paired(floor)}   target <= "
-              f"{FLOOR_TARGET}: {'met' if floor['median'] <= FLOOR_TARGET else 'NOT met'}")
-        rows.append({"size": s, "ms": stats["ms"], "ours/dtensor": vs_dtensor, "floor": floor,
-                     "losses": res["losses"], "logits_rel_err": res["logits_rel_err"],
-                     "ledger": res["ledger"],
+        for m in ("ours", "overlap"):
+            target = s["target"] if m == "ours" or s["name"] != "small" else 0.45
+            print(f"  {m:<8} / dtensor  {format_paired(ratios[m])}   "
+                  f"{_verdict(ratios[m]['median'], target)}")
+        for m in ("ours", "overlap"):
+            print(f"  floor {m} / (nocomm + alone)  {format_paired(floors[m])}   "
+                  f"{_verdict(floors[m]['median'], FLOOR_TARGET)}")
+        print(f"  exposed communication per step (profiler, slowest rank): ours "
+              f"{1e3 * exposed['ours']:.2f} ms, overlap {1e3 * exposed['overlap']:.2f} ms "
+              f"({exposed['overlap'] / exposed['ours']:.2f}x; target <= 0.5 at medium)")
+        rows.append({"size": s, "ms": stats["ms"], "ours/dtensor": ratios["ours"],
+                     "overlap/dtensor": ratios["overlap"], "floor": floors["ours"],
+                     "floor_overlap": floors["overlap"], "exposed_comm_s": exposed,
+                     "auto": res["auto"], "losses": res["losses"],
+                     "logits_rel_err": res["logits_rel_err"], "ledger": res["ledger"],
+                     "overlap_ledger": res["overlap_ledger"],
                      "by_algorithm": res["by_algorithm"]})
     return rows
 
@@ -272,10 +331,14 @@ def main(argv=None) -> None:
     p.add_argument("--profile", help="hardware profile for our collective algorithms and plan "
                    "(default: the calibrated one where the CLI finds it, else the built-in one; "
                    "'builtin' forces the built-in one)")
+    p.add_argument("--chunks", type=int, default=2, help="chunks of the overlap method "
+                   "(default 2)")
     add_timing_args(p, rounds=10, steps=None, warmup=None,
                     steps_help="timed steps per method per round (default per size)")
     args = p.parse_args(argv)
     check_counts(p, args, SIZES)
+    if args.chunks < 1:
+        p.error(f"--chunks must be >= 1, got {args.chunks}")
     if args.profile is None:
         from ops_transformer.cli._calibrated import profile_path
 
@@ -285,9 +348,10 @@ def main(argv=None) -> None:
     t0, other = time.perf_counter(), OtherLoad()
     per_rank = ops_transformer.launch(rank_main, TP, [SIZES[s] for s in args.sizes.split(",")],
                                       args.rounds, args.steps, args.warmup, args.profile,
-                                      timeout=3600)
+                                      args.chunks, timeout=3600)
     other_cores = other.cores()
     meta = job_meta(per_rank[0], args, profile=per_rank[0]["profile"],
+                    overlap_efficiency=per_rank[0]["overlap_efficiency"],
                     other_load_cores=other_cores)
     print(f"ops_transformer {meta['ops_transformer']}, torch {meta['torch']}, {meta['backend']}, "
           f"tp={TP}, {meta['threads_per_rank']} thread per rank, {meta['cpus']} CPUs, "

@@ -65,7 +65,7 @@ def test_only_adapters_train_resume_and_memory(run, capsys):
 
 def _logits(path, root):
     ctx = init_parallel(tp=2)
-    model = lora(from_pretrained(str(path), ctx, dtype=torch.float32), ctx, rank=4, alpha=8,
+    model = lora(from_pretrained(str(path), ctx, dtype=torch.float32, overlap="none"), ctx, rank=4, alpha=8,
                  targets=["*.q_proj", "*.v_proj", "*.down_proj"],
                  base={"model_dir": str(path.resolve())})
     load_checkpoint(root / "a", model, None, ctx)

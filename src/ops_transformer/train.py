@@ -26,6 +26,7 @@ from . import finetune
 from .comm.engine import NodeLayout
 from .comm.ledger import CommLedger
 from .layers.dropout import micro_batch_masks
+from .layers.overlap_policy import overlap_decisions, overlap_summary
 from .memory.train_flags import (check_memory_flags, make_optimizer, measured_state_bytes,
                                  partial_numel, shard_for_zero)
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
@@ -74,6 +75,8 @@ class TrainConfig:
     sequence_parallel: bool | str = ParallelOptions.sequence_parallel  # True, or "regather"
     recompute: str = ParallelOptions.recompute
     activation_cache: str = ParallelOptions.activation_cache
+    overlap: str = ParallelOptions.overlap  # collectives in chunks pipelined with their matmuls
+    chunks: int = ParallelOptions.chunks
     zero: int = 0  # ZeRO stage over dp: 0 (off), 1, 2 or 3 (parameters sharded, FSDP2)
     ckpt_dir: str | None = None  # sharded checkpoints (docs/checkpoints.md)
     save_every: int = 0  # checkpoint every N steps (0: only after the last step)
@@ -98,7 +101,13 @@ class TrainConfig:
         policy's ``grad_reduce_dtype``)."""
         return ParallelOptions(attention=self.attention, sequence_parallel=self.sequence_parallel,
                                recompute=self.recompute, activation_cache=self.activation_cache,
-                               **more)
+                               overlap=self.overlap_mode, chunks=self.chunks, **more)
+
+    @property
+    def overlap_mode(self) -> str:
+        """``overlap``, except ``auto`` with LoRA: ``none`` (adapters do not combine with chunked
+        collective matmuls; ``--overlap chunked`` with ``--lora-rank`` is refused)."""
+        return "none" if self.lora_rank is not None and self.overlap == "auto" else self.overlap
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -138,6 +147,14 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
                              f"byte-level data needs at least {VOCAB_SIZE}")
     check_batch(cfg.batch, dp, ep, cfg.grad_accum)
     check_memory_flags(cfg, dp, tp)
+    try:
+        cfg.parallel_options()  # every option checked once (--overlap, --chunks)
+    except ValueError as exc:  # "chunks must be ..." → "--chunks must be ..."
+        name, _, rest = str(exc).partition(" ")
+        raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
+    if cfg.lora_rank is not None and cfg.overlap == "chunked":
+        raise ValueError("--overlap chunked does not combine with --lora-rank (LoRA adapters ride "
+                         "on the layers' own matmuls): use --overlap none or auto")
     finetune.check_lora(cfg, model_cfg)
     if cfg.model:
         finetune.check_data(cfg, model_cfg, say=say)
@@ -464,6 +481,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
         "comm_per_step": comm,
         "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()),
         "tp_comm_per_step": ledger.by_group().get(tp_ranks, {}),
+        "overlap": overlap_decisions(model), "overlap_reason": overlap_summary(model),
         "ranks_per_node": ctx.ranks_per_node,
         "ranks_per_island": ctx.ranks_per_island,
         "comm_by_level": ledger.by_level(),  # what ran inside a node and across nodes
@@ -491,7 +509,9 @@ def _model_metrics(cfg: TrainConfig, ctx, model) -> dict:
                 model.cfg, ctx.tp_size, model.parallel_plan.attention,
                 micro_batch(cfg, ctx.dp_ep_size), cfg.seq, model.parallel_plan.vocab,
                 sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
-                partial_elements=partial_numel(model, ctx.tp_group), grad_accum=cfg.grad_accum),
+                partial_elements=partial_numel(model, ctx.tp_group), overlap=cfg.overlap_mode,
+                chunks=cfg.chunks, profile=ctx.profile, ep=ctx.ep_size,
+                grad_accum=cfg.grad_accum),
             "params": _dense_param_count(model.cfg), "model": model.cfg.to_dict()}
 
 

@@ -110,7 +110,7 @@ def _train_and_save(base_dir, root, family):
     training), saved; returns the logits."""
     ctx = ot.init_parallel(tp=2)
     model = getattr(tr, type(make(family)).__name__).from_pretrained(str(base_dir)).eval()
-    model = ot.lora(ot.parallelize(model, ctx), ctx, rank=4, alpha=16, dropout=0.05)
+    model = ot.lora(ot.parallelize(model, ctx, overlap="none"), ctx, rank=4, alpha=16, dropout=0.05)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name in model.parallel_state.lora.targets:

@@ -52,6 +52,8 @@ def test_train_hybrid_dp_tp(tmp_path, capsys):
     (["train", "--nproc", "4", "--tp", "2", "--batch", "3"], "--batch (3) must be divisible by dp (2)"),
     (["train", "--nproc", "3", "--tp", "2"], "world size 3 is not divisible by tp (2)"),
     (["train", "--steps", "0"], "--steps must be at least 1, got 0"),
+    (["train", "--nproc", "2", "--tp", "2", "--chunks", "0"],
+     "--chunks must be an integer >= 1, got 0"),
 ])
 def test_user_errors_exit_2_with_one_clear_line(argv, needle, capsys):
     assert main(argv) == 2
@@ -78,6 +80,20 @@ def test_train_with_every_memory_technique(tmp_path, capsys):
     assert measured == metrics["expected_tp_comm_per_step"]  # SP's collectives, as modelled
     assert measured["reduce_scatter"]["calls"] == 4 * 2  # 2 layers: 2 forward + 2 backward each
     assert (out / "metrics.json").exists()
+
+
+def test_train_overlap_chunked_counts_its_chunks(tmp_path, capsys):
+    assert main(["train", "--nproc", "2", "--tp", "2", "--steps", "2", "--batch", "4", "--seq",
+                 "32", "--sequence-parallel", "--overlap", "chunked", "--chunks", "3",
+                 "--out", str(tmp_path / "run"), "--no-progress", "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    measured = {k: {"calls": v["calls"], "elements": v["elements"]}
+                for k, v in metrics["tp_comm_per_step"].items()}
+    assert measured == metrics["expected_tp_comm_per_step"]  # the chunks, as modelled
+    assert measured["reduce_scatter"]["calls"] == 3 * 4 * 2  # 3 chunks of 2 fwd + 2 bwd, 2 layers
+    decided = [d for ds in metrics["overlap"].values() for d in ds]
+    assert decided and all(d["chunks"] == 3 for d in decided)
+    assert metrics["overlap_reason"].startswith(f"{len(decided)} of {len(decided)} region sizes")
 
 
 @pytest.mark.slow

@@ -55,9 +55,9 @@ def _train(tp):
     ctx = init_parallel(tp=tp)
     tp_ranks = tuple(range(ctx.rank - ctx.tp_rank, ctx.rank - ctx.tp_rank + tp))
     torch.manual_seed(0)
-    base = parallelize(GPT(CFG), ctx, attention="heads", vocab="parallel")
+    base = parallelize(GPT(CFG), ctx, overlap="none", attention="heads", vocab="parallel")
     torch.manual_seed(0)
-    model = lora(parallelize(GPT(CFG), ctx, attention="heads", vocab="parallel"), ctx,
+    model = lora(parallelize(GPT(CFG), ctx, overlap="none", attention="heads", vocab="parallel"), ctx,
                  rank=RANK, alpha=ALPHA)
     initial = _adapters(model, ctx)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -153,7 +153,7 @@ def _errors():
     torch.manual_seed(0)
 
     def fresh():
-        return parallelize(GPT(CFG), ctx, attention="heads", vocab="replicated")
+        return parallelize(GPT(CFG), ctx, overlap="none", attention="heads", vocab="replicated")
 
     cases = [
         (dict(rank=0), "rank must be a positive integer, got 0"),
@@ -189,7 +189,7 @@ def test_lora_errors(run_ranks):
 def _eval_mode_kept():
     ctx = init_parallel(tp=2)
     torch.manual_seed(0)
-    model = lora(parallelize(GPT(CFG.with_(dropout=0.1)).eval(), ctx, attention="heads"), ctx,
+    model = lora(parallelize(GPT(CFG.with_(dropout=0.1)).eval(), ctx, overlap="none", attention="heads"), ctx,
                  rank=4, dropout=0.1)
     x = torch.randint(0, CFG.vocab_size, (1, 8))
     with torch.no_grad():  # no dropout anywhere: the same logits twice
@@ -207,7 +207,7 @@ def test_parallelize_and_lora_keep_eval_mode(run_ranks):
 def _sequence_parallel(mode):
     ctx = init_parallel(tp=2)
     torch.manual_seed(0)
-    model = lora(parallelize(GPT(CFG), ctx, attention="heads", sequence_parallel=mode), ctx,
+    model = lora(parallelize(GPT(CFG), ctx, overlap="none", attention="heads", sequence_parallel=mode), ctx,
                  rank=RANK)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # B non-zero, so that every factor gets a gradient

@@ -45,7 +45,7 @@ def _local(param, dense):
 def _compare(family, sequence_parallel):
     tp = int(os.environ["WORLD_SIZE"])
     ctx = init_parallel(tp=tp)
-    model = lora(parallelize(make(family), ctx, sequence_parallel=sequence_parallel), ctx,
+    model = lora(parallelize(make(family), ctx, overlap="none", sequence_parallel=sequence_parallel), ctx,
                  rank=RANK, alpha=ALPHA)
     config = model.parallel_state.lora
     reference = peft.get_peft_model(make(family), peft.LoraConfig(

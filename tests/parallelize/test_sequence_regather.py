@@ -135,16 +135,24 @@ def test_other_values_are_a_clear_error(value):
 
 
 def test_the_plan_names_the_regathering_styles(run_ranks):
-    def plan():
+    def plans():
         ctx = init_parallel(tp=2)
-        torch.manual_seed(0)
-        return parallelize(GPT(CONFIGS["llama"]), ctx, sequence_parallel="regather").parallel_plan
+        out = []
+        for overlap in ("none", "chunked"):
+            torch.manual_seed(0)
+            out.append(parallelize(GPT(CONFIGS["llama"]), ctx, sequence_parallel="regather",
+                                   overlap=overlap).parallel_plan.rules)
+        return out
 
-    rules = run_ranks(plan, 2)[0].rules
+    rules, chunked = run_ranks(plans, 2)[0]
     assert rules["layers.*.attn"]["style"] == "sequence_region_regather"
     assert rules["layers.*.attn.wq"]["style"] == "colwise_regather"
     assert rules["layers.*.attn.wo"]["style"] == "rowwise_sequence"
     assert rules["layers.*.mlp.w_in"]["style"] == "colwise_sequence_regather"
+    # with overlap (issue 26) the re-gathering entries stay whole, the exits run in chunks
+    for name in ("layers.*.attn", "layers.*.attn.wq", "layers.*.mlp.w_in"):
+        assert chunked[name] == rules[name]
+    assert chunked["layers.*.attn.wo"]["style"] == "rowwise_sequence_chunked"
 
 
 # ---------------------------------------------------------------- Hugging Face models

@@ -153,10 +153,26 @@ def test_quick_calibration_end_to_end(tmp_path, capsys):
     assert prof.compute_time(1e9) > 0
     text = summary(data)
     assert "all_reduce" in text and "two ranks swapping" in text
+    overlap = data["overlap"]  # (a CPU machine)
+    assert 0.0 <= overlap["efficiency"] <= 1.0 and prof.overlap_efficiency == overlap["efficiency"]
+    assert [p["bytes"] for p in overlap["points"]] == [1 << 20]
+    assert all(p["t_comm"] > 0 and p["t_comp"] > 0 and p["t_both"] > 0 and p["matmuls"] >= 1
+               for p in overlap["points"])
+    assert "an all-reduce beside matmuls hides" in text
     model = LocalTimeModel.from_dict(data["local_model"])  # the step-time model (issue #30)
     assert set(model.per_layer_s) == set(model.fixed_s) == {"fp32", "bf16", "fp16"}
     assert model.alpha_step_s >= 0 and model.sharing >= 1 and model.cores >= 1
     assert local_time_model(prof) == model
+
+
+def test_overlap_efficiency_from_the_three_times():
+    from ops_transformer.profiler.overlap_efficiency import efficiency
+
+    assert efficiency(2.0, 3.0, 3.0) == 1.0  # the pair takes the longer alone: fully hidden
+    assert efficiency(2.0, 3.0, 5.0) == 0.0  # their sum: nothing hidden
+    assert efficiency(2.0, 3.0, 4.0) == pytest.approx(0.5)
+    assert efficiency(2.0, 3.0, 6.5) == 0.0 and efficiency(2.0, 3.0, 2.5) == 1.0  # clamped
+    assert efficiency(0.0, 3.0, 3.0) == 0.0
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -64,8 +64,15 @@ def summary(profile: dict) -> str:
              f"{human_bytes(sizes[-1])} agree)" + ("" if threshold else "; no threshold"))
     swaps = [{"n bytes": human_bytes(b), "send/recv (µs)": tp * 1e6, "all-gather (µs)": tg * 1e6,
               "faster": "send/recv" if tp < tg else "all-gather"} for b, tp, tg in p2p["points"]]
-    return "\n\n".join([format_table(matmul), format_table(rows), format_table(swaps),
-                        f"two ranks swapping n bytes: {line}"])
+    parts = [format_table(matmul), format_table(rows), format_table(swaps),
+             f"two ranks swapping n bytes: {line}"]
+    if "overlap" in profile:
+        points = ", ".join(f"{human_bytes(p['bytes'])}: {p['efficiency']:.2f}"
+                           for p in profile["overlap"]["points"])
+        parts.append(f"an all-reduce beside matmuls hides η = "
+                     f"{profile['overlap']['efficiency']:.2f} of the shorter ({points}); "
+                     f"overlap='auto' weighs chunks by it")
+    return "\n\n".join(parts)
 
 
 def run(args) -> int:

@@ -30,6 +30,7 @@ from ..train import TrainConfig, train_worker, validate
 from ..memory.apply import ACTIVATION_CACHES
 from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
+from ..planner.overlap import OVERLAP_MODES
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, missing_dirs,
                       print_json, remove_if_empty, status, under_torchrun, world_size)
@@ -99,6 +100,12 @@ def add_training_arguments(p) -> None:
                    f"the attention core or every layer (default {D.recompute})")
     p.add_argument("--activation-cache", default=D.activation_cache, choices=ACTIVATION_CACHES,
                    help="keep the layers' saved activations as int8 (one scale per 128 values)")
+    p.add_argument("--overlap", default=D.overlap, choices=OVERLAP_MODES,
+                   help="split each tensor-parallel region's collectives (and the experts' "
+                   "all-to-alls) into chunks pipelined with their matmuls: always (chunked), "
+                   f"where the cost model says it pays (auto), or never (default {D.overlap})")
+    p.add_argument("--chunks", type=int, default=D.chunks,
+                   help=f"the chunks of --overlap (at most, for auto; default {D.chunks})")
     p.add_argument("--zero", type=int, choices=ZERO_STAGES,
                    help="ZeRO stage over the data-parallel ranks: 1 shards the optimizer state, 2 "
                    "also the gradients, 3 also the parameters (FSDP2) "
@@ -208,6 +215,8 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        ranks_per_node=getattr(args, "ranks_per_node", None),
                        ranks_per_island=getattr(args, "ranks_per_island", None),
                        activation_cache=getattr(args, "activation_cache", D.activation_cache),
+                       overlap=getattr(args, "overlap", D.overlap),
+                       chunks=getattr(args, "chunks", D.chunks),
                        **checkpoint_settings(args), **lora_settings(args))
 
 
@@ -361,6 +370,9 @@ def summary(metrics: dict) -> str:
           if "predicted_step_s" in metrics else []),
         {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
     ]
+    if metrics["config"].get("overlap", "none") != "none":
+        rows.append({"": f"overlap ({metrics['config']['overlap']})",
+                     "value": metrics.get("overlap_reason", "")})
     memory = memory_summary(metrics["config"])
     if memory:
         rows.insert(2, {"": "memory", "value": memory})

@@ -48,6 +48,7 @@ from ..comm import collectives as C
 from ..comm.primitives import all_to_all, copy_to_tp_region, reduce_from_tp_region
 from ..models.moe import MoE, RoutingStats, capacity_mask
 from ..parallel.sharding import ShardSpec, divide, gather_full, set_shard_spec
+from .moe_overlap import dispatch_combine_chunked, gather_counts
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class ParallelExperts(nn.Module):
         self.b_in = param(b_in, 1, blocks)  # (E/ep, W/tp) or None
         self.b_out = param(b_out, None)  # (E/ep, h) or None
         self.shard = shard
+        self.overlap = None  # an OverlapPolicy: dispatch and combine in chunks (moe_chunked)
 
     @property
     def local_experts(self) -> int:
@@ -158,16 +160,35 @@ class ParallelExperts(nn.Module):
         order = torch.argsort(expert, stable=True)  # expert-major, earlier tokens first
         token, expert, weight = token[order], expert[order], weight[order]
         counts = torch.bincount(expert, minlength=self.n_experts)  # (E,) slots per expert
+        if self.overlap is not None and self.ep_size > 1:
+            y = self._dispatch_combine_chunked(x[token], counts)
+        else:
+            y = self._dispatch_combine(x[token], counts)
+        return x.new_zeros(x.shape).index_add(0, token, y * weight[:, None])  # (N, h)
+
+    def _dispatch_combine(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs for ``rows`` (this rank's slots, expert-sorted): one dispatch
+        all-to-all, the experts, one combine all-to-all."""
         routes = self._routes(counts)
-        rows = all_to_all(x[token], self.ep_group, output_splits=routes.recv,
+        rows = all_to_all(rows, self.ep_group, output_splits=routes.recv,
                           input_splits=routes.send)  # (R, h), source-major
         if routes.to_expert_major is not None:
             rows = rows[routes.to_expert_major]
         y = self._experts(rows, routes.per_expert)  # (R, h)
         if routes.to_expert_major is not None:
             y = y[torch.argsort(routes.to_expert_major)]  # back to source-major
-        y = all_to_all(y, self.ep_group, output_splits=routes.send, input_splits=routes.recv)
-        return x.new_zeros(x.shape).index_add(0, token, y * weight[:, None])  # (N, h)
+        return all_to_all(y, self.ep_group, output_splits=routes.send, input_splits=routes.recv)
+
+    def _dispatch_combine_chunked(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The same, the all-to-alls in chunks pipelined with the experts
+        (:mod:`.moe_overlap`); the chunks are decided from the EP group's largest number of
+        slots, which every rank of the group knows."""
+        everyone = gather_counts(counts, self.ep_group, self.ep_size, self.shard.local)
+        slots = max(sum(map(sum, row)) for row in everyone)  # the same on every EP rank
+        width = (self.w_in.shape[1] + self.w_out.shape[2])  # per rank: W/tp + F/tp
+        chunks = self.overlap.chunks_for("experts", slots, self.d_model, width, self.ep_size,
+                                         rows.dtype)
+        return dispatch_combine_chunked(self, rows, everyone, chunks)
 
     def _routes(self, counts: torch.Tensor) -> _Routes:
         local, ep = self.shard.local, self.ep_size
@@ -285,7 +306,8 @@ class ParallelExperts(nn.Module):
         return (f"n_experts={self.n_experts}, local_experts={self.local_experts} "
                 f"(from {self.shard.first}), ep={self.ep_size}, d_model={self.d_model}, "
                 f"d_ff={self.d_ff}, d_ff_per_rank={self.d_ff // self.tp_size}, tp={self.tp_size}, "
-                f"gated={self.gated}")
+                f"gated={self.gated}" + ("" if self.overlap is None else
+                                         f", dispatch/combine in chunks: {self.overlap!r}"))
 
 
 class ParallelMoE(RoutingStats, nn.Module):

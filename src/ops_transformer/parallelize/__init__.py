@@ -22,6 +22,7 @@ from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
 from .moe_plan import check_expert_parallel
 from .options import ParallelOptions
+from .overlap_plan import overlap_plan
 from .plan import Plan, apply_plan
 from .sequence_plan import check_partial_marked, sequence_parallel_plan
 
@@ -80,7 +81,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     Qwen3, BERT, MoE families and every family with a ``base_model_tp_plan``), a :class:`Plan`
     or its dict, or a planner result (:func:`resolve_plan`). ``options``: a
     :class:`ParallelOptions` (attention, vocabulary split, loss parallelism, sequence parallelism,
-    recompute, activation cache, gradient-reduction dtype and bucket size, ``tp_plan``); keyword
+    recompute, activation cache, gradient-reduction dtype and bucket size, ``tp_plan``, overlap
+    and its ``chunks``); keyword
     arguments named like its fields build it or change it. Hugging Face models return what the
     unsharded model returns (full logits, so ``generate`` works), unless ``loss_parallel``.
     What was applied is ``model.parallel_state`` (plan, options, gradient reducers);
@@ -101,14 +103,16 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
         check_expert_parallel(model, resolved, ctx)
     if options.sequence_parallel and ctx.tp_size > 1:
         resolved = sequence_parallel_plan(resolved, model, regather=options.regathers)
+    if options.overlap != "none" and max(ctx.tp_size, ctx.ep_size) > 1:
+        resolved = overlap_plan(resolved, options.overlap, options.chunks)
     if ctx.tp_size > 1:
         apply_plan(model, resolved, ctx)
         _parallel_loss(model, ctx, resolved, options.loss_parallel)
         if options.sequence_parallel:
             check_partial_marked(model)
     elif ctx.ep_size > 1:  # experts only
-        apply_plan(model, Plan({k: r for k, r in resolved.rules.items() if r["style"] == "moe"}),
-                   ctx)
+        apply_plan(model, Plan({k: r for k, r in resolved.rules.items()
+                                if r["style"] in ("moe", "moe_chunked")}), ctx)
     if materialize is not None:
         materialize(model)
     model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options))

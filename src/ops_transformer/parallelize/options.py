@@ -25,6 +25,7 @@ from ..comm.bucketing import DEFAULT_BUCKET_BYTES
 from ..layers.sequence_parallel import SEQUENCE_PARALLEL_VALUES
 from ..memory.apply import ACTIVATION_CACHES
 from ..memory.recompute import RECOMPUTE
+from ..planner.overlap import OVERLAP_MODES
 from ..planner.strategies import VOCAB_MODES
 from ..precision.policy import check_grad_reduce_dtype
 from .gpt_plan import ATTENTION_CHOICES
@@ -56,6 +57,12 @@ class ParallelOptions:
       sums of replicated parameters' partial gradients); ``None``: float32 when a parameter is
       16-bit, else the parameters' own.
     * ``bucket_bytes`` — the size of a gradient-reduction bucket (DDP's ``bucket_cap_mb``).
+    * ``overlap`` — each region's entry and exit collective split into chunks pipelined with its
+      matmul (SPEC F4; :mod:`ops_transformer.parallelize.overlap_plan`): ``chunked`` (always
+      ``chunks``), ``auto`` (per region and size, the chunk count up to ``chunks`` that the cost
+      model says pays on the agreed profile, often 1) or ``none`` (the plan's collectives as
+      they are). The expert all-to-alls too.
+    * ``chunks`` — the chunks of ``overlap`` (at most, for ``auto``): an integer >= 1.
     * ``tp_plan`` — Hugging Face style names (``{pattern: style}``, as in ``transformers``) merged
       over a Hugging Face model's own plan and translated (``plan="auto"`` only).
     """
@@ -69,6 +76,8 @@ class ParallelOptions:
     grad_reduce_dtype: torch.dtype | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     tp_plan: Mapping[str, str] | None = None
+    overlap: str = "auto"
+    chunks: int = 2
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -83,6 +92,8 @@ class ParallelOptions:
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) \
                 or self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ValueError(f"chunks must be an integer >= 1, got {self.chunks!r}")
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
             raise ValueError(f"tp_plan must be a {{pattern: style}} dict, got "
                              f"{type(self.tp_plan).__name__}")
@@ -121,4 +132,5 @@ class ParallelOptions:
 # one more entry here, and a field of that kind one more line).
 CHOICES = {"attention": ATTENTION_CHOICES, "vocab": VOCAB_CHOICES,
            "loss_parallel": (False, True), "sequence_parallel": SEQUENCE_PARALLEL_VALUES,
-           "recompute": RECOMPUTE, "activation_cache": ACTIVATION_CACHES}
+           "recompute": RECOMPUTE, "activation_cache": ACTIVATION_CACHES,
+           "overlap": OVERLAP_MODES}

@@ -75,6 +75,15 @@ the entry keeps only this rank's share), ``colwise_regather`` (a :class:`Regathe
 fed by it: no input kept, the share all-gathered again in backward) and
 ``colwise_sequence_regather`` (both in one: the column layer behind its own re-gathering entry).
 
+Overlap (:mod:`.overlap_plan` rewrites a plan into these; options ``overlap`` — ``"chunked"`` or
+``"auto"`` — and ``chunks``): ``region_chunked`` / ``sequence_region_chunked`` (the region computes
+its ``columns``, ``colwise_fed`` children, as one collective matmul:
+:mod:`ops_transformer.layers.overlap_regions`), ``colwise_chunked`` / ``colwise_sequence_chunked``
+(a column layer that is its own such region), ``rowwise_chunked`` / ``rowwise_sequence_chunked``
+(the row matmul and its all-reduce / reduce-scatter in chunks) and ``moe_chunked`` (dispatch and
+combine in chunks, :mod:`ops_transformer.layers.moe_overlap`): the same collectives, each split
+into chunks pipelined with its matmul.
+
 Hugging Face's styles map onto these in :mod:`.hf_translate` (``colwise_gather_output`` is
 ``colwise`` with ``gather_output``, ``rowwise_split_input`` is ``rowwise`` with
 ``input_is_parallel=False``, ``packed_colwise`` is ``colwise`` with two ``sub_blocks``,
@@ -95,7 +104,10 @@ from ..layers.head import GatheredLMHead, VocabParallelLMHead
 from ..layers.linear import dense_weight
 from ..layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParallelLinear,
                                       PaddedRowParallelLinear)
-from ..layers.moe import to_expert_parallel
+from ..layers.moe import ParallelExperts, to_expert_parallel
+from ..layers.overlap_policy import OverlapPolicy
+from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
+                                      ChunkedRowOutput, ChunkedRowScatter, FedColumn, as_variant)
 from ..layers.regions import (CopyToTPRegion, GatherInput, GatherSequenceOutput,
                               GatherSequenceRegion, ReduceOutput, RegatherSequenceRegion,
                               RopeGradRegion, ScatterSequence)
@@ -265,11 +277,72 @@ def sequence_partial(module, ctx, model):
     return module
 
 
+def _policy(ctx, overlap, chunks) -> OverlapPolicy:
+    return OverlapPolicy(overlap, chunks, getattr(ctx, "profile", None))  # agreed by every rank
+
+
+def _entry(cls, module, ctx, columns, overlap, chunks):
+    return cls.wrap(module, ctx.tp_group, columns=tuple(columns),
+                    overlap=_policy(ctx, overlap, chunks))
+
+
+def _column(module, ctx, model, sub_blocks, kv_heads, pad=False):
+    return colwise(module, ctx, model, sub_blocks=sub_blocks, kv_heads=kv_heads,
+                   reduce_input_grad=False, pad=pad)  # (its entry region reduces the gradient)
+
+
+def region_chunked(module, ctx, model, *, columns, set=None, overlap="auto", chunks=2):
+    module = attrs(module, ctx, model, set=set)
+    return _entry(ChunkedCopyToTPRegion, module, ctx, columns, overlap, chunks)
+
+
+def colwise_fed(module, ctx, model, *, sub_blocks=None, kv_heads=None, pad=False):
+    return as_variant(_column(module, ctx, model, sub_blocks, kv_heads, pad), FedColumn)
+
+
+def colwise_chunked(module, ctx, model, *, sub_blocks=None, kv_heads=None, pad=False,
+                    overlap="auto", chunks=2):
+    layer = _column(module, ctx, model, sub_blocks, kv_heads, pad)
+    return _entry(ChunkedCopyToTPRegion, layer, ctx, ("",), overlap, chunks)
+
+
+def rowwise_chunked(module, ctx, model, *, input_is_parallel=True, pad=False, sub_blocks=None,
+                    overlap="auto", chunks=2):
+    layer = rowwise(module, ctx, model, input_is_parallel=input_is_parallel, pad=pad,
+                    sub_blocks=sub_blocks)
+    return as_variant(layer, ChunkedRowOutput, overlap=_policy(ctx, overlap, chunks))
+
+
+def sequence_region_chunked(module, ctx, model, *, columns, set=None, overlap="auto", chunks=2):
+    module = attrs(module, ctx, model, set=set)
+    return _entry(ChunkedGatherSequenceRegion, module, ctx, columns, overlap, chunks)
+
+
+def colwise_sequence_chunked(module, ctx, model, *, sub_blocks=None, kv_heads=None,
+                             overlap="auto", chunks=2):
+    layer = _column(module, ctx, model, sub_blocks, kv_heads)
+    return _entry(ChunkedGatherSequenceRegion, layer, ctx, ("",), overlap, chunks)
+
+
+def rowwise_sequence_chunked(module, ctx, model, *, overlap="auto", chunks=2):
+    return as_variant(rowwise_sequence(module, ctx, model), ChunkedRowScatter,
+                      overlap=_policy(ctx, overlap, chunks))
+
+
+def moe_chunked(module, ctx, model, *, hf_experts=False, overlap="auto", chunks=2):
+    layer = moe(module, ctx, model, hf_experts=hf_experts)
+    experts = layer if isinstance(layer, ParallelExperts) else layer.experts
+    experts.overlap = _policy(ctx, overlap, chunks)
+    return layer
+
+
 STYLES = {style.__name__: style for style in (
     colwise, rowwise, gather_in, region, vocab, vocab_head, vocab_logits, kv_split, attrs,
     embed_colwise, grad_allreduce, reduce_out, mla_kv_a, shard_param, moe, sequence_scatter,
     sequence_region, colwise_sequence, rowwise_sequence, sequence_gather, sequence_partial,
-    sequence_region_regather, colwise_regather, colwise_sequence_regather)}
+    sequence_region_regather, colwise_regather, colwise_sequence_regather,
+    region_chunked, colwise_fed, colwise_chunked, rowwise_chunked, sequence_region_chunked,
+    colwise_sequence_chunked, rowwise_sequence_chunked, moe_chunked)}
 PARAM_STYLES = ("shard_param",)  # their pattern names a parameter, not a module
 _SET_BY_APPLIER = {"param"}  # shard_param's parameter name comes from the pattern
 

@@ -1,7 +1,8 @@
 """Hardware profiles measured by ``ops-transformer calibrate``: how they are written and read.
 
 ``load_profile(path)`` returns a :class:`CalibratedProfile`, a :class:`~.hardware.HardwareProfile`
-whose collectives use the α and β measured for each kind at the nearest measured world size.
+whose collectives use the α and β measured for each kind at the nearest measured world size, and
+whose ``overlap_efficiency`` is the measured one (1 in a profile written before it was measured).
 
 Where the file lives is the command line's business (:mod:`ops_transformer.cli._calibrated`: the
 ``OPS_TRANSFORMER_PROFILE`` variable, else ``~/.cache/ops-transformer/profile.json``); the library
@@ -106,6 +107,7 @@ def _from_dict(data: dict) -> CalibratedProfile:
         p2p_threshold_bytes=None if threshold is None else int(threshold),
         p2p_small_messages=str((data.get("p2p") or {}).get("small_messages", "send_recv")),
         gpu_efficiency=_gpu_efficiency(data.get("gpu")),
+        overlap_efficiency=float((data.get("overlap") or {}).get("efficiency", 1.0)),
         local_model=_local_model(data.get("local_model")))
 
 

@@ -36,6 +36,9 @@ class HardwareProfile:
     inter_node_bandwidth: float | None = None  # bytes/s per rank across nodes (None: as above)
     inter_island_alpha_s: float | None = None  # latency across PCIe islands (None: as inside)
     inter_island_bandwidth: float | None = None  # bytes/s of the link between islands, shared
+    # η: the fraction of a collective's time that running it beside compute really hides (1:
+    # communication has engines of its own; 0: overlapping gains nothing). planner/overlap.py
+    overlap_efficiency: float = 1.0
 
     def alpha_beta(self, kind: str, group_size: int) -> tuple[float, float]:
         """``(α, β)`` of a collective of ``kind`` over ``group_size`` ranks: the same for all here;

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cost import Comm
+from .overlap import decoder_overlap_calls, moe_chunk_calls
 
 ATTENTION_STRATEGIES = ("heads", "heads_allgather", "kv_split", "naive")
 
@@ -262,7 +263,8 @@ def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
 def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
                         vocab: str = "parallel", *, sequence_parallel: bool | str = False,
                         recompute: str = "none", partial_elements: int = 0,
-                        grad_accum: int = 1) -> Comm:
+                        overlap: str = "none", chunks: int = 2, profile=None,
+                        ep: int = 1, grad_accum: int = 1) -> Comm:
     """The tensor-parallel collectives of one training step of the reference decoder on one rank
     (``cfg``: a :class:`~ops_transformer.models.GPTConfig`, the model description the planner and
     the model share), for a micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` ×
@@ -277,7 +279,11 @@ def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
     coalesced all-reduce of the ``partial_elements`` norm (and row-bias) gradients;
     ``sequence_parallel="regather"`` adds each layer's :func:`regather_cost` (not with
     ``recompute="full"``, under which ``parallelize`` runs plain sequence parallelism);
-    ``recompute="full"`` adds each layer's :func:`full_recompute_replay`. With ``grad_accum``
+    ``recompute="full"`` adds each layer's :func:`full_recompute_replay`. ``overlap`` /
+    ``chunks`` (``profile``: the one ``auto`` decides on) add the calls of the chunked regions
+    (:func:`~.overlap.decoder_overlap_calls`; the elements stay; the re-gathering entries stay
+    whole; over ``ep > 1`` ranks an MoE layer's chunks add TP all-reduces too,
+    :func:`~.overlap.moe_chunk_calls`). With ``grad_accum``
     micro-batches per step, what a forward and backward issue repeats ``grad_accum`` times; the
     gradient sums run once, on the accumulated gradients."""
     if tp == 1:
@@ -297,11 +303,26 @@ def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
         bsh = batch * seq * cfg.d_model
         micro = micro + Comm.of(("all_gather", bsh), ("all_gather", bsh))
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    if overlap != "none":
+        kv_local = cfg.n_kv_heads * cfg.head_dim * (
+            kv_replicas(cfg.n_kv_heads, tp) if attention.startswith("heads") else 1) // tp
+        micro = micro + decoder_overlap_calls(
+            b=batch, s=seq, h=cfg.d_model, qkv_out=cfg.d_model // tp + 2 * kv_local,
+            ffn_in=(2 if swiglu else 1) * cfg.d_ff // tp, ffn=cfg.d_ff, tp=tp,
+            layers=cfg.n_layers, attention=attention, sequence_parallel=bool(sequence_parallel),
+            regather=sequence_parallel == "regather" and recompute != "full",
+            recompute=recompute, overlap=overlap, chunks=chunks, profile=profile,
+            ffn_layers=cfg.n_layers - n_moe)
     if n_moe:  # the routed FFN pair in place of the dense one
         dense = ffn_cost(batch, seq, cfg.d_model, cfg.d_ff, tp, swiglu=swiglu).total()
         routed = moe_cost(batch, seq, cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, 1, tp,
                           swiglu=swiglu).total()
         micro = micro.minus(dense.scaled(n_moe)) + routed.scaled(n_moe)
+        width = (3 if swiglu else 2) * cfg.d_ff // tp
+        _, extra = moe_chunk_calls(slots=batch * seq * cfg.top_k, h=cfg.d_model,
+                                   expert_width=width, ep=ep, tp=tp, overlap=overlap,
+                                   chunks=chunks, profile=profile, recompute=recompute)
+        micro = micro + Comm({k: v for k, v in extra.items() if k == "all_reduce"}).scaled(n_moe)
     out = micro.scaled(grad_accum)
     if sequence_parallel:
         out = out + Comm.of(("all_reduce", partial_elements))

@@ -15,6 +15,8 @@ training, see :func:`~ops_transformer.parallel.launch.launch`):
 - **small messages**: two ranks swap ``n``-byte tensors, by a send/recv pair and by an all-gather;
   the profile records the size where the faster method changes (``None`` when one wins
   everywhere).
+- **overlap** (CPU): how much of an all-reduce running beside matmuls is hidden, ``η``
+  (:mod:`.overlap_efficiency`), which ``overlap="auto"`` weighs chunks by.
 - **step-time model** (CPU machines): the constants of the local step-time model that ``sweep``,
   ``bench`` and ``train --plan`` predict with, fitted on small training runs
   (:mod:`.local_model`), under ``"local_model"``.
@@ -29,7 +31,9 @@ The profile (JSON, keys are strings)::
                                 "points": [[message bytes, seconds], ...]}}},
      "p2p_threshold_bytes": int | null,
      "p2p": {"small_messages": "send_recv" | "all_gather",
-             "points": [[bytes, send_recv s, all_gather s], ...]}}
+             "points": [[bytes, send_recv s, all_gather s], ...]},
+     "overlap": {"efficiency", "points": [{"bytes", "matmuls", "t_comm", "t_comp", "t_both",
+                                           "efficiency"}, ...]} (CPU machines only)}
 
 :func:`load_profile` turns it into a :class:`CalibratedProfile` for the cost model.
 """
@@ -52,6 +56,7 @@ from ..utils.progress import Progress
 from .local_model import fit_local_model, fit_runs
 from ..comm.topology import detect_topology
 from ..planner.catalogue import GPUS, gpu_for_device
+from .overlap_efficiency import measure_overlap
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 MATMUL_SIZES, QUICK_MATMUL_SIZES = (256, 512, 1024, 2048), (256, 512)
@@ -331,7 +336,9 @@ def calibrate(world_sizes=(2, 4), *, quick: bool = False, progress: bool = True,
                "p2p_threshold_bytes": threshold, "p2p": {"small_messages": small, "points": p2p}}
     if torch.cuda.is_available():
         profile["gpu"] = launch(_gpu_matmul_worker, 1, 3 if quick else 10, timeout=timeout)[0]
-    else:  # the step-time model of this machine's CPU ranks (sweep, bench, train --plan)
+    else:  # (NCCL runs on engines of its own; a GPU profile keeps η = 1)
+        profile["overlap"] = measure_overlap(launch, quick=quick, timeout=timeout)
+        # the step-time model of this machine's CPU ranks (sweep, bench, train --plan)
         base = collectives[str(min(sizes))]["all_reduce"]["bandwidth"]
         with Progress(fit_runs(quick), desc="step-time model", enabled=progress) as bar:
             model = fit_local_model(base, quick=quick, timeout=timeout, tick=bar.update)

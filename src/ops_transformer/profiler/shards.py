@@ -57,6 +57,9 @@ SOFTMAXES = {"softmax", "log_softmax", "normalize"}  # a statistic over ``dim``,
 RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 CONTRACTIONS = {"linear", "matmul", "__matmul__", "mm", "bmm", "scaled_dot_product_attention"}
 STAT = "stat"  # the mark of a local statistic
+# new tensors of an explicit shape (a chunked collective matmul's output buffer): not a shard of
+# the tensor they are called on
+FACTORIES = {"new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"}
 
 
 def remap(shape_in, d: int, shape_out) -> int | None:
@@ -164,6 +167,8 @@ class ShardTracker(TorchFunctionMode):
             self._elementwise(name, [t for t in _tensors(list(args)) if t is not None], outputs)
         elif name in REDUCTIONS:
             self._reduction(name, first, mark, args, kwargs, outputs)
+        elif name in FACTORIES:
+            return
         elif mark == STAT:
             for o in outputs:
                 self.marks[o] = STAT

@@ -21,8 +21,9 @@ def overlap_fix(sequence_parallel: bool) -> str:
     """The options that hide exposed communication (sequence parallelism unless it is on)."""
     sp = ("" if sequence_parallel else "sequence parallelism (--sequence-parallel: reduce-scatter "
           "+ all-gather of the same volume, the norms and dropout on 1/tp of the tokens), ")
-    return ("hide it behind compute: " + sp + "async input-gradient all-reduces "
-            "(ColumnParallelLinear does this), a smaller tp (fewer, larger shards) or tp inside "
+    return ("hide it behind compute: " + sp + "chunked collective matmuls (parallelize("
+            "overlap='chunked'), train --overlap chunked; overlap='auto' chunks only where the "
+            "profile says it pays), a smaller tp (fewer, larger shards) or tp inside "
             "one NVLink domain")
 
 
@@ -101,10 +102,13 @@ def beyond_minimum(model, ctx, rank: dict, latency: dict) -> list[dict]:
     if plan is None or not hasattr(cfg, "d_model") or shape is None or len(shape) != 2:
         return []
     sp = sequence_parallel_of(model)
+    options = getattr(getattr(model, "parallel_state", None), "options", None)
+    overlap = {"overlap": options.overlap, "chunks": options.chunks} if options else {}
     expected = model_comm_per_step(cfg, ctx.tp_size, plan.attention, shape[0], shape[1],
                                    plan.vocab, sequence_parallel=sp, recompute=recompute_of(model),
                                    partial_elements=partial_numel(model, ctx.tp_group),
-                                   grad_accum=max(rank.get("forwards", 1), 1))
+                                   profile=ctx.profile, ep=ctx.ep_size,
+                                   grad_accum=max(rank.get("forwards", 1), 1), **overlap)
     described = ", ".join([f"{plan.attention} attention", f"{plan.vocab} vocabulary"]
                           + ["sequence parallel" + (" (regather)" if sp == "regather" else "")]
                           * bool(sp)

@@ -31,7 +31,7 @@ from .local_model import predict_step_s
 # flag -> how its values parse; the TrainConfig field is the flag with "_" for "-".
 AXES = {"tp": int, "dp": int, "attention": str, "sequence-parallel": "sp", "recompute": str,
         "activation-cache": str, "zero": int, "precision": str, "ep": int, "preset": str,
-        "batch": int, "seq": int, "layers": int}
+        "batch": int, "seq": int, "layers": int, "overlap": str, "chunks": int}
 TRUE, FALSE = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
 
 

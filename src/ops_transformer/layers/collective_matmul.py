@@ -1,0 +1,319 @@
+"""Collective matmuls: a region's entry or exit collective split into chunks and pipelined with
+its matmul (SPEC F4; Wang et al. 2023, "Overlap communication with dependent computation via
+decomposition"; torchtitan's async TP; Megatron-LM's TP communication overlap).
+
+Tokens are rows (``x`` of shape ``(tokens, features)``). ``chunks`` pieces of rows move one
+collective each, so the total bytes are those of the one unchunked call and the ledger shows
+``chunks`` calls of the same kind. Each op is exact: every row is multiplied as in the unchunked
+layer (only the blocking of the matmul, hence the rounding, may differ).
+
+=========================== ========================================= ==================================
+op                          forward                                   backward
+=========================== ========================================= ==================================
+:func:`gather_matmul`       all-gather chunk ``i+1`` while chunk ``i``  input gradient chunk by chunk, each
+(sequence-parallel entry)   is multiplied by every column weight      reduce-scattered while the next is
+                                                                      computed; weight gradients behind
+                                                                      the last ones
+:func:`copy_matmul`         column matmuls (no communication)         the same, all-reducing the chunks
+(tensor-parallel entry)
+:func:`matmul_reduce_scatter` row matmul of chunk ``i+1`` while chunk ``i``  all-gather of the output gradient's
+(sequence-parallel exit)    is reduce-scattered                        chunk ``i+1`` while chunk ``i`` is
+                                                                      multiplied
+:func:`matmul_all_reduce`   row matmul of chunk ``i+1`` while chunk ``i``  none (the output gradient is
+(tensor-parallel exit)      is all-reduced                             replicated)
+=========================== ========================================= ==================================
+
+Under sequence parallelism rank ``r`` holds rows ``[r·n, (r+1)·n)`` of the ``t·n`` tokens; chunk
+``i`` is piece ``i`` of every rank's share, so a gathered chunk is ``(t, m, ·)`` and lands in the
+full activation at ``[:, offset_i : offset_i + m]`` of its ``(t, n, ·)`` view. Collectives run in
+the dtype the unchunked layers use (the input's for the sequence-parallel gather, the compute
+dtype for the rest), so the ledger's bytes match theirs under autocast too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..comm import collectives as C
+from .linear import _autocast_dtype
+
+
+def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """``(offset, size)`` of ``min(chunks, rows)`` pieces of ``rows`` (sizes differ by at most
+    one, the larger first; one empty piece for no rows)."""
+    chunks = max(1, min(chunks, rows))
+    base, extra = divmod(rows, chunks)
+    out, offset = [], 0
+    for i in range(chunks):
+        size = base + (i < extra)
+        out.append((offset, size))
+        offset += size
+    return out
+
+
+def _wait(handles) -> None:
+    for h in handles:
+        if h is not None:
+            h.wait()
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _compute(x: torch.Tensor, tensors) -> tuple[torch.dtype, list]:
+    """The dtype the matmuls run in (autocast's, else the first tensor's) and ``tensors`` cast to
+    it — outside the autograd functions, so the casts have their own backward."""
+    dtype = _autocast_dtype(x) or next(t for t in tensors if t is not None).dtype
+    return dtype, [None if t is None else t.to(dtype) for t in tensors]
+
+
+def _plain(x: torch.Tensor):
+    """No autocast inside the functions: their inputs are already in the compute dtype."""
+    if _autocast_dtype(x) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(x.device.type, enabled=False)
+
+
+class _GatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_share, group, chunks, compute_dtype, *params):
+        weights, biases = params[0::2], params[1::2]
+        t, (n, h) = group.size(), x_share.shape
+        bounds = chunk_bounds(n, chunks)
+        x_full = x_share.new_empty((t, n, h))
+        outs = [x_share.new_empty((t, n, w.shape[0]), dtype=w.dtype) for w in weights]
+        bufs = [x_share.new_empty((t * m, h)) for _, m in bounds]
+
+        def start(i):
+            s, m = bounds[i]
+            return C.all_gather_into(bufs[i], x_share[s:s + m], group, async_op=True,
+                                     label="gather_matmul.fwd")
+
+        pending = start(0)
+        for i, (s, m) in enumerate(bounds):
+            following = start(i + 1) if i + 1 < len(bounds) else None
+            _wait([pending])
+            pending = following
+            x_full[:, s:s + m].copy_(bufs[i].view(t, m, h))
+            rows = bufs[i].to(compute_dtype)
+            for y, w, b in zip(outs, weights, biases):
+                y_i = rows.mm(w.t()) if b is None else torch.addmm(b, rows, w.t())
+                y[:, s:s + m].copy_(y_i.view(t, m, -1))
+            bufs[i] = None  # a chunk's buffer is not needed once copied
+        ctx.save_for_backward(x_full, *weights)
+        ctx.group, ctx.bounds, ctx.compute_dtype = group, bounds, compute_dtype
+        ctx.has_bias = [b is not None for b in biases]
+        return (x_full, *outs)
+
+    @staticmethod
+    def backward(ctx, grad_x_full, *grad_outs):
+        x_full, *weights = ctx.saved_tensors
+        group, bounds, dtype = ctx.group, ctx.bounds, ctx.compute_dtype
+        t, n, h = x_full.shape
+        used = [(g, w) for g, w in zip(grad_outs, weights) if g is not None]
+        grad_share = x_full.new_empty((n, h))
+        handles, inputs = [], []
+        for s, m in bounds:
+            g_x = _chunk_input_grad(used, grad_x_full, s, m, t, h, x_full).to(x_full.dtype)
+            inputs.append(g_x)  # alive until its reduce-scatter is done
+            handles.append(C.reduce_scatter_into(grad_share[s:s + m], g_x, group, async_op=True,
+                                                 label="gather_matmul.bwd"))
+        grads = _weight_grads(grad_outs, _flat(x_full).to(dtype), ctx.has_bias,
+                              ctx.needs_input_grad[4:])
+        _wait(handles)
+        return (grad_share, None, None, None, *grads)
+
+
+def _chunk_input_grad(used, grad_x_full, s, m, t, h, like) -> torch.Tensor:
+    """``Σ_c ∂L/∂y_c[:, s:s+m] · W_c`` (+ the gathered input's own gradient) as ``(t·m, h)``."""
+    g_x = None
+    for g, w in used:
+        g_i = g[:, s:s + m].reshape(t * m, -1)
+        g_x = g_i.mm(w) if g_x is None else g_x.addmm_(g_i, w)
+    own = None if grad_x_full is None else grad_x_full[:, s:s + m].reshape(t * m, h)
+    if g_x is None:
+        return like.new_zeros((t * m, h)) if own is None else own.clone()
+    return g_x if own is None else g_x.add_(own.to(g_x.dtype))
+
+
+def _weight_grads(grad_outs, x_2d, has_bias, needs) -> list:
+    """``[∂W_1, ∂b_1, ∂W_2, ...]`` of column matmuls ``y_c = x W_cᵀ + b_c`` over all rows."""
+    out = []
+    for c, g in enumerate(grad_outs):
+        need_w, need_b = needs[2 * c], needs[2 * c + 1]
+        g_2d = None if g is None else _flat(g)
+        out.append(g_2d.t().mm(x_2d) if g is not None and need_w else None)
+        out.append(g_2d.sum(0) if g is not None and need_b and has_bias[c] else None)
+    return out
+
+
+def gather_matmul(x_share: torch.Tensor, weights, biases, group, chunks: int):
+    """Sequence-parallel entry: ``x_full = all-gather(x_share)`` and ``y_c = x_full W_cᵀ + b_c``
+    for every column weight, pipelined in ``chunks``. ``x_share`` ``(n, h)`` rows of this rank;
+    returns ``(x_full (t, n, h), [y_c (t, n, out_c)])`` in rank-major token order."""
+    dtype, params = _compute(x_share, [p for pair in zip(weights, biases) for p in pair])
+    with _plain(x_share):
+        out = _GatherMatmul.apply(x_share.contiguous(), group, chunks, dtype, *params)
+    return out[0], list(out[1:])
+
+
+class _CopyMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, chunks, *params):
+        weights, biases = params[0::2], params[1::2]
+        outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
+        ctx.save_for_backward(x, *weights)
+        ctx.group, ctx.bounds = group, chunk_bounds(x.shape[0], chunks)
+        ctx.has_bias = [b is not None for b in biases]
+        return (x.view_as(x), *outs)
+
+    @staticmethod
+    def backward(ctx, grad_x_own, *grad_outs):
+        x, *weights = ctx.saved_tensors
+        used = [(g, w) for g, w in zip(grad_outs, weights) if g is not None]
+        grad_x, handles = x.new_empty(x.shape), []
+        for s, m in ctx.bounds:  # each chunk's all-reduce runs while the next is computed
+            g_x = grad_x[s:s + m]
+            for j, (g, w) in enumerate(used):
+                if j == 0:
+                    torch.mm(g[s:s + m], w, out=g_x)
+                else:
+                    g_x.addmm_(g[s:s + m], w)
+            if not used:
+                g_x.zero_()
+            if grad_x_own is not None:
+                g_x.add_(grad_x_own[s:s + m])
+            handles.append(C.all_reduce(g_x, ctx.group, async_op=True, label="copy_matmul.bwd"))
+        grads = _weight_grads(grad_outs, x, ctx.has_bias, ctx.needs_input_grad[3:])
+        _wait(handles)
+        return (grad_x, None, None, *grads)
+
+
+def copy_matmul(x: torch.Tensor, weights, biases, group, chunks: int):
+    """Tensor-parallel entry: ``y_c = x W_cᵀ + b_c`` for every column weight, with one
+    copy-to-region for all of them — its backward all-reduce of ``∂L/∂x`` split into ``chunks``
+    (each running while the next chunk's input gradient is computed, the last ones behind the
+    weight gradients). ``x`` ``(n, h)``; returns ``(x, [y_c])`` (``x``'s own uses in the region
+    add their gradient to the all-reduced sum)."""
+    _, (x, *params) = _compute(x, [x] + [p for pair in zip(weights, biases) for p in pair])
+    with _plain(x):
+        out = _CopyMatmul.apply(x.contiguous(), group, chunks, *params)
+    return out[0], list(out[1:])
+
+
+class _Box:
+    """Where :class:`_SavedFirst` leaves its node for the exit op that reads its tensors."""
+
+    node = None
+
+
+class _SavedFirst(torch.autograd.Function):
+    """Identity on ``x`` that saves ``(x, weight)`` for the exit op after it. Saved here, they
+    are stored before that op's collectives run, so full recompute, which replays a layer only up
+    to the last tensor its backward needs (torch's checkpoint stops early), does not replay a
+    layer's closing reduce-scatter or all-reduce — as for the unchunked row layer."""
+
+    @staticmethod
+    def forward(ctx, x, weight, box):
+        ctx.save_for_backward(x, weight)
+        box.node = ctx
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def _saved_first(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, _Box]:
+    box = _Box()
+    return _SavedFirst.apply(x, weight, box), box
+
+
+class _MatmulAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, group, chunks, box):
+        y = x.new_empty((x.shape[0], weight.shape[0]))
+        handles = []
+        for s, m in chunk_bounds(x.shape[0], chunks):
+            torch.mm(x[s:s + m], weight.t(), out=y[s:s + m])
+            handles.append(C.all_reduce(y[s:s + m], group, async_op=True,
+                                        label="matmul_all_reduce.fwd"))
+        _wait(handles)
+        ctx.box = box
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.box.node.saved_tensors
+        grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None
+        grad_w = grad.t().mm(x) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None, None
+
+
+def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, group, chunks: int) -> torch.Tensor:
+    """Tensor-parallel exit: ``all-reduce(x Wᵀ)`` with the matmul of chunk ``i+1`` running while
+    chunk ``i`` is all-reduced. ``x`` ``(n, in/t)``; returns ``(n, out)``."""
+    _, (x, weight) = _compute(x, [x, weight])
+    with _plain(x):
+        x, box = _saved_first(x.contiguous(), weight)
+        return _MatmulAllReduce.apply(x, weight, group, chunks, box)
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, group, chunks, box):
+        t = group.size()
+        n, k = x.shape[0] // t, x.shape[1]
+        x3 = x.view(t, n, k)
+        out = x.new_empty((n, weight.shape[0]))
+        bounds, handles, partials = chunk_bounds(n, chunks), [], []
+        for s, m in bounds:
+            partial = x3[:, s:s + m].reshape(t * m, k).mm(weight.t())  # (t·m, out)
+            partials.append(partial)  # alive until its reduce-scatter is done
+            handles.append(C.reduce_scatter_into(out[s:s + m], partial, group, async_op=True,
+                                                 label="matmul_reduce_scatter.fwd"))
+        _wait(handles)
+        ctx.group, ctx.bounds, ctx.box = group, bounds, box
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_share):
+        x, weight = ctx.box.node.saved_tensors
+        group, bounds = ctx.group, ctx.bounds
+        t = group.size()
+        n, k = x.shape[0] // t, x.shape[1]
+        x3, grad_share = x.view(t, n, k), grad_share.contiguous()
+        grad_x = x.new_empty((t, n, k))
+        grad_w = weight.new_zeros(weight.shape) if ctx.needs_input_grad[1] else None
+        bufs = [grad_share.new_empty((t * m, grad_share.shape[1])) for _, m in bounds]
+
+        def start(i):
+            s, m = bounds[i]
+            return C.all_gather_into(bufs[i], grad_share[s:s + m], group, async_op=True,
+                                     label="matmul_reduce_scatter.bwd")
+
+        pending = start(0)
+        for i, (s, m) in enumerate(bounds):
+            following = start(i + 1) if i + 1 < len(bounds) else None
+            _wait([pending])
+            pending = following
+            g = bufs[i]  # (t·m, out): the output gradient of chunk i's rows on every rank
+            grad_x[:, s:s + m].copy_(g.mm(weight).view(t, m, k))
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), x3[:, s:s + m].reshape(t * m, k))
+            bufs[i] = None
+        return grad_x.view(t * n, k), grad_w, None, None, None
+
+
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group,
+                          chunks: int) -> torch.Tensor:
+    """Sequence-parallel exit: ``reduce-scatter(x Wᵀ)`` over the token rows, the matmul of chunk
+    ``i+1`` running while chunk ``i`` is reduce-scattered. ``x`` ``(t·n, in/t)`` in rank-major
+    token order; returns this rank's ``(n, out)``."""
+    _, (x, weight) = _compute(x, [x, weight])
+    with _plain(x):
+        x, box = _saved_first(x.contiguous(), weight)
+        return _MatmulReduceScatter.apply(x, weight, group, chunks, box)

@@ -1,0 +1,254 @@
+"""Regions whose entry or exit collective is a chunked collective matmul (SPEC F4, overlap).
+
+The chunked variants of the communicating regions of :mod:`.regions` and of the row-parallel
+layers: the same collectives, split into chunks pipelined with the matmul next to them
+(:mod:`.collective_matmul`), so ``print(model)`` still names each one::
+
+    (self_attn): ChunkedCopyToTPRegion[LlamaAttention](input: copy_to_tp_region over tp=2 (fwd
+                 identity, bwd all-reduce of the input gradient) as copy_matmul with q_proj,
+                 k_proj, v_proj: the all-reduce in chunks, ..., overlap=auto (chunks <= 2)
+      (q_proj): FedColumnParallelLinear(..., output: from its region's collective matmul ...)
+
+========================================= ====================== ================== ==============
+module                                    replaces               forward            backward
+========================================= ====================== ================== ==============
+:class:`ChunkedCopyToTPRegion`            ``CopyToTPRegion``, a  its column matmuls all-reduce of
+                                          column layer's own                        the input grad
+                                          input-grad all-reduce                     in chunks
+:class:`ChunkedGatherSequenceRegion`      ``GatherSequence-``    all-gather in      reduce-scatter
+                                          ``Region``             chunks ∥ matmuls   in chunks
+``ChunkedRowParallelLinear``              a row layer's          matmul ∥ all-      none
+(:class:`ChunkedRowOutput`)               all-reduce             reduce in chunks
+``ChunkedSequenceParallelRowLinear``      the sequence-parallel  matmul ∥ reduce-   all-gather in
+(:class:`ChunkedRowScatter`)              row's reduce-scatter   scatter in chunks  chunks ∥ grads
+========================================= ====================== ================== ==============
+
+The entry regions subclass the regions they replace (``isinstance`` and their printed names still
+say so); the layer variants are made by :func:`as_variant` (``ChunkedRowParallelLinear`` is a
+``RowParallelLinear``).
+
+An entry region computes the column layers that read its input (``columns``: child names, or
+``""`` for the region itself when it is the column layer) in one fused op; each child, a
+:class:`FedColumn`, returns that op's output when called with the region's input (anything else
+it computes itself, which stays exact). How many chunks: :class:`OverlapPolicy` — as many as the
+plan asks (``overlap="chunked"``), or what the cost model's one formula says pays for this
+region's sizes on the agreed profile (``"auto"``,
+:func:`~ops_transformer.planner.overlap.choose_chunks`), decided once per size and recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .collective_matmul import (copy_matmul, gather_matmul, matmul_all_reduce,
+                                matmul_reduce_scatter)
+from .linear import ColumnParallelLinear, _autocast_dtype
+from .overlap_policy import OverlapPolicy
+from .regions import CopyToTPRegion, GatherSequenceRegion, _joined, _on_first_input
+from .sequence_parallel import _active, check_sequence_length
+
+_VARIANTS: dict[tuple[type, type], type] = {}
+
+
+def as_variant(module, mixin: type, **settings):
+    """Turn ``module`` (in place) into ``mixin``'s variant of its class, named
+    ``<prefix><class>`` (``ChunkedRowParallelLinear``: still a ``RowParallelLinear``), with
+    ``settings`` as attributes; returns it."""
+    base = type(module)
+    sub = _VARIANTS.get((mixin, base))
+    if sub is None:
+        sub = type(f"{mixin.prefix}{base.__name__}", (mixin, base), {"__module__": __name__})
+        _VARIANTS[(mixin, base)] = sub
+    module.__class__ = sub
+    for name, value in settings.items():
+        setattr(module, name, value)
+    return module
+
+
+class FedColumn:
+    """A column-parallel layer inside an entry region (:func:`as_variant`: ``FedColumnParallel
+    Linear``): called with the region's input, it returns the output the region's collective
+    matmul computed for it."""
+
+    prefix = "Fed"
+    fed = None  # (input, output) while its region's own forward runs
+
+    def forward(self, x):
+        fed = self.fed
+        if fed is not None and x is fed[0]:
+            return fed[1]
+        return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + ", output: from its region's collective matmul when called "
+                "with the region's input")
+
+
+@contextlib.contextmanager
+def _feeding(columns, x, outputs):
+    for column, y in zip(columns, outputs):
+        if isinstance(column, FedColumn):
+            column.fed = (x, y)
+    try:
+        yield
+    finally:
+        for column in columns:
+            if isinstance(column, FedColumn):
+                column.fed = None
+
+
+class _ChunkedEntry:
+    """What both entry regions share: finding their column layers and feeding them. A chunked
+    entry is its unchunked region (``replaces``) with the collective done by the fused op."""
+
+    columns: tuple[str, ...] = ("",)
+    overlap: OverlapPolicy = None
+    region_name = ""  # the planner formula's region kind
+    replaces: type = None  # the region whose collective this one's fused op performs
+
+    def _columns(self) -> list[ColumnParallelLinear]:
+        found = [self if name == "" else self.get_submodule(name) for name in self.columns]
+        for name, c in zip(self.columns, found):
+            if not isinstance(c, ColumnParallelLinear) or c.gather_output:
+                raise ValueError(f"{type(self).__name__}: column {name or '(itself)'!r} is a "
+                                 f"{type(c).__name__}; a chunked entry computes column-parallel "
+                                 f"layers without a gathered output")
+        return found
+
+    def _run(self, args, kwargs, x_region, columns, outputs):
+        if self.columns == ("",):
+            return outputs[0]
+        if args:
+            args = (x_region, *args[1:])
+        else:
+            kwargs = {**kwargs, "hidden_states": x_region}
+        with _feeding(columns, x_region, outputs):  # past the replaced region's collective
+            return super(self.replaces, self).forward(*args, **kwargs)
+
+    def _chunks(self, tokens: int, in_features: int, columns, dtype) -> int:
+        out = sum(c.weight.shape[0] for c in columns)
+        return self.overlap.chunks_for(self.region_name, tokens, in_features, out,
+                                       self.region_group.size(), dtype)
+
+    def _first_input(self, args, kwargs) -> torch.Tensor:
+        if args:
+            return args[0]
+        if "hidden_states" in kwargs:
+            return kwargs["hidden_states"]
+        return _on_first_input(self, args, kwargs, None)  # (its error: no input)
+
+    def _names(self) -> str:
+        return ", ".join(n or "itself" for n in self.columns)
+
+    def extra_repr(self) -> str:  # in place of the replaced region's own line
+        return _joined(self._mine(), super(self.replaces, self).extra_repr())
+
+
+class ChunkedCopyToTPRegion(_ChunkedEntry, CopyToTPRegion):
+    """A tensor-parallel region's entry as one op for its column layers (:func:`copy_matmul`):
+    forward their matmuls, backward the all-reduce of the input gradient in chunks, each running
+    while the next chunk's input gradient is computed (the last ones behind the weight
+    gradients)."""
+
+    region_name, replaces = "tp_entry", CopyToTPRegion
+
+    def forward(self, *args, **kwargs):
+        x = self._first_input(args, kwargs)
+        columns = self._columns()
+        dtype = _autocast_dtype(x) or x.dtype  # the all-reduce runs in the compute dtype
+        chunks = (self._chunks(x.numel() // x.shape[-1], x.shape[-1], columns, dtype)
+                  if torch.is_grad_enabled() else 1)  # (its only collective is in backward)
+        x_same, outputs = copy_matmul(x.reshape(-1, x.shape[-1]), [c.weight for c in columns],
+                                      [c.bias for c in columns], self.region_group, chunks)
+        lead = x.shape[:-1]
+        return self._run(args, kwargs, x_same.view(x.shape), columns,
+                         [y.view(*lead, y.shape[-1]) for y in outputs])
+
+    def _mine(self) -> str:
+        return (f"input: copy_to_tp_region {self._over()} (fwd identity, bwd all-reduce of the "
+                f"input gradient) as copy_matmul with {self._names()}: the all-reduce in "
+                f"chunks, overlapped with the input-gradient matmuls, {self.overlap!r}")
+
+
+class ChunkedGatherSequenceRegion(_ChunkedEntry, GatherSequenceRegion):
+    """A tensor-parallel region entered from the sequence-parallel layout, as one op for its
+    column layers (:func:`gather_matmul`): the all-gather of the tokens in chunks, each chunk
+    multiplied while the next arrives; backward the reduce-scatter of the input gradient in
+    chunks. Without autograd, plain tensor parallelism (as :class:`GatherSequenceRegion`)."""
+
+    region_name, replaces = "sp_entry", GatherSequenceRegion
+
+    def forward(self, *args, **kwargs):
+        if not _active(self.region_group):
+            return super().forward(*args, **kwargs)
+        x = self._first_input(args, kwargs)
+        b, s, h, t = x.shape[0], x.shape[1], x.shape[-1], self.region_group.size()
+        columns = self._columns()
+        chunks = self._chunks(x.numel() // h * t, h, columns, x.dtype)
+        x_full, outputs = gather_matmul(x.reshape(-1, h), [c.weight for c in columns],
+                                        [c.bias for c in columns], self.region_group, chunks)
+        full = (b, s * t, *x.shape[2:-1])
+        return self._run(args, kwargs, x_full.view(*full, h), columns,
+                         [y.view(*full, y.shape[-1]) for y in outputs])
+
+    def _mine(self) -> str:
+        return (f"input: gather_sequence_region {self._over()} (fwd all-gather of the tokens, bwd "
+                f"reduce-scatter) as gather_matmul with {self._names()}: each chunk multiplied "
+                f"while the next arrives, {self.overlap!r}")
+
+
+class ChunkedRowOutput:
+    """A :class:`RowParallelLinear` (:func:`as_variant`: ``ChunkedRowParallelLinear``) whose
+    all-reduce runs in chunks, each while the next chunk is multiplied
+    (:func:`matmul_all_reduce`); a full input (``input_is_parallel=False``) runs unchunked."""
+
+    prefix = "Chunked"
+    overlap: OverlapPolicy = None
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            return super().forward(x)
+        k, out = x.shape[-1], self.weight.shape[0]
+        if k != self.in_features_per_rank:
+            return super().forward(x)  # (its error names the expected size)
+        tokens = x.numel() // k
+        chunks = self.overlap.chunks_for("tp_exit", tokens, k, out, self.tp_size,
+                                         _autocast_dtype(x) or x.dtype)
+        y = matmul_all_reduce(x.reshape(-1, k), self.weight, self.tp_group, chunks)
+        y = y.view(*x.shape[:-1], out)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", output: matmul_all_reduce over tp={self.tp_size} (fwd "
+                f"the row matmul and its all-reduce in chunks, overlapped; bwd none), "
+                f"{self.overlap!r}")
+
+
+class ChunkedRowScatter:
+    """A :class:`~.sequence_parallel.SequenceParallelRowLinear` (:func:`as_variant`:
+    ``ChunkedSequenceParallelRowLinear``) whose reduce-scatter runs in chunks, each while the next
+    chunk is multiplied; backward the all-gather of the output gradient in chunks, each chunk's
+    matmuls while the next arrives (:func:`matmul_reduce_scatter`)."""
+
+    prefix = "Chunked"
+    overlap: OverlapPolicy = None
+
+    def forward(self, x):
+        if not _active(self.tp_group) or x.shape[-1] != self.in_features_per_rank:
+            return super().forward(x)
+        check_sequence_length(x, self.tp_group)
+        k, out, t = x.shape[-1], self.weight.shape[0], self.tp_size
+        tokens = x.numel() // k
+        chunks = self.overlap.chunks_for("sp_exit", tokens, k, out, t,
+                                         _autocast_dtype(x) or x.dtype)
+        y = matmul_reduce_scatter(x.reshape(-1, k), self.weight, self.tp_group, chunks)
+        y = y.view(x.shape[0], x.shape[1] // t, *x.shape[2:-1], out)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", output: matmul_reduce_scatter over tp={self.tp_size} "
+                f"(fwd the row matmul and its reduce-scatter in chunks, overlapped; bwd the "
+                f"all-gather in chunks), {self.overlap!r}")
+

@@ -279,11 +279,3 @@ class GradSums(BucketedReducer):
 
     def __repr__(self) -> str:
         return f"GradSums({self.name}: {len(self.params)} params, {len(self.buckets)} buckets)"
-
-
-def __getattr__(name: str):
-    """``ReduceScatterGradSync`` lived here before :mod:`.grad_shard`: still importable from here."""
-    if name == "ReduceScatterGradSync":
-        from .grad_shard import ReduceScatterGradSync
-        return ReduceScatterGradSync
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,8 +40,9 @@ from .models.moe import MoE, moe_stats  # noqa: E402
 __all__ += ["ParallelExperts", "ParallelMoE", "MoE", "moe_stats"]
 from .profiler import Diagnostic, Profile, diagnose, profile_step
 __all__ += ["Diagnostic", "Profile", "diagnose", "profile_step"]
-from .memory import Int8ActivationCache, activation_memory, zero_optimizer  # noqa: E402
-__all__ += ["Int8ActivationCache", "activation_memory", "zero_optimizer"]
+from .memory import (Int8ActivationCache, activation_memory, shard_parameters,  # noqa: E402
+                     zero_optimizer)
+__all__ += ["Int8ActivationCache", "activation_memory", "zero_optimizer", "shard_parameters"]
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 

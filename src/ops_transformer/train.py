@@ -28,7 +28,7 @@ from .comm.ledger import CommLedger
 from .layers.dropout import micro_batch_masks
 from .layers.overlap_policy import overlap_decisions, overlap_summary
 from .memory.train_flags import (check_memory_flags, make_optimizer, measured_state_bytes,
-                                 partial_numel)
+                                 partial_numel, shard_for_zero)
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
 from .models.moe import moe_stats
@@ -77,7 +77,7 @@ class TrainConfig:
     activation_cache: str = ParallelOptions.activation_cache
     overlap: str = ParallelOptions.overlap  # collectives in chunks pipelined with their matmuls
     chunks: int = ParallelOptions.chunks
-    zero: int = 0  # ZeRO stage over dp: 0 (off), 1 or 2
+    zero: int = 0  # ZeRO stage over dp: 0 (off), 1, 2 or 3 (parameters sharded, FSDP2)
     ckpt_dir: str | None = None  # sharded checkpoints (docs/checkpoints.md)
     save_every: int = 0  # checkpoint every N steps (0: only after the last step)
     resume: bool | str = False  # continue from the newest good checkpoint in ckpt_dir, if any
@@ -322,6 +322,7 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
 
 def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
     model = finetune.with_lora(cfg, ctx, model)  # before the optimizer: it sees what trains
+    shard_for_zero(model, ctx, cfg.zero, policy)  # ZeRO-3: FSDP2 over dp (× ep)
     opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None
     return TrainState(cfg, ctx, model, opt, data, policy, scaler)

@@ -131,8 +131,10 @@ def _run(tp, dropout):
     assert shapes["gate_up.lora_B.weight"] == (2 * HID, RANK)
     assert shapes["proj.lora_A.weight"] == (RANK, HID)
     assert torch.equal(state["gate_up.lora_B.weight"], factors["gate_up"][1])
-    local = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return ledgers, local
+    trained = [p for p in model.parameters() if p.requires_grad]
+    # the averaging's all-reduce: the gradients and one presence flag per parameter (issue 24:
+    # a parameter without a gradient on every rank keeps grad None)
+    return ledgers, sum(p.numel() for p in trained) + len(trained)
 
 
 def _replicated_elements():

@@ -134,12 +134,18 @@ def test_state_dict_restores_exactly_and_reshards(run_ranks, stage):
         again = shard_zero_state(full, shard["zero"])
         for index, chunk in shard["state"].items():
             assert all(torch.equal(chunk[k], again["state"][index][k]) for k in chunk)
-    # and for one rank (dp 1): everything in one chunk
+    # and for one rank (dp 1): every parameter whole, one piece each
+    buckets = shards[0]["zero"]["buckets"]
     one = {**shards[0]["zero"], "dp_size": 1, "dp_rank": 0, "buckets": [
-        {**b, "padded_numel": b["numel"], "shard_offset": 0, "shard_numel": b["numel"]}
-        for b in shards[0]["zero"]["buckets"]]}
+        {**b, "padded_numel": b["numel"], "shard_offset": 0, "shard_numel": b["numel"],
+         "group_size": 1, "group_rank": 0} for b in buckets],
+        "pieces": [{"bucket": i, "name": p["name"], "start": 0, "stop": p["numel"]}
+                   for i, b in enumerate(buckets) for p in b["params"]]}
     single = shard_zero_state(full, one)
-    assert single["state"][0]["exp_avg"].numel() == one["buckets"][0]["numel"]
+    assert len(single["state"]) == len(one["pieces"])
+    for j, piece in enumerate(one["pieces"]):
+        assert torch.equal(single["state"][j]["exp_avg"].view(reference[piece["name"]][
+            "exp_avg"].shape), full["params"][piece["name"]]["exp_avg"])
 
 
 def _accumulate(stage, micro):

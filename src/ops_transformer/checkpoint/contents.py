@@ -27,9 +27,11 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..layers.lora import adapter_parameters
+from ..parallel.sharding import local_tensor
 from .chunked import ChunkedTensor
 from .errors import CheckpointError
 from .layout import Entry, layout_of
+from .pieces import data_shard_entry
 
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/"
 
@@ -73,7 +75,14 @@ class ModelTensors:
                     special.setdefault(prefix + k, v)
         self.entries = {name: special.get(name) or [Entry(name, layout_of(t))]
                         for name, t in self.tensors.items()}
+        for name, t in self.tensors.items():
+            if local_tensor(t) is not t:  # sharded over data-parallel ranks: this rank's rows
+                self.entries[name] = [data_shard_entry(e, t) for e in self.entries[name]]
         self._by_id = {id(t): name for name, t in self.tensors.items()}
+
+    def local(self, name: str) -> torch.Tensor:
+        """The tensor this rank holds for ``name`` (a data-parallel shard's own rows)."""
+        return local_tensor(self.tensors[name]).detach()
 
     def name_of(self, tensor: torch.Tensor) -> str | None:
         return self._by_id.get(id(tensor))
@@ -101,8 +110,8 @@ def _lora_tensors(model: torch.nn.Module) -> set[str] | None:
 
 
 def model_entries(model: ModelTensors) -> dict[str, ChunkedTensor]:
-    return {MODEL + e.key: ChunkedTensor.of_entry(e, t.detach())
-            for name, t in model.tensors.items() for e in model.entries[name]}
+    return {MODEL + e.key: ChunkedTensor.of_entry(e, model.local(name))
+            for name in model.tensors for e in model.entries[name]}
 
 
 def model_targets(model: ModelTensors, saved: Mapping[str, Any]) -> dict[str, ChunkedTensor]:
@@ -114,8 +123,8 @@ def model_targets(model: ModelTensors, saved: Mapping[str, Any]) -> dict[str, Ch
         raise CheckpointError(f"the checkpoint does not fit this model: {len(missing)} tensor(s) "
                               f"of the model are not in it (e.g. {missing[:3]})")
     targets = {}
-    for name, tensor in model.tensors.items():
-        buffer = torch.zeros_like(tensor.detach())
+    for name in model.tensors:
+        buffer = torch.zeros_like(model.local(name))
         for entry in model.entries[name]:
             md, dense = saved[MODEL + entry.key], tuple(entry.layout.global_shape)
             if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != dense:
@@ -139,8 +148,8 @@ def unclaimed(model: ModelTensors, saved: Mapping[str, Any], covered) -> list[st
 
 @torch.no_grad()
 def commit_model(model: ModelTensors, loaded: Mapping[str, Any]) -> None:
-    for name, tensor in model.tensors.items():
-        tensor.copy_(loaded[MODEL + model.entries[name][0].key].local)
+    for name in model.tensors:
+        model.local(name).copy_(loaded[MODEL + model.entries[name][0].key].local)
 
 
 def describe_model(model: torch.nn.Module) -> dict:

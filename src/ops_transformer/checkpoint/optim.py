@@ -20,7 +20,9 @@ from typing import Any, Mapping, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
+from ..parallel.sharding import local_tensor
 from .chunked import ChunkedTensor
 from .contents import ModelTensors
 from .errors import CheckpointError
@@ -129,8 +131,9 @@ class TorchOptimizerAdapter:
         for key, value in loaded.items():
             if key.startswith("state/"):
                 dense, name = _split_state_key(key)
-                state.setdefault(index[id(owner[dense])], {})[name] = (
-                    value.local if isinstance(value, ChunkedTensor) else value)
+                param = owner[dense]
+                value = value.local if isinstance(value, ChunkedTensor) else value
+                state.setdefault(index[id(param)], {})[name] = _like_param(value, param)
         groups = [{**{k: v for k, v in saved.items() if k != "params"},
                    "params": [index[id(p)] for p in current["params"]]}
                   for saved, current in zip(saved_groups, optimizer.param_groups)]
@@ -169,8 +172,9 @@ def _group_keys(model: ModelTensors, params: list[torch.Tensor]) -> list[str]:
 
 def _chunked(param: torch.Tensor, value: torch.Tensor, entry: Entry, key: str) -> ChunkedTensor:
     value = value.detach()
-    if value.dim() > 0 and value.shape == param.shape:
-        return ChunkedTensor.of_entry(entry, value)
+    if value.dim() > 0 and value.shape == param.shape:  # (a DTensor: its rows, as its param's)
+        return ChunkedTensor.of_entry(entry, local_tensor(value).detach())
+    value = local_tensor(value)
     if value.dim() == 0 or (isinstance(entry.layout, Replicated)
                             and tuple(entry.layout.global_shape) == tuple(param.shape)):
         return ChunkedTensor.of(Replicated(value.shape), value)
@@ -185,8 +189,8 @@ def _target(param: torch.Tensor, entry: Entry, md: TensorStorageMetadata, key: s
     if size and size == tuple(entry.layout.global_shape):
         buffer = buffers.get((id(param), name))
         if buffer is None:
-            buffer = buffers[(id(param), name)] = torch.zeros(param.shape, dtype=dtype,
-                                                              device=param.device)
+            buffer = buffers[(id(param), name)] = torch.zeros(local_tensor(param).shape,
+                                                              dtype=dtype, device=param.device)
         return ChunkedTensor.of_entry(entry, buffer)
     replicated = isinstance(entry.layout, Replicated) and \
         tuple(entry.layout.global_shape) == tuple(param.shape)
@@ -198,6 +202,16 @@ def _target(param: torch.Tensor, entry: Entry, md: TensorStorageMetadata, key: s
         return ChunkedTensor.of(Replicated(size), torch.zeros(size, dtype=dtype, device=device))
     raise CheckpointError(f"optimizer state {key!r} was saved with shape {size}, which does not "
                           f"fit its parameter (dense shape {tuple(entry.layout.global_shape)})")
+
+
+def _like_param(value, param: torch.Tensor):
+    """A loaded state tensor of a data-parallel ``DTensor`` parameter (its rows) as a ``DTensor``
+    placed like the parameter, as ``torch.optim`` keeps it; anything else as it is."""
+    if (isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0
+            and tuple(value.shape) == tuple(local_tensor(param).shape)):
+        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value
 
 
 def _merged_groups(loaded: dict[str, Any]) -> list[dict]:

@@ -108,7 +108,8 @@ def add_training_arguments(p) -> None:
                    help=f"the chunks of --overlap (at most, for auto; default {D.chunks})")
     p.add_argument("--zero", type=int, choices=ZERO_STAGES,
                    help="ZeRO stage over the data-parallel ranks: 1 shards the optimizer state, 2 "
-                   f"also the gradients (default {D.zero}: off)")
+                   "also the gradients, 3 also the parameters (FSDP2) "
+                   f"(default {D.zero}: off)")
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -4,7 +4,8 @@
 and records every tensor saved for backward. It counts **storages**, not tensors: views of one
 storage (chunks of a fused projection, a transposed view) and repeated saves of one tensor are
 counted once, at the size of the whole storage (what stays alive). Parameters and buffers are
-excluded (they live anyway). The recorded storages are held until the measurement ends, so no
+excluded (they live anyway; so are the parameters FSDP2 gathers for the forward of a ZeRO-3
+model). The recorded storages are held until the measurement ends, so no
 address can be freed and reused by another tensor in between — which is why a storage's address is
 a safe key here, and only here.
 
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from ..models.hf import is_hf, transformer_layers
+from ..parallel.sharding import local_tensor
 
 _open_meters: list[ActivationMeter] = []
 _lock = threading.Lock()
@@ -38,13 +40,15 @@ class ActivationMeter:
     index the next saves are attributed to (``None``: outside the Transformer layers)."""
 
     def __init__(self, exclude=()):
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._excluded = {local_tensor(t).untyped_storage().data_ptr() for t in exclude}
         self._storages: dict[int, tuple[torch.UntypedStorage | None, int, int | None]] = {}
         self.layer: int | None = None
         self._hooks = None
 
     def add(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
+            if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+                continue  # a parameter FSDP2 gathered for this forward (ZeRO-3), or a view of it
             storage = t.untyped_storage()
             key = storage.data_ptr()
             if storage.nbytes() == 0 or key in self._excluded or key in self._storages:

@@ -8,8 +8,10 @@ from torch import nn
 
 from ..comm.bucketing import partial_grad_group
 from ..layers.sequence_parallel import sequence_parallel_mode
+from ..parallel.sharding import local_tensor
 from ..planner.runnable import ZERO_STAGES, runtime_problem
 from .apply import ACTIVATION_CACHES
+from .fsdp import mixed_precision_for, shard_parameters
 from .recompute import RECOMPUTE
 from .zero import zero_optimizer
 
@@ -24,7 +26,11 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
         raise ValueError(f"--activation-cache must be one of {', '.join(ACTIVATION_CACHES)}, got "
                          f"{cfg.activation_cache!r}")
     if cfg.zero not in ZERO_STAGES:
-        raise ValueError(f"--zero must be 0, 1 or 2, got {cfg.zero!r}")
+        raise ValueError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero!r}")
+    if cfg.zero == 3 and getattr(cfg, "lora_rank", None) is not None:
+        raise ValueError(f"--zero 3 with --lora-rank {cfg.lora_rank} is not supported yet (LoRA "
+                         f"adapters on FSDP2-sharded layers are untested): use --zero 0, 1 or 2 "
+                         f"with --lora-rank")
     try:
         sequence_parallel_mode(cfg.sequence_parallel)
     except ValueError:
@@ -41,21 +47,32 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
         raise ValueError(problem)
 
 
+def shard_for_zero(model: nn.Module, ctx, zero: int, policy=None) -> nn.Module:
+    """ZeRO-3 (``zero == 3``): ``model``'s parameters sharded over its data-parallel ranks
+    (:func:`~.fsdp.shard_parameters`; with a 16-bit precision ``policy``, gathered and computed
+    in its dtype over fp32 master shards); other stages leave the model as it is."""
+    if zero == 3:
+        shard_parameters(model, ctx, mixed_precision=None if policy is None
+                         else mixed_precision_for(policy))
+    return model
+
+
 def make_optimizer(model: nn.Module, ctx, zero: int, **adamw_kwargs) -> torch.optim.Optimizer:
     """AdamW over ``model``'s trainable parameters (a LoRA model: its adapters), sharded with
-    ZeRO ``zero`` (1 or 2) when non-zero."""
-    if zero:
+    ZeRO ``zero``: 1 or 2 through :func:`~.zero.zero_optimizer`; 3 (a model :func:`shard_for_zero`
+    sharded) a plain AdamW, whose state is sharded with the parameters it steps."""
+    if zero in (1, 2):
         return zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, **adamw_kwargs)
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **adamw_kwargs)
 
 
 def memory_from_plan(layout: dict, path: str) -> dict:
     """``sequence_parallel``, ``recompute`` and ``zero`` of a planner layout (``train --plan``),
-    run as written: a combination train cannot run (ZeRO-3, sequence parallelism with an attention
-    strategy that has no sequence-parallel form, …: :func:`~ops_transformer.planner.runnable.
-    runtime_problem`, the rule the planner's search applies) is refused, never changed."""
+    ZeRO-3 included, run as written: a combination train cannot run (sequence parallelism with an
+    attention strategy that has no sequence-parallel form, …: :func:`~ops_transformer.planner.
+    runnable.runtime_problem`, the rule the planner's search applies) is refused, never changed."""
     zero = layout.get("zero_stage", 0)
-    if zero not in (0, 1, 2, 3):
+    if zero not in ZERO_STAGES:
         raise ValueError(f"--plan {path!r} has zero_stage {zero!r}; expected 0, 1, 2 or 3")
     recompute = layout.get("recompute", "none")
     if recompute not in RECOMPUTE:
@@ -100,6 +117,7 @@ def measured_state_bytes(model: nn.Module, optimizer) -> dict[str, int]:
     def total(tensors) -> int:
         storages = {}
         for t in tensors:
+            t = local_tensor(t) if isinstance(t, torch.Tensor) else t  # (a shard's own rows)
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(storages.values())

@@ -116,6 +116,20 @@ class ParallelContext:
         such as a skipped step."""
         return dist.group.WORLD if self.world_size > 1 else None
 
+    def data_mesh(self, *, experts: bool = False):
+        """The one-dimensional ``DeviceMesh`` of this rank's data-parallel group, a sub-mesh of
+        ``mesh``: ``dp × ep`` (flattened) for dense parameters, whose replicas read different
+        micro-batches on both axes, ``dp`` for the experts (each EP rank holds its own). FSDP2
+        shards parameters over it (:func:`~ops_transformer.memory.fsdp.shard_parameters`)."""
+        if self.mesh is None:
+            raise ValueError("this context has no device mesh (a single process): there is no "
+                             "data-parallel group to shard over")
+        if experts or self.ep_size == 1:
+            return self.mesh["dp"]
+        if self.dp_size == 1:
+            return self.mesh["ep"]
+        return self.mesh["dp", "ep"]._flatten("dp_ep")  # made once, by from_mesh
+
     def kv_replica_group(self, replicas: int) -> dist.ProcessGroup | None:
         """The group of this rank's ``replicas`` consecutive TP ranks, which hold the same KV heads
         when there are fewer KV heads than TP ranks

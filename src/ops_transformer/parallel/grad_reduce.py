@@ -12,9 +12,12 @@ variant (ledger label)           group     collective (when)
                                  replicas)
 :class:`ReduceScatterGradSync`   ``dp``    reduce-scatter of ``grad / dp`` per ZeRO bucket,
 (``zero_grads``)                           started as soon as it is complete (ZeRO-2)
+:class:`FSDPGradSync`             each      FSDP2's own reduce-scatter per unit (ZeRO-3:
+(``fsdp_grads``)                 unit's    :mod:`ops_transformer.memory.fsdp`); in the
+                                 dp group  chain so that :func:`no_sync` pauses it
 ================================ ========= ================================================
 
-All three share :class:`BucketedReducer`: ``post_accumulate_grad`` hooks on their parameters, an
+The last two live in :mod:`.grad_shard` (sharded data parallelism). All share :class:`BucketedReducer`: ``post_accumulate_grad`` hooks on their parameters, an
 ``enabled`` flag (what :func:`no_sync` clears: the gradients then accumulate locally, and the next
 backward outside it reduces the sum) and ``finish()``, which completes the step's reduction at the
 end of backward. A model's reducers sit in order in one :class:`~.state.GradReducers` chain
@@ -54,6 +57,32 @@ def dp_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Pa
     if current:
         buckets.append(current)
     return buckets
+
+
+def flat_with_presence(params, dtype: torch.dtype | None) -> torch.Tensor:
+    """The gradients of ``params`` in one flat tensor (zeros for a missing one) followed by one
+    presence flag per parameter (1 where this rank has its gradient), in ``dtype`` (default: the
+    first parameter's). Reduced with the gradients, a flag says whether *any* rank had the
+    gradient: a parameter with no gradient on every rank (frozen, unused) keeps ``grad = None`` —
+    the optimizer then skips it, as ``torch.optim`` does — at the cost of one element per
+    parameter in the same collective."""
+    dtype = dtype or params[0].dtype
+    numel = sum(p.numel() for p in params)
+    flat = torch.empty(numel + len(params), dtype=dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        if p.grad is None:
+            flat[offset:offset + p.numel()].zero_()
+        else:
+            flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))  # (cast to the dtype)
+        offset += p.numel()
+    flat[numel:].copy_(torch.tensor([float(p.grad is not None) for p in params]))
+    return flat
+
+
+def presence(flat: torch.Tensor, count: int) -> list[bool]:
+    """The reduced presence flags at the end of ``flat`` (see :func:`flat_with_presence`)."""
+    return [v > 0 for v in flat[flat.numel() - count:].tolist()]
 
 
 class BucketedReducer:
@@ -127,9 +156,7 @@ class GradSync(BucketedReducer):
             self._launch(bucket)
 
     def _launch(self, bucket: _DPBucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        bucket.flat = flat.to(self.reduce_dtype or flat.dtype).div_(self.world)
+        bucket.flat = flat_with_presence(bucket.params, self.reduce_dtype).div_(self.world)
         bucket.handle = C.all_reduce(bucket.flat, self.group, async_op=True, label=self.label)
 
     def finish(self) -> None:
@@ -138,14 +165,18 @@ class GradSync(BucketedReducer):
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.handle.wait()
+            present = None  # read only when this rank lacks a gradient (a host sync)
             offset = 0
-            for p in bucket.params:
+            for i, p in enumerate(bucket.params):
                 averaged = bucket.flat[offset:offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = averaged.to(p.dtype, copy=True)
-                else:
-                    p.grad.copy_(averaged)
                 offset += p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(averaged)
+                    continue
+                if present is None:
+                    present = presence(bucket.flat, len(bucket.params))
+                if present[i]:  # another rank has one: the average holds it
+                    p.grad = averaged.to(p.dtype, copy=True)
             bucket.flat = bucket.handle = None
             bucket.ready = set()
 
@@ -248,60 +279,3 @@ class GradSums(BucketedReducer):
 
     def __repr__(self) -> str:
         return f"GradSums({self.name}: {len(self.params)} params, {len(self.buckets)} buckets)"
-
-
-class ReduceScatterGradSync(BucketedReducer):
-    """ZeRO stage 2 (:class:`~ops_transformer.memory.zero.ZeroOptimizer`): reduce-scatters each
-    complete bucket's ``grad / dp`` over ``group`` in ``reduce_dtype`` (default: the parameters'),
-    frees the full gradients at once, and at the end of backward adds this rank's chunk into the
-    bucket's ``grad_shard``. ``buckets``: the optimizer's padded ZeRO buckets (those with
-    ``reduce_scattered``)."""
-
-    label = "zero_grads"
-
-    def __init__(self, buckets, group, *, reduce_dtype: torch.dtype | None = None,
-                 name: str = "dp"):
-        super().__init__(name)
-        self.group, self.world = group, C.group_size(group)
-        self.reduce_dtype = reduce_dtype
-        self.buckets = [b for b in buckets if b.reduce_scattered]
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._ready: dict[int, set[int]] = {id(b): set() for b in self.buckets}
-        self._started: dict[int, tuple] = {}
-        self._hook([p for b in self.buckets for p in b.params])
-
-    def grad_ready(self, param: nn.Parameter) -> None:
-        bucket = self._bucket_of[id(param)]
-        ready = self._ready[id(bucket)]
-        ready.add(id(param))
-        if len(ready) == len(bucket.params):
-            self._launch(bucket)
-
-    def _launch(self, bucket) -> None:
-        flat = torch.zeros(bucket.padded, dtype=self.reduce_dtype or bucket.flat.dtype,
-                           device=bucket.flat.device)
-        for p, off in zip(bucket.params, bucket.offsets):
-            if p.grad is not None:
-                flat[off:off + p.numel()].copy_(p.grad.reshape(-1))  # (cast to the dtype)
-            p.grad = None  # the full gradient is not kept: this rank gets its chunk below
-        flat.div_(self.world)
-        chunk = torch.empty(bucket.chunk, dtype=flat.dtype, device=flat.device)
-        handle = C.reduce_scatter_into(chunk, flat, self.group, async_op=True, label=self.label)
-        self._started[id(bucket)] = (flat, chunk, handle)
-
-    def finish(self) -> None:
-        for bucket in self.buckets:
-            if id(bucket) not in self._started:  # some parameter got no gradient this backward
-                self._launch(bucket)
-        for bucket in self.buckets:
-            _, chunk, handle = self._started.pop(id(bucket))
-            if handle is not None:
-                with torch.profiler.record_function("ops_transformer::wait"):
-                    handle.wait()
-            shard = bucket.grad_shard
-            bucket.grad_shard = chunk if shard is None else shard.add_(chunk)
-            self._ready[id(bucket)] = set()
-
-    def __repr__(self) -> str:
-        return (f"ReduceScatterGradSync({self.name}: reduce-scatter/{self.world}, "
-                f"{len(self.buckets)} buckets)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..comm import collectives as C
 
@@ -127,10 +128,49 @@ def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
     return getattr(tensor, "shard_spec", None)
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a ``DTensor``'s local part (a parameter, gradient or optimizer
+    state that FSDP2 shards over data-parallel ranks: its rows), else the tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def data_shard_rows(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(first row, rows)`` of dim 0 of the whole (tensor-parallel) tensor that this rank's
+    part of a data-parallel ``DTensor`` holds — ``torch.chunk``'s split, as FSDP2 shards — or
+    ``(0, rows)`` for a plain tensor."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if not isinstance(tensor, DTensor):
+        return 0, rows
+    mesh = tensor.device_mesh
+    chunk = -(-rows // mesh.size())
+    first = min(rows, mesh.get_local_rank() * chunk)
+    return first, min(chunk, rows - first)
+
+
+@torch.no_grad()
+def gather_data_shards(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor-parallel tensor behind a data-parallel ``DTensor`` (FSDP2's dim-0 shards,
+    all-gathered over its mesh's group: collective, label ``gather_full``); a plain tensor is
+    returned as it is."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach()
+    local, group = tensor._local_tensor.detach(), tensor.device_mesh.get_group()
+    n, rows = tensor.device_mesh.size(), tensor.shape[0]
+    chunk = -(-rows // n)
+    padded = local.new_zeros((chunk, *local.shape[1:]))
+    padded[:local.shape[0]].copy_(local)
+    out = local.new_empty((n * chunk, *local.shape[1:]))
+    C.all_gather_into(out, padded, group, label="gather_full")
+    return out[:rows]
+
+
 @torch.no_grad()
 def gather_full(tensor: torch.Tensor, group) -> torch.Tensor:
-    """The dense tensor behind a sharded parameter (every rank gets it); others are copied."""
+    """The dense tensor behind a sharded parameter (every rank gets it); others are copied. A
+    parameter sharded over data-parallel ranks too (FSDP2's ``DTensor``) is first gathered over
+    them."""
     spec = shard_spec(tensor)
+    tensor = gather_data_shards(tensor)
     if spec is None:
         return tensor.detach().clone()
     local = tensor.detach().movedim(spec.split_dim, 0).contiguous()

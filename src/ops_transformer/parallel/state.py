@@ -67,17 +67,33 @@ class GradReducers:
         return f"GradReducers({', '.join(repr(r) for r in self._reducers)})"
 
 
+@dataclass(frozen=True)
+class DataSharding:
+    """What :func:`~ops_transformer.memory.fsdp.shard_parameters` applied: ``units``, the FSDP2
+    modules in the order they were sharded (each layer's experts, each layer, the LM head, the
+    root last);
+    ``unsharded``, the parameters left whole (their gradients reduced by the chain's own
+    reducers); the ``reshard_after_forward`` and ``mixed_precision`` it ran with."""
+
+    units: tuple
+    unsharded: tuple
+    reshard_after_forward: bool = True
+    mixed_precision: object = None
+
+
 @dataclass
 class ParallelState:
     """``plan``: the applied :class:`~ops_transformer.parallelize.Plan` (``None`` for a model
     prepared by hand); ``options``: the :class:`~ops_transformer.parallelize.ParallelOptions`;
     ``reducers``: the gradient reducers, in the order they finish at the end of backward;
-    ``lora``: the :class:`~ops_transformer.parallelize.lora.LoRAConfig` of the adapters
+    ``sharding``: the parameters' data-parallel sharding (:class:`DataSharding`, ZeRO-3), or
+    ``None``; ``lora``: the :class:`~ops_transformer.parallelize.lora.LoRAConfig` of the adapters
     :func:`~ops_transformer.lora` added (``None``: none)."""
 
     plan: object = None
     options: object = None
     reducers: GradReducers = field(default_factory=GradReducers)
+    sharding: DataSharding | None = None
     lora: object = None
 
 

@@ -22,7 +22,7 @@ from ..layers.lora import SUPPORTED, adapter_kind, add_adapter, dense_dims, is_c
 from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
                                       ChunkedRowOutput, ChunkedRowScatter)
 from ..models.hf import is_hf, transformer_layers
-from ..parallel.grad_reduce import ReduceScatterGradSync
+from ..parallel.grad_shard import ReduceScatterGradSync
 from . import gradient_reducers
 from .options import ParallelOptions
 
@@ -75,6 +75,9 @@ def lora(model: nn.Module, ctx, *, rank: int, alpha: float | None = None, target
     if state.lora is not None:
         raise ValueError(f"this model already has LoRA adapters (rank {state.lora.rank} on "
                          f"{len(state.lora.targets)} modules)")
+    if getattr(state, "sharding", None) is not None:
+        raise ValueError("lora must come before shard_parameters (and is untested with it): "
+                         "FSDP2 has already sharded the parameters lora would change")
     if any(isinstance(r, ReduceScatterGradSync) for r in state.reducers):
         raise ValueError("lora must come before zero_optimizer: the optimizer is built over the "
                          "parameters that train, which lora changes")

@@ -4,7 +4,7 @@ Model states, mixed-precision Adam (Rajbhandari et al. 2020, ZeRO §3): ``Ψ`` p
 ``2Ψ`` (16-bit weights) + ``2Ψ`` (16-bit gradients) + ``12Ψ`` (fp32 master weights, momentum and
 variance) = ``16Ψ`` bytes. ZeRO stage 1 shards the optimizer over ``N_d`` data-parallel ranks
 (``4Ψ + 12Ψ/N_d``), stage 2 also the gradients (``2Ψ + 14Ψ/N_d``), stage 3 also the parameters
-(``16Ψ/N_d``).
+(``16Ψ/N_d``). Training in fp32 keeps ``4Ψ + 4Ψ + 8Ψ`` (no master copy: the weights are fp32).
 
 Activations per Transformer layer, 16-bit (Korthikanti et al. 2022, Table 2; ``s`` sequence,
 ``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` tensor-parallel degree), with the attention
@@ -34,17 +34,23 @@ from __future__ import annotations
 RECOMPUTE = ("none", "selective", "full", "ops")
 ATTENTION_KERNELS = ("fused", "eager")
 ADAM_BYTES = {"params": 2, "grads": 2, "optimizer": 12}  # mixed-precision Adam, per parameter
+FP32_ADAM_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 Adam: no master copy
 LSE_BYTES = 4  # the fused kernel's log-sum-exp statistics are fp32
 
 
-def model_state_bytes(params: float, zero_stage: int, dp: int) -> dict[str, float]:
+def model_state_bytes(params: float, zero_stage: int, dp: int,
+                      bytes_per_element: int = 2) -> dict[str, float]:
     """``{"params", "grads", "optimizer"}`` bytes on one GPU for ``params`` parameters held by
-    this GPU's tensor/expert shard, with ZeRO ``zero_stage`` over ``dp`` ranks."""
+    this GPU's tensor/expert shard, with ZeRO ``zero_stage`` over ``dp`` ranks. 16-bit training
+    (``bytes_per_element`` 2): mixed-precision Adam, ``2 + 2 + 12`` bytes per parameter; fp32
+    training (4) needs no master copy: fp32 weights and gradients and Adam's two fp32 moments,
+    ``4 + 4 + 8`` (:data:`FP32_ADAM_BYTES`) — the same 16 bytes, sharded differently by ZeRO."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     sharded = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"),
                3: ("optimizer", "grads", "params")}[zero_stage]
-    return {k: ADAM_BYTES[k] * params / (dp if k in sharded else 1) for k in ADAM_BYTES}
+    per = FP32_ADAM_BYTES if bytes_per_element == 4 else ADAM_BYTES
+    return {k: per[k] * params / (dp if k in sharded else 1) for k in per}
 
 
 def layer_matmuls(h: int, kv_dim: int, ffn: int, gated: bool) -> list[tuple[str, int]]:

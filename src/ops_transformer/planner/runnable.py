@@ -11,9 +11,9 @@ option                         runs with
 sequence parallelism           ``tp > 1``, ``attention="heads"`` (the one strategy with a
                                sequence-parallel form), the sequence divisible by ``tp``, a
                                dense FFN (the expert layers have no sequence-parallel form)
-ZeRO stage 1 or 2              ``dp > 1``, no experts over ``ep`` (their gradients average over
-                               another group)
-ZeRO stage 3                   not yet (:data:`ZERO_STAGES`: the parameters stay whole)
+ZeRO stage 1, 2 or 3           ``dp × ep > 1`` (each parameter sharded over its own
+                               data-parallel group: ``dp × ep`` for the dense ones, ``dp`` for
+                               the experts; stage 3 through FSDP2)
 ``recompute="selective"``      not with ``attention="kv_split"`` at ``tp > 1`` (its attention
                                core communicates)
 =============================  ===============================================================
@@ -23,7 +23,7 @@ Messages name the command-line flags, which ``train`` and ``plan`` share.
 
 from __future__ import annotations
 
-ZERO_STAGES = (0, 1, 2)  # what train runs; the planner also prices stage 3 for a given layout
+ZERO_STAGES = (0, 1, 2, 3)  # what train runs (3: FSDP2, ``memory.fsdp.shard_parameters``)
 SEQUENCE_PARALLEL_ATTENTION = ("auto", "heads")  # "auto" becomes "heads" under SP
 
 
@@ -33,15 +33,10 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, attention: str = "heads",
                     model: str = "the model") -> str | None:
     """Why ``train`` cannot run this combination, or ``None`` when it can."""
     if zero_stage not in ZERO_STAGES:
-        return (f"--zero {zero_stage}: train runs ZeRO stages "
-                f"{', '.join(map(str, ZERO_STAGES))} (ZeRO-3, sharding the parameters, is not "
-                f"built yet)")
-    if zero_stage and dp == 1:
-        return (f"--zero {zero_stage} shards the optimizer over data-parallel ranks, but dp is 1: "
-                f"run more processes than --tp ({tp}), or drop --zero")
-    if zero_stage and ep > 1:
-        return (f"--zero with --ep {ep} is not supported: expert parameters average over another "
-                f"group than the dense ones; drop --zero or --ep")
+        return f"--zero must be 0, 1, 2 or 3, got {zero_stage!r}"
+    if zero_stage and dp * ep == 1:
+        return (f"--zero {zero_stage} shards over data-parallel ranks, but dp is 1: run more "
+                f"processes than --tp ({tp}), or drop --zero")
     if sequence_parallel:
         if experts > 1:
             return (f"--sequence-parallel is not supported for {model}: its expert layers have "

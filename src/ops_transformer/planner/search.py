@@ -131,7 +131,7 @@ def memory(model, o: Options, bytes_per_element: int, attention_kernel: str = "f
     also holds the gathered 16-bit parameters of the running and the prefetched unit and one
     unit's gradients. A caching allocator reserves more than this peak (fragmentation; the
     published runs that report reserved memory show about 5 % more, docs/planner.md)."""
-    states = model_state_bytes(params_per_gpu(model, o), o.zero_stage, o.dp)
+    states = model_state_bytes(params_per_gpu(model, o), o.zero_stage, o.dp, bytes_per_element)
     shape = dict(sequence_parallel=o.sequence_parallel, bytes_per_element=bytes_per_element,
                  attention_kernel=attention_kernel, kv_heads=model.kv_heads, ffn=model.ffn,
                  gated=model.ffn_type == "swiglu", dropout=model.dropout > 0)

@@ -11,7 +11,9 @@ would clip by a different factor. Here each rank adds up only what it owns of th
 * a replicated parameter (norms, biases of row-parallel layers, a replicated vocabulary): only on
   TP rank 0;
 * data-parallel replicas hold equal (averaged) gradients: only data-parallel rank 0 adds anything
-  (EP rank 0 too, except for expert parameters, which differ across EP ranks).
+  (EP rank 0 too, except for expert parameters, which differ across EP ranks);
+* a parameter sharded over its data-parallel ranks (ZeRO-3, FSDP2's ``DTensor``): every rank adds
+  its own rows, which no other rank holds.
 
 One all-reduce over the job then gives every rank the dense norm; every gradient is multiplied by
 ``clamp(max_norm / (norm + 1e-6), max=1)`` exactly as in PyTorch, so the clipped gradients are the
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from ..parallel.sharding import shard_spec
+from ..parallel.sharding import data_shard_rows, local_tensor, shard_spec
 
 
 def counted_on_tp_rank(param: torch.Tensor, ctx) -> bool:
@@ -45,18 +47,24 @@ def _counted_here(param: torch.Tensor, ctx) -> bool:
     """Whether this rank adds ``param``'s gradient to the dense norm (see the module docstring).
     (ZeRO's sharded gradients differ across dp ranks and count on each:
     :meth:`~ops_transformer.memory.zero.ZeroOptimizer.grad_norm_partial`.)"""
+    if local_tensor(param) is not param:  # sharded over data-parallel ranks: own rows
+        return counted_on_tp_rank(param, ctx)
     expert = getattr(param, "expert_shard", None) is not None  # differs across EP ranks
     return counted_on_tp_rank(param, ctx) and ctx.dp_rank == 0 and (expert or ctx.ep_rank == 0)
 
 
 def _real_rows(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``grad`` without the padding rows of a padded (vocabulary) split dimension."""
+    """``grad`` (this rank's local tensor of ``param``'s gradient) without the padding rows of a
+    padded (vocabulary) split dimension; for a data-parallel shard of the rows, of its rows."""
     spec = shard_spec(param)
     if spec is None or not spec.padded_size:
         return grad
-    local = grad.shape[spec.split_dim]
+    local = param.shape[spec.split_dim]  # (a DTensor's shape is the tensor-parallel one)
     start = spec.shard_index * local
     real = max(0, min(local, spec.full_shape[spec.split_dim] - start))
+    if spec.split_dim == 0:
+        first, rows = data_shard_rows(param)
+        return grad.narrow(0, 0, max(0, min(rows, real - first)))
     return grad.narrow(spec.split_dim, 0, real)
 
 
@@ -82,7 +90,7 @@ def grad_norm_partial(params, ctx, norm_type: float = 2.0) -> torch.Tensor:
     for p in params:
         if not _counted_here(p, ctx) and not math.isinf(norm_type):
             continue
-        g = _real_rows(p.grad.detach(), p)
+        g = _real_rows(local_tensor(p.grad).detach(), p)
         parts.append(torch.linalg.vector_norm(g, norm_type, dtype=torch.float32))
     return reduce_norm_parts(parts, norm_type, ctx.device)
 
@@ -106,7 +114,8 @@ def clip_grads_with_norm_(params, max_norm: float, norm: torch.Tensor) -> None:
     """Multiply every gradient by ``clamp(max_norm / (norm + 1e-6), max=1)`` (PyTorch's rule)."""
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
-        p.grad.mul_(coef.to(p.grad.dtype))
+        grad = local_tensor(p.grad)
+        grad.mul_(coef.to(grad.dtype))
 
 
 def check_max_norm(max_norm: float, norm_type: float) -> None:
@@ -124,7 +133,8 @@ def clip_grad_norm_(model, max_norm: float, ctx, norm_type: float = 2.0) -> torc
     flag of a loss scaler that unscaled these gradients, which it then need not reduce itself)."""
     check_max_norm(max_norm, norm_type)
     params = params_with_grad(model)
-    scalers = [s for s in dict.fromkeys(getattr(p.grad, "unscaled_by", None) for p in params)
+    scalers = [s for s in dict.fromkeys(getattr(local_tensor(p.grad), "unscaled_by", None)
+                                        for p in params)
                if s is not None and s.awaits_agreement]
     flag = torch.zeros(1, dtype=torch.float32, device=ctx.device)
     for scaler in scalers:

@@ -39,12 +39,13 @@ from __future__ import annotations
 import torch
 
 from ..comm import collectives as C
+from ..parallel.sharding import local_tensor
 
 
 def optimizer_grads(optimizer) -> list[torch.Tensor]:
     """The gradients of the parameters in ``optimizer.param_groups`` (each parameter once)."""
     params = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
-    return [p.grad for p in params if p.grad is not None]
+    return [local_tensor(p.grad) for p in params if p.grad is not None]  # (a shard's own rows)
 
 
 class DynamicLossScaler:

@@ -68,11 +68,11 @@ def test_16_bit_gradients_are_reduced_in_fp32_by_default(run_ranks):
     assert reduced == {"dp_grads": "torch.bfloat16"}
 
 
-def _fp16_training(steps):
+def _fp16_training(steps, overlap="none"):
     ctx = init_parallel(tp=2)
     torch.manual_seed(0)
     model = parallelize(GPT(preset("tiny", n_layers=1, max_seq_len=32)), ctx,
-                        attention="heads", vocab="parallel")
+                        attention="heads", vocab="parallel", overlap=overlap)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scaler = DynamicLossScaler(ctx)
     policy = precision_policy("fp16")
@@ -95,15 +95,22 @@ def _fp16_training(steps):
     return losses, dtypes, scaler.skipped_steps
 
 
-def test_fp16_with_the_loss_scaler_trains(run_ranks):
-    for losses, dtypes, skipped in run_ranks(_fp16_training, 4, 10):  # dp 2 × tp 2
+@pytest.mark.parametrize("overlap", ["none", "chunked"])
+def test_fp16_with_the_loss_scaler_trains(run_ranks, overlap):
+    for losses, dtypes, skipped in run_ranks(_fp16_training, 4, 10, overlap):  # dp 2 × tp 2
         assert all(math.isfinite(x) for x in losses) and skipped < 10
         assert sum(losses[-3:]) < sum(losses[:3]), losses
         assert set(dtypes["dp_grads"]) == {"float32"}  # gradient averaging in fp32
         # TP activations and their gradients in fp16 — but the embedding's all-reduce (the first):
         # autocast keeps lookups in fp32, and each token's row comes from one rank (exact sum)
-        assert dtypes["reduce_from_tp_region.fwd"] == ["float32", "float16", "float16"]
-        for label in ("column_linear.bwd", "copy_to_tp_region.bwd"):
+        if overlap == "none":
+            assert dtypes["reduce_from_tp_region.fwd"] == ["float32", "float16", "float16"]
+            labels = ("column_linear.bwd", "copy_to_tp_region.bwd")
+        else:  # the two region exits' all-reduces and the entries' input gradients, in 2 chunks
+            assert dtypes["reduce_from_tp_region.fwd"] == ["float32"]
+            assert dtypes["matmul_all_reduce.fwd"] == ["float16"] * 4
+            labels = ("column_linear.bwd", "copy_matmul.bwd")
+        for label in labels:
             assert set(dtypes[label]) == {"float16"}, label
         assert dtypes["step_stats"] == ["float32"]
 

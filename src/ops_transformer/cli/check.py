@@ -203,7 +203,8 @@ def _source(job: CheckJob, ctx) -> tuple:
         config = transformers.AutoConfig.from_pretrained(job.model)
         auto = "AutoModelForCausalLM" if _is_causal(config) else "AutoModel"
         cls = getattr(transformers, auto)._model_mapping[type(config)]
-        parallel = {k: v for k, v in job.options.items() if k not in CHECK_OPTIONS}
+        parallel = {"overlap": "none",  # the plan's own styles, as check_parity's default
+                    **{k: v for k, v in job.options.items() if k not in CHECK_OPTIONS}}
 
         def build():
             return cls.from_pretrained(job.model, dtype=torch.float32).to(device)

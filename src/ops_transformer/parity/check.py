@@ -43,7 +43,9 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
     given, is called on rank 0 as each phase starts. ``build_parallel()``, instead of a plan and
     options, returns the parallel model already made (e.g. ``lambda: ot.from_pretrained(path,
     ctx, dtype=torch.float32, sequence_parallel=True)``: the parallel side then never holds the
-    dense model); its options are read from its ``parallel_state``.
+    dense model); its options are read from its ``parallel_state``. ``overlap`` defaults to
+    ``"none"`` here, so the report names the plan's own styles; ``overlap="chunked"`` checks the
+    chunked collective matmuls instead.
 
     Returns the same :class:`ParityReport` on every rank: per module call in forward-finish
     order the output's (and input's, and output gradient's) difference in dense coordinates, per
@@ -71,6 +73,9 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
         with restoring_rng():  # the parallel model is built from the same draws as the reference
             reference = run_reference(build_model, inputs, schedule)
     say(f"parity: the parallel model on {ctx.world_size} rank(s)")
+    # the plan's own styles: overlap's chunked variants (tested equal to "none" in
+    # tests/parallelize/test_overlap.py) are checked only when asked for (overlap="chunked")
+    parallelize_kwargs.setdefault("overlap", "none")
     model = build_parallel() if build_parallel is not None else \
         parallelize(build_model(), ctx, plan, **parallelize_kwargs)
     options = getattr(getattr(model, "parallel_state", None), "options", None)

@@ -35,8 +35,9 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, attention: str = "heads",
     if zero_stage not in ZERO_STAGES:
         return f"--zero must be 0, 1, 2 or 3, got {zero_stage!r}"
     if zero_stage and dp * ep == 1:
-        return (f"--zero {zero_stage} shards over data-parallel ranks, but dp is 1: run more "
-                f"processes than --tp ({tp}), or drop --zero")
+        what = "" if zero_stage == 3 else "the optimizer "  # ZeRO-3 shards the parameters too
+        return (f"--zero {zero_stage} shards {what}over data-parallel ranks, but dp is 1: run "
+                f"more processes than --tp ({tp}), or drop --zero")
     if sequence_parallel:
         if experts > 1:
             return (f"--sequence-parallel is not supported for {model}: its expert layers have "

@@ -29,7 +29,8 @@ C.all_reduce(t, ctx.tp_group)
 if attempt == "0" and ctx.rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 C.all_reduce(t, ctx.tp_group)
-print(f"attempt {attempt} rank {ctx.rank} sum {float(t[0])}", flush=True)
+# one write(2) per line: two ranks' print() pieces can interleave on torchrun's shared stdout
+os.write(1, f"attempt {attempt} rank {ctx.rank} sum {float(t[0])}\\n".encode())
 ctx.close()
 '''
 DELAY_HOOK = '''

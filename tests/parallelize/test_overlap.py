@@ -117,8 +117,13 @@ CASES = [  # config, processes, tp, options (the first six run in the default su
 @pytest.mark.parametrize("config,nprocs,tp,options", [
     c if i < 6 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(CASES)])
 def test_every_mode_equals_none(run_ranks, config, nprocs, tp, options):
+    # llama at tp 4 without SP replicates each of its 2 KV heads on a pair of ranks: the formula
+    # counts the replicas' gradient sums in the all-reduce elements, but they run on the pairs'
+    # groups, outside the TP group's ledger; there the calls are compared (the bytes of every
+    # mode still equal none's, over all groups)
+    replicated_kv = config == "llama" and tp == 4 and not options.get("sequence_parallel")
     for rank_results in run_ranks(_modes, nprocs, config, tp, 3, **options):
-        _assert_same_as_none(rank_results)
+        _assert_same_as_none(rank_results, balanced=not replicated_kv)
         chunked = rank_results["chunked"]
         assert chunked[3] != rank_results["none"][3]  # the chunks show in the ledger
 

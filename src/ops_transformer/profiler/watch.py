@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..comm.ledger import CommLedger
 from ..layers.embedding import check_token_range
 from ..layers.moe import ParallelExperts
+from ..layers.moe_overlap import gather_counts
 
 SYNC_METHODS = {"item": ".item()", "tolist": ".tolist()", "cpu": ".cpu()", "numpy": ".numpy()",
                 "__bool__": "bool(tensor)", "__float__": "float(tensor)", "__int__": "int(tensor)",
@@ -57,10 +58,12 @@ def _needed_codes() -> dict:
     """Library code whose synchronisation is the price of what it does, with the reason: the
     dropless expert-parallel all-to-all sizes its messages from the per-expert token counts, which
     the host must read (Megatron-Core's dropless MoE reads them the same way)."""
-    return {ParallelExperts._routes.__code__: (
-        "the dropless expert-parallel all-to-all needs the per-expert token counts on the host "
-        "to size its messages: one read per MoE layer and step is its price; a fixed-capacity "
-        "(padded) all-to-all would avoid it, at the cost of padding or dropped tokens")}
+    reason = ("the dropless expert-parallel all-to-all needs the per-expert token counts on the "
+              "host to size its messages: one read per MoE layer and step is its price; a "
+              "fixed-capacity (padded) all-to-all would avoid it, at the cost of padding or "
+              "dropped tokens")
+    # the same read, in the chunked dispatch of overlap="chunked"/"auto" (layers/moe_overlap.py)
+    return {ParallelExperts._routes.__code__: reason, gather_counts.__code__: reason}
 
 
 def _caller_in(codes, depth: int = 6):

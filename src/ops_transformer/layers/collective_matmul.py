@@ -59,6 +59,22 @@ def _wait(handles) -> None:
             h.wait()
 
 
+def _gathered(bufs: list, source: torch.Tensor, bounds, group, label: str):
+    """Each chunk's ``(i, start, rows)`` once its all-gather of ``source``'s rows into
+    ``bufs[i]`` has arrived — the next chunk's all-gather already in flight (double buffering:
+    chunk ``i``'s matmul runs while chunk ``i+1`` is gathered)."""
+    def start(i):
+        s, m = bounds[i]
+        return C.all_gather_into(bufs[i], source[s:s + m], group, async_op=True, label=label)
+
+    pending = start(0)
+    for i, (s, m) in enumerate(bounds):
+        following = start(i + 1) if i + 1 < len(bounds) else None
+        _wait([pending])
+        pending = following
+        yield i, s, m
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -87,16 +103,7 @@ class _GatherMatmul(torch.autograd.Function):
         outs = [x_share.new_empty((t, n, w.shape[0]), dtype=w.dtype) for w in weights]
         bufs = [x_share.new_empty((t * m, h)) for _, m in bounds]
 
-        def start(i):
-            s, m = bounds[i]
-            return C.all_gather_into(bufs[i], x_share[s:s + m], group, async_op=True,
-                                     label="gather_matmul.fwd")
-
-        pending = start(0)
-        for i, (s, m) in enumerate(bounds):
-            following = start(i + 1) if i + 1 < len(bounds) else None
-            _wait([pending])
-            pending = following
+        for i, s, m in _gathered(bufs, x_share, bounds, group, "gather_matmul.fwd"):
             x_full[:, s:s + m].copy_(bufs[i].view(t, m, h))
             rows = bufs[i].to(compute_dtype)
             for y, w, b in zip(outs, weights, biases):
@@ -290,16 +297,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         grad_w = weight.new_zeros(weight.shape) if ctx.needs_input_grad[1] else None
         bufs = [grad_share.new_empty((t * m, grad_share.shape[1])) for _, m in bounds]
 
-        def start(i):
-            s, m = bounds[i]
-            return C.all_gather_into(bufs[i], grad_share[s:s + m], group, async_op=True,
-                                     label="matmul_reduce_scatter.bwd")
-
-        pending = start(0)
-        for i, (s, m) in enumerate(bounds):
-            following = start(i + 1) if i + 1 < len(bounds) else None
-            _wait([pending])
-            pending = following
+        for i, s, m in _gathered(bufs, grad_share, bounds, group, "matmul_reduce_scatter.bwd"):
             g = bufs[i]  # (t·m, out): the output gradient of chunk i's rows on every rank
             grad_x[:, s:s + m].copy_(g.mm(weight).view(t, m, k))
             if grad_w is not None:

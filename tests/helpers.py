@@ -41,3 +41,18 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def local_part(param: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``dense`` for ``param``: its shard by the parameter's ``ShardSpec``,
+    or ``dense`` itself for a replicated parameter."""
+    from ops_transformer.parallel.sharding import shard_spec
+
+    spec = shard_spec(param)
+    return dense if spec is None else spec.shard(dense)
+
+
+def set_from_dense(param: torch.Tensor, dense: torch.Tensor) -> None:
+    """Copy this rank's part of the dense tensor ``dense`` into ``param``."""
+    with torch.no_grad():
+        param.copy_(local_part(param, dense))

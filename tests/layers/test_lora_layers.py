@@ -12,10 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import assert_rel
+from helpers import assert_rel, local_part, set_from_dense
 from ops_transformer import CommLedger, gather_full_state_dict, init_parallel, lora, parallelize
 from ops_transformer.layers.dropout import Layout, dropout
-from ops_transformer.parallel.sharding import shard_spec
 
 B, S, IN, HID, RANK, ALPHA = 4, 3, 16, 32, 4, 8.0
 PLAN = {"fc": "colwise", "proj": "rowwise",
@@ -67,17 +66,6 @@ def _reference(net, factors, x, grad_out, dropout, dp):
     return y.detach(), x.grad, grads
 
 
-def _set_dense(param, dense):
-    spec = shard_spec(param)
-    with torch.no_grad():
-        param.copy_(dense if spec is None else spec.shard(dense))
-
-
-def _local(param, dense):
-    spec = shard_spec(param)
-    return dense if spec is None else spec.shard(dense)
-
-
 def _split(ledger):
     """The ledger's summary per part: activations (forward/backward), ``grad_sums``,
     ``dp_grads``."""
@@ -101,8 +89,8 @@ def _run(tp, dropout):
                  dropout=dropout)
     factors = _factors()
     for name, (a, b) in factors.items():
-        _set_dense(model.get_submodule(name).lora_A.weight, a)
-        _set_dense(model.get_submodule(name).lora_B.weight, b)
+        set_from_dense(model.get_submodule(name).lora_A.weight, a)
+        set_from_dense(model.get_submodule(name).lora_B.weight, b)
     g = torch.Generator().manual_seed(2)
     x_all, grad_all = torch.randn(B, S, IN, generator=g), torch.randn(B, S, IN, generator=g)
     rows = slice(ctx.dp_rank * B // ctx.dp_size, (ctx.dp_rank + 1) * B // ctx.dp_size)
@@ -121,8 +109,8 @@ def _run(tp, dropout):
     assert_rel(x.grad, gx_ref[rows], what="input grad")
     for name, (ga, gb) in grads_ref.items():
         layer = model.get_submodule(name)
-        assert_rel(layer.lora_A.weight.grad, _local(layer.lora_A.weight, ga), what=f"{name} A grad")
-        assert_rel(layer.lora_B.weight.grad, _local(layer.lora_B.weight, gb), what=f"{name} B grad")
+        assert_rel(layer.lora_A.weight.grad, local_part(layer.lora_A.weight, ga), what=f"{name} A grad")
+        assert_rel(layer.lora_B.weight.grad, local_part(layer.lora_B.weight, gb), what=f"{name} B grad")
     frozen = [n for n, p in model.named_parameters() if "lora_" not in n]
     assert frozen and all(model.get_parameter(n).grad is None for n in frozen)
     assert all(not model.get_parameter(n).requires_grad for n in frozen)

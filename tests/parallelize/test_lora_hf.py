@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_rel
+from helpers import assert_rel, local_part, set_from_dense
 from ops_transformer import init_parallel, lora, parallelize
 from ops_transformer.parallel.sharding import shard_spec
 
@@ -31,17 +31,6 @@ def make(family: str):
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
 
 
-def _set(param, dense):
-    spec = shard_spec(param)
-    with torch.no_grad():
-        param.copy_(dense if spec is None else spec.shard(dense))
-
-
-def _local(param, dense):
-    spec = shard_spec(param)
-    return dense if spec is None else spec.shard(dense)
-
-
 def _compare(family, sequence_parallel):
     tp = int(os.environ["WORLD_SIZE"])
     ctx = init_parallel(tp=tp)
@@ -59,7 +48,7 @@ def _compare(family, sequence_parallel):
             factor = getattr(layer, f"lora_{role}").weight
             dense = torch.randn(shard_spec(factor).full_shape if shard_spec(factor)
                                 else factor.shape, generator=g) * 0.2
-            _set(factor, dense)
+            set_from_dense(factor, dense)
             with torch.no_grad():
                 named[f"base_model.model.{name}.lora_{role}.default.weight"].copy_(dense)
     ids = torch.randint(0, VOCAB, (2, 8), generator=g)
@@ -73,7 +62,7 @@ def _compare(family, sequence_parallel):
         for role in ("A", "B"):
             factor = getattr(layer, f"lora_{role}").weight
             ref = named[f"base_model.model.{name}.lora_{role}.default.weight"].grad
-            assert_rel(factor.grad, _local(factor, ref), what=f"{name} {role} grad")
+            assert_rel(factor.grad, local_part(factor, ref), what=f"{name} {role} grad")
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
     return config.targets, config.fan_in_fan_out
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from ops_transformer import ParallelContext, init_parallel
 from ops_transformer.comm import collectives as C
-from ops_transformer.parallel.teardown import destroy_process_groups
+from ops_transformer.parallel.teardown import destroy_process_groups, settle_native_threads
 
 
 def _close_twice():
@@ -140,3 +141,35 @@ def _rank0_returns_at_once():
 
 def test_a_rank_that_returns_at_once_does_not_break_slower_peers(run_ranks):
     assert run_ranks(_rank0_returns_at_once, 2, timeout=60) == [2, 2]
+
+
+def _spin(stop: threading.Event, until: float) -> None:
+    while not stop.is_set() and time.monotonic() < until:
+        pass  # runnable the whole time (it holds the GIL whenever the caller sleeps)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread states come from /proc")
+def test_settle_waits_for_a_runnable_thread_and_is_bounded():
+    assert settle_native_threads(1.0)  # nothing else runs: settles at once
+    stop = threading.Event()
+    spinner = threading.Thread(target=_spin, args=(stop, time.monotonic() + 30), daemon=True)
+    spinner.start()
+    try:
+        started = time.monotonic()
+        assert settle_native_threads(0.3) is False  # still runnable at the deadline
+        assert 0.3 <= time.monotonic() - started < 5
+        ends = time.monotonic() + 0.3
+        late = threading.Thread(target=_spin, args=(threading.Event(), ends), daemon=True)
+        stop.set()
+        spinner.join()
+        late.start()
+        assert settle_native_threads(10.0)  # waits for the late one to finish, no longer
+        assert time.monotonic() >= ends and not late.is_alive()
+    finally:
+        stop.set()
+
+
+def test_settle_without_thread_states_only_sleeps(tmp_path):
+    started = time.monotonic()
+    assert settle_native_threads(5.0, task_dir=str(tmp_path / "absent")) is False
+    assert time.monotonic() - started < 1

@@ -10,17 +10,8 @@ import torch
 from helpers import BF16_RTOL, assert_rel
 from ops_transformer import (GPT, CommLedger, gather_full_state_dict, init_parallel, no_sync,
                              parallelize, shard_parameters)
-from ops_transformer.models import preset
 from ops_transformer.precision import DynamicLossScaler, optimizer_step
-
-B, T, STEPS = 4, 16, 5
-CONFIG = preset("llama-tiny", vocab_size=250, max_seq_len=T)
-ADAMW = {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.1}  # eps: see test_gpt_parallel._optimizer
-
-
-def _batches():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 250, (B, T + 1), generator=g) for _ in range(STEPS)]
+from test_zero import ADAMW, B, CONFIG, STEPS, _batches  # the model and data of ZeRO 1 and 2
 
 
 def _train(tp, shard, sp=False, recompute="none", autocast=False, clip=None, raf=True,

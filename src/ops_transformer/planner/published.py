@@ -57,7 +57,15 @@ def run_options(row: dict) -> Options:
     lay = row["layout"]
     return Options(dp=lay["dp"], tp=lay["tp"], ep=1, attention="heads",
                    sequence_parallel=lay["sequence_parallel"], recompute=lay["recompute"],
-                   zero_stage=lay["zero"], micro_batch=lay["micro_batch"])
+                   zero_stage=lay["zero"], micro_batch=lay["micro_batch"],
+                   pp=lay.get("pp", 1), cp=lay.get("cp", 1),
+                   schedule=lay.get("schedule", "1f1b"),
+                   virtual_stages=lay.get("virtual_stages", 1),
+                   cp_strategy=lay.get("cp_strategy", "ring"))
+
+
+def uses_pp_or_cp(row: dict) -> bool:
+    return row["layout"].get("pp", 1) > 1 or row["layout"].get("cp", 1) > 1
 
 
 def measured_step_s(row: dict, model: ModelSpec) -> float:
@@ -66,20 +74,28 @@ def measured_step_s(row: dict, model: ModelSpec) -> float:
         l, h, s, v = model.layers, model.hidden, model.seq, model.vocab
         flops = 96 * model.global_batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
         return flops / (row["gpus"] * m["tflops_per_gpu"] * 1e12)
+    if "model_tflops_per_gpu" in m:  # model FLOPs (no recomputation), the planner's count
+        return model.flops_per_token() * tokens / (row["gpus"] * m["model_tflops_per_gpu"] * 1e12)
     if "tokens_per_s" in m:
         return tokens / m["tokens_per_s"]
     return tokens / (m["tokens_per_s_per_gpu"] * row["gpus"])
 
 
-def _family(gpu: str) -> str:
-    """Cards that share a compute die share a fitted efficiency."""
-    return "a100" if gpu.startswith("a100") else gpu
+def _family(gpu: str, precision: str = "default") -> str:
+    """Cards that share a compute die share a fitted efficiency (one per matmul precision)."""
+    die = "a100" if gpu.startswith("a100") else gpu
+    return die if precision == "default" else f"{die}/{precision}"
+
+
+def _precision(row: dict) -> str:
+    return row.get("matmul_precision", "default")
 
 
 def run_execution(row: dict, *, by_stack: bool = False) -> Execution:
     """The row's kernels with the built-in constants (per GPU, or per GPU × stack)."""
     return execution(run_cluster(row), attention_kernel=row["attention_kernel"],
-                     loss_kernel=row["loss_kernel"], stack=row["stack"] if by_stack else None)[0]
+                     loss_kernel=row["loss_kernel"], stack=row["stack"] if by_stack else None,
+                     matmul_precision=_precision(row))[0]
 
 
 def _parts(row: dict) -> dict:
@@ -131,7 +147,7 @@ def fit() -> dict:
 
     families: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
-        families.setdefault(_family(r["gpu"]), []).append(i)
+        families.setdefault(_family(r["gpu"], _precision(r)), []).append(i)
 
     def total(passes, ratio):
         return sum(best_eff(idx, passes, ratio)[1] for idx in families.values())
@@ -141,14 +157,19 @@ def fit() -> dict:
         passes = _golden(lambda c: total(c, ratio), 0.0, 20.0, iterations=30)
         ratio = _golden(lambda a: total(passes, a), 0.1, 2.0, iterations=30)
     effs = {fam: best_eff(idx, passes, ratio)[0] for fam, idx in families.items()}
-    cards = sorted({r["gpu"] for r in rows})
+    cards = sorted({r["gpu"] for r in rows if _precision(r) == "default"})
+    float8 = sorted({r["gpu"] for r in rows if _precision(r) == "float8"})
     by_stack = {}
-    for fam, stack in sorted({(_family(r["gpu"]), r["stack"]) for r in rows}):
-        idx = [i for i, r in enumerate(rows) if (_family(r["gpu"]), r["stack"]) == (fam, stack)]
+    for fam, stack in sorted({(_family(r["gpu"]), r["stack"]) for r in rows
+                              if _precision(r) == "default"}):
+        idx = [i for i, r in enumerate(rows) if (_family(r["gpu"], _precision(r)), r["stack"])
+               == (fam, stack)]
         e = round(best_eff(idx, passes, ratio)[0], 3)
         by_stack.update({(c, stack): e for c in cards if _family(c) == fam})
     return {"by_gpu": {c: round(effs[_family(c)], 3) for c in cards}, "by_stack": by_stack,
-            "memory_passes": round(passes, 2), "attention_ratio": round(ratio, 3)}
+            "float8_by_gpu": {c: round(effs[_family(c, "float8")], 3) for c in float8},
+            "memory_passes": round(passes, 2), "attention_ratio": round(ratio, 3),
+            "rows": [r["id"] for r in rows]}
 
 
 def predict(row: dict, *, by_stack: bool = False) -> dict:
@@ -165,9 +186,14 @@ def predict(row: dict, *, by_stack: bool = False) -> dict:
            "predicted_memory_gib": got["memory_per_gpu_bytes"] / GiB,
            "measured_mfu": row["measured"].get("mfu"), "predicted_mfu": got["mfu"],
            "source": row["source"], "url": row["url"]}
+    out.update(pp=o.pp, cp=o.cp, uses_pp_or_cp=uses_pp_or_cp(row),
+               time_breakdown=got["time_breakdown"])
     if "memory_gib" in row["measured"]:
         out["measured_memory_gib"] = row["measured"]["memory_gib"]
-        out["memory_error"] = out["predicted_memory_gib"] / row["measured"]["memory_gib"] - 1
+        if "memory_not_modelled" in row:  # shown, not compared: what the planner leaves out
+            out["memory_not_modelled"] = row["memory_not_modelled"]
+        else:
+            out["memory_error"] = out["predicted_memory_gib"] / row["measured"]["memory_gib"] - 1
     return out
 
 
@@ -181,12 +207,14 @@ def report(*, by_stack: bool = False) -> dict:
 
     memory = [abs(r["memory_error"]) for r in rows if "memory_error" in r]
     return {"rows": rows, "median_abs_step_error_holdout": median_abs("holdout"),
+            "holdout_rows": [r["id"] for r in rows if r["split"] == "holdout"],
+            "fit_rows": [r["id"] for r in rows if r["split"] == "fit"],
             "median_abs_step_error_fit": median_abs("fit"),
             "mean_abs_step_error_holdout": statistics.fmean(
                 abs(r["step_error"]) for r in rows if r["split"] == "holdout"),
             "not_fitting": [r["id"] for r in rows if not r["fits"]],
             "max_abs_memory_error": max(memory) if memory else None,
-            "constants": {"by_gpu": E.FITTED_BY_GPU,
+            "constants": {"by_gpu": E.FITTED_BY_GPU, "float8_by_gpu": E.FITTED_FLOAT8_BY_GPU,
                           "by_stack": {f"{g}/{s}": v for (g, s), v in E.FITTED_BY_STACK.items()},
                           "memory_passes": E.MEMORY_PASSES,
                           "attention_ratio": E.ATTENTION_RATIO},
@@ -195,7 +223,13 @@ def report(*, by_stack: bool = False) -> dict:
 
 def _layout_text(lay: dict) -> str:
     sp = " SP" if lay["sequence_parallel"] else ""
-    return (f"tp{lay['tp']}×dp{lay['dp']} ZeRO-{lay['zero']} {lay['recompute']}{sp} "
+    pp, cp = lay.get("pp", 1), lay.get("cp", 1)
+    pipe = ""
+    if pp > 1:
+        v = lay.get("virtual_stages", 1)
+        pipe = f"×pp{pp} {lay.get('schedule', '1f1b')}" + (f" v{v}" if v > 1 else "")
+    ctx = f"×cp{cp} {lay.get('cp_strategy', 'ring')}" if cp > 1 else ""
+    return (f"tp{lay['tp']}×dp{lay['dp']}{pipe}{ctx} ZeRO-{lay['zero']} {lay['recompute']}{sp} "
             f"mb{lay['micro_batch']}")
 
 
@@ -208,6 +242,8 @@ def markdown(rep: dict) -> str:
         mfu = f" ({r['measured_mfu']:.0%})" if r["measured_mfu"] is not None else ""
         mem = (f"{r['measured_memory_gib']:.1f} / {r['predicted_memory_gib']:.1f} GiB "
                f"({r['memory_error']:+.0%})" if "memory_error" in r
+               else f"{r['measured_memory_gib']:.1f} / {r['predicted_memory_gib']:.1f} GiB "
+               f"(not compared: see notes)" if "measured_memory_gib" in r
                else f"— / {r['predicted_memory_gib']:.1f} GiB")
         lines.append(f"| {r['id']} | {r['split']} | [{r['source']}]({r['url']}) | "
                      f"{r['gpus']}× {r['gpu']} | {_layout_text(r['layout'])} | "

@@ -17,9 +17,11 @@ from .choose import attention_problem
 from . import efficiency as fitted
 from .memory import (ATTENTION_KERNELS, LOSS_KERNELS, activation_bytes_per_layer,
                      logits_bytes, model_state_bytes)
+from .cp_exchange import CP_STRATEGIES
+from .pipeline import SCHEDULES, in_flight_micro_batches, stage_layers
 from .runnable import runtime_problem
 from .strategies import ATTENTION_STRATEGIES
-from .timing import Execution
+from .timing import MATMUL_PRECISIONS, Execution
 from .timing import step_time as _step_time
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -36,10 +38,20 @@ class Options:
     recompute: str
     zero_stage: int
     micro_batch: int
+    pp: int = 1  # pipeline stages (outermost)
+    cp: int = 1  # context-parallel ranks (the sequence split over them)
+    schedule: str = "1f1b"  # the pipeline schedule (.pipeline.SCHEDULES)
+    virtual_stages: int = 1  # model chunks per stage (interleaved, zbv)
+    cp_strategy: str = "ring"  # the K/V exchange (.cp_exchange.CP_STRATEGIES)
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.ep * self.pp * self.cp
 
 
 def execution(cluster, *, attention_kernel: str = "fused", loss_kernel: str = "fused",
-              efficiency: float | None = None, stack: str | None = None) -> tuple[Execution, str]:
+              efficiency: float | None = None, stack: str | None = None,
+              matmul_precision: str = "default") -> tuple[Execution, str]:
     """The run settings for ``cluster`` and where its efficiency comes from: ``efficiency`` when
     given, else the default of the GPU (and ``stack``, :mod:`.efficiency`); local CPU ranks run at
     the profile's measured matmul rate (efficiency 1, no separate memory-bound term)."""
@@ -48,14 +60,18 @@ def execution(cluster, *, attention_kernel: str = "fused", loss_kernel: str = "f
                          f"{attention_kernel!r}")
     if loss_kernel not in LOSS_KERNELS:
         raise ValueError(f"loss_kernel must be one of {LOSS_KERNELS}, got {loss_kernel!r}")
-    kernels = dict(attention_kernel=attention_kernel, loss_kernel=loss_kernel)
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got "
+                         f"{matmul_precision!r}")
+    kernels = dict(attention_kernel=attention_kernel, loss_kernel=loss_kernel,
+                   matmul_precision=matmul_precision)
     if cluster.gpu.vendor == "cpu":
         return Execution(efficiency=efficiency or 1.0, **kernels), "this machine's profile"
     constants = dict(memory_passes=fitted.MEMORY_PASSES, attention_ratio=fitted.ATTENTION_RATIO,
                      **kernels)
     if efficiency is not None:
         return Execution(efficiency=efficiency, **constants), "given"
-    found = fitted.default_efficiency(cluster.gpu.name, stack)
+    found = fitted.default_efficiency(cluster.gpu.name, stack, matmul_precision)
     return Execution(efficiency=found.value, **constants), found.source
 
 
@@ -65,9 +81,27 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def layout_problem(model, cluster, o: Options) -> str | None:
     """Why the model's sizes do not divide over layout ``o`` (``None`` when they do)."""
-    if o.dp * o.tp * o.ep != cluster.count:
-        return (f"dp × tp × ep = {o.dp} × {o.tp} × {o.ep} = {o.dp * o.tp * o.ep} is not the "
-                f"number of GPUs ({cluster.count})")
+    if o.gpus != cluster.count:
+        if o.pp == 1 and o.cp == 1:
+            return (f"dp × tp × ep = {o.dp} × {o.tp} × {o.ep} = {o.gpus} is not the number of "
+                    f"GPUs ({cluster.count})")
+        return (f"dp × pp × cp × tp × ep = {o.dp} × {o.pp} × {o.cp} × {o.tp} × {o.ep} = "
+                f"{o.gpus} is not the number of GPUs ({cluster.count})")
+    if o.pp > model.layers:
+        return f"pp ({o.pp}) must be at most the number of layers ({model.layers})"
+    if o.schedule not in SCHEDULES:
+        return f"schedule must be one of {SCHEDULES}, got {o.schedule!r}"
+    if o.schedule in ("interleaved", "zbv") and o.pp > 1 \
+            and model.layers < o.pp * o.virtual_stages:
+        return (f"pp × virtual stages ({o.pp} × {o.virtual_stages}) must be at most the number "
+                f"of layers ({model.layers})")
+    if o.schedule == "zbv" and o.virtual_stages != 2:
+        return f"the zbv schedule runs 2 chunks per stage, got virtual stages {o.virtual_stages}"
+    if o.cp_strategy not in CP_STRATEGIES:
+        return f"cp strategy must be one of {CP_STRATEGIES}, got {o.cp_strategy!r}"
+    if model.seq % (2 * o.cp) and o.cp > 1:
+        return (f"cp ({o.cp}) splits the sequence into 2·cp head-tail chunks: the sequence "
+                f"({model.seq}) must be divisible by {2 * o.cp}")
     if model.experts % o.ep:
         return f"ep ({o.ep}) must divide the number of experts ({model.experts})"
     if model.ffn % o.tp:
@@ -77,7 +111,7 @@ def layout_problem(model, cluster, o: Options) -> str | None:
                 f"micro-batch ({o.dp} × {o.micro_batch})")
     if o.sequence_parallel and o.tp == 1:
         return "sequence parallelism needs tp > 1"
-    if o.zero_stage and o.dp == 1:
+    if o.zero_stage and o.dp * o.cp == 1:
         return f"ZeRO stage {o.zero_stage} shards over dp, which is 1"
     return attention_problem(model.gpt_config(), o.tp, o.attention, model.seq)
 
@@ -102,22 +136,32 @@ def candidates(model, cluster) -> list[Options]:
 def train_problem(model, o: Options) -> str | None:
     """Why ``train`` cannot run layout ``o`` of ``model`` (:mod:`.runnable`, the rule ``train``
     checks its options with): the search proposes only layouts it can run."""
-    return runtime_problem(tp=o.tp, dp=o.dp, ep=o.ep, attention=o.attention,
+    return runtime_problem(tp=o.tp, dp=o.dp, ep=o.ep, pp=o.pp, cp=o.cp, attention=o.attention,
                            sequence_parallel=o.sequence_parallel, recompute=o.recompute,
                            zero_stage=o.zero_stage, experts=model.experts, seq=model.seq,
                            model=model.name)
 
 
 def params_per_gpu(model, o: Options) -> float:
+    """Parameters one GPU holds before ZeRO: the dense ones over ``tp``, the experts over ``tp ×
+    ep``; with ``pp`` stages the largest stage's, ``⌈layers/pp⌉`` layers and one ``V × h``
+    matrix (the first stage's embedding or the last one's head, each stage keeping its copy
+    when they are tied, as Megatron does)."""
     expert = model.params() - model.active_params() if model.experts > 1 else 0
     dense = model.params() - expert  # attention, embeddings, norms, shared parts
+    if o.pp > 1:
+        embeddings = model.vocab * model.hidden * (1 if model.tie_embeddings else 2)
+        share = stage_layers(model.layers, o.pp) / model.layers
+        dense = (dense - embeddings) * share + model.vocab * model.hidden
+        expert = expert * share
     return dense / o.tp + expert / (o.tp * o.ep)
 
 
 def _largest_unit(model, o: Options) -> float:
     """Parameters per GPU of the largest unit ZeRO-3 gathers at once: a layer or the LM head."""
+    embeddings = 1 if model.tie_embeddings or o.pp > 1 else 2
     per_layer = (params_per_gpu(model, o) - model.vocab * model.hidden / o.tp
-                 * (1 if model.tie_embeddings else 2)) / model.layers
+                 * embeddings) / stage_layers(model.layers, o.pp)
     return max(per_layer, model.vocab * model.hidden / o.tp)
 
 
@@ -131,16 +175,23 @@ def memory(model, o: Options, bytes_per_element: int, attention_kernel: str = "f
     also holds the gathered 16-bit parameters of the running and the prefetched unit and one
     unit's gradients. A caching allocator reserves more than this peak (fragmentation; the
     published runs that report reserved memory show about 5 % more, docs/planner.md)."""
-    states = model_state_bytes(params_per_gpu(model, o), o.zero_stage, o.dp, bytes_per_element)
+    states = model_state_bytes(params_per_gpu(model, o), o.zero_stage, o.dp * o.cp,
+                               bytes_per_element)
     shape = dict(sequence_parallel=o.sequence_parallel, bytes_per_element=bytes_per_element,
                  attention_kernel=attention_kernel, kv_heads=model.kv_heads, ffn=model.ffn,
                  gated=model.ffn_type == "swiglu", dropout=model.dropout > 0)
-    args = (model.seq, o.micro_batch, model.hidden, model.heads, o.tp)
+    seq = model.seq // o.cp  # context parallelism: each rank keeps 1/cp of every activation
+    args = (seq, o.micro_batch, model.hidden, model.heads, o.tp)
     kept = activation_bytes_per_layer(*args, recompute=o.recompute, **shape)
     rebuilt = activation_bytes_per_layer(*args, **shape) - kept if o.recompute != "none" else 0.0
-    act = (model.layers * kept + rebuilt
-           + logits_bytes(o.micro_batch * model.seq, model.vocab, o.tp, bytes_per_element,
-                          loss_kernel))
+    logits = logits_bytes(o.micro_batch * seq, model.vocab, o.tp, bytes_per_element, loss_kernel)
+    layers = stage_layers(model.layers, o.pp)
+    micro_steps = max(1, model.global_batch // (o.dp * o.micro_batch))
+    in_flight = in_flight_micro_batches(o.schedule, o.pp, micro_steps, o.virtual_stages)
+    if o.pp == 1:
+        act = model.layers * kept + rebuilt + logits
+    else:  # the first stage's in-flight micro-batches, or the last one's one and its logits
+        act = max(layers * kept * in_flight, layers * kept + logits) + rebuilt
     if o.zero_stage == 3:
         unit = _largest_unit(model, o)
         states["params"] += 2 * unit * bytes_per_element
@@ -169,7 +220,9 @@ def evaluate(model, cluster, o: Options, run: Execution | None = None) -> dict:
     tokens = model.global_batch * model.seq
     model_flops = model.flops_per_token() * tokens
     denominator = t["step_time_s"] * cluster.count * peak
-    return {"dp": o.dp, "tp": o.tp, "ep": o.ep, "attention": o.attention,
+    return {"dp": o.dp, "tp": o.tp, "ep": o.ep, "pp": o.pp, "cp": o.cp, "schedule": o.schedule,
+            "virtual_stages": o.virtual_stages, "cp_strategy": o.cp_strategy,
+            "attention": o.attention,
             "ffn": "experts" if model.experts > 1 else "column_row",
             "sequence_parallel": o.sequence_parallel, "recompute": o.recompute,
             "zero_stage": o.zero_stage, "micro_batch": o.micro_batch,

@@ -27,7 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import efficiency as E
-from .search import Options, evaluate_layout, execution, params_per_gpu, peak_flops
+from .search import Options, evaluate_layout, execution, params_per_gpu, peak_flops, search
 from .specs import MODEL_PRESETS, ClusterSpec, ModelSpec
 from .timing import Execution, combine, step_parts
 
@@ -221,6 +221,31 @@ def report(*, by_stack: bool = False) -> dict:
             "by_stack": by_stack}
 
 
+CHOICE_KEYS = ("dp", "tp", "pp", "cp", "schedule", "virtual_stages", "cp_strategy",
+               "sequence_parallel", "recompute", "zero_stage", "micro_batch")
+
+
+def planner_choice(row: dict) -> dict | None:
+    """The layout the planner would choose for ``row``'s model, batch and sequence on the same
+    cards (the 4-D search, :func:`~.search.search` with ``runnable_only=False``, under the row's
+    kernels), with its predicted step time; ``None`` when nothing fits."""
+    best = search(run_model(row), run_cluster(row), top=1, run=run_execution(row),
+                  runnable_only=False)["best"]
+    if best is None:
+        return None
+    return {**{k: best[k] for k in CHOICE_KEYS}, "predicted_step_s": best["step_time_s"],
+            "fits": best["fits"], "memory_per_gpu_gib": best["memory_per_gpu_bytes"] / GiB,
+            "train_problem": best["train_problem"]}
+
+
+def _choice_text(c: dict) -> str:
+    lay = {"tp": c["tp"], "dp": c["dp"], "pp": c["pp"], "cp": c["cp"],
+           "schedule": c["schedule"], "virtual_stages": c["virtual_stages"],
+           "cp_strategy": c["cp_strategy"], "zero": c["zero_stage"], "recompute": c["recompute"],
+           "sequence_parallel": c["sequence_parallel"], "micro_batch": c["micro_batch"]}
+    return _layout_text(lay)
+
+
 def _layout_text(lay: dict) -> str:
     sp = " SP" if lay["sequence_parallel"] else ""
     pp, cp = lay.get("pp", 1), lay.get("cp", 1)
@@ -267,6 +292,51 @@ def summary_lines(rep: dict) -> list[str]:
             + f"; constants: {json.dumps(rep['constants'])}"]
 
 
+def validate_published(*, by_stack: bool = False) -> dict:
+    """:func:`report` plus, for every row that uses pipeline or context parallelism, the
+    layout the planner would choose on the same cards (:func:`planner_choice`) — what
+    ``plan --validate-published`` prints."""
+    rep = report(by_stack=by_stack)
+    rows = {r["id"]: r for r in load()["runs"]}
+    for r in rep["rows"]:
+        if r["uses_pp_or_cp"]:
+            r["planner_choice"] = planner_choice(rows[r["id"]])
+    return rep
+
+
+def validation_lines(rep: dict) -> list[str]:
+    """Per row predicted against measured, the PP/CP rows' chosen layouts, the split summary."""
+    lines = [f"{'run':64s} {'split':7s} {'measured s':>10s} {'predicted s':>11s} {'error':>7s}"]
+    for r in rep["rows"]:
+        lines.append(f"{r['id']:64s} {r['split']:7s} {r['measured_step_s']:10.4g} "
+                     f"{r['predicted_step_s']:11.4g} {r['step_error']:+7.1%}"
+                     + ("" if r["fits"] else "  PREDICTED NOT TO FIT"))
+    lines += ["", "runs with pipeline or context parallelism: the published layout and the one the "
+              "planner would choose on the same cards (searching dp × pp × cp × tp)"]
+    for r in rep["rows"]:
+        if not r.get("uses_pp_or_cp"):
+            continue
+        c = r.get("planner_choice")
+        chosen = (f"{_choice_text(c)}: {c['predicted_step_s']:.4g} s" if c
+                  else "nothing fits")
+        lines.append(f"  {r['id']}: published {_layout_text(r['layout'])} measured "
+                     f"{r['measured_step_s']:.4g} s (predicted {r['predicted_step_s']:.4g} s); "
+                     f"planner {chosen}")
+    held = rep["holdout_rows"]
+    lines += ["", f"held-out median |step-time error|: {rep['median_abs_step_error_holdout']:.1%} "
+              f"over the {len(held)} 'holdout' rows (constants fitted on the "
+              f"{len(rep['fit_rows'])} 'fit' rows only); fit rows "
+              f"{rep['median_abs_step_error_fit']:.1%}", *summary_lines(rep)[1:]]
+    return lines
+
+
+def print_validation(*, by_stack: bool = False, json_output: bool = False) -> int:
+    """``ops-transformer plan --validate-published [--stack S] [--json]``."""
+    rep = validate_published(by_stack=by_stack)
+    print(json.dumps(rep, indent=2) if json_output else "\n".join(validation_lines(rep)))
+    return 0
+
+
 def print_report(*, refit: bool = False, by_stack: bool = False,
                  json_output: bool = False) -> int:
     """``ops-transformer plan --published [--fit] [--stack S] [--json]``."""
@@ -287,5 +357,6 @@ def print_report(*, refit: bool = False, by_stack: bool = False,
     return 0
 
 
-__all__ = ["fit", "load", "markdown", "measured_step_s", "predict", "print_report", "report",
-           "run_cluster", "run_execution", "run_model", "run_options"]
+__all__ = ["fit", "load", "markdown", "measured_step_s", "planner_choice", "predict",
+           "print_report", "print_validation", "report", "run_cluster", "run_execution",
+           "run_model", "run_options", "validate_published"]

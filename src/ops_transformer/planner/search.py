@@ -116,8 +116,12 @@ def layout_problem(model, cluster, o: Options) -> str | None:
     return attention_problem(model.gpt_config(), o.tp, o.attention, model.seq)
 
 
-def candidates(model, cluster) -> list[Options]:
-    """Every layout the model's sizes allow on the cluster and ``train`` can run."""
+def candidates(model, cluster, *, runnable_only: bool = True) -> list[Options]:
+    """Every layout the model's sizes allow on the cluster: with ``runnable_only`` (what
+    ``train --plan`` runs) the ``dp × tp × ep`` ones :func:`train_problem` accepts; else also
+    pipeline and context parallelism (:func:`layouts_4d`)."""
+    if not runnable_only:
+        return layouts_4d(model, cluster)
     out = []
     n = cluster.count
     for tp, ep in itertools.product(_powers_of_two(n), _powers_of_two(model.experts)):
@@ -130,6 +134,38 @@ def candidates(model, cluster) -> list[Options]:
             o = Options(dp, tp, ep, attention, sp, rc, zero, mb)
             if layout_problem(model, cluster, o) is None and train_problem(model, o) is None:
                 out.append(o)
+    return out
+
+
+SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1))
+MAX_PP, MAX_CP = 64, 16
+
+
+def layouts_4d(model, cluster) -> list[Options]:
+    """``dp × pp × cp × tp (× ep)`` layouts: tp a power of two inside a node, cp a power of two up
+    to :data:`MAX_CP` that splits the sequence into head-tail chunks, pp any divisor of the rest
+    up to the layers and :data:`MAX_PP` with the schedules of :data:`SEARCHED_SCHEDULES`, and
+    per layout ``heads`` attention (sequence-parallel when ``tp > 1``), each recompute policy,
+    ZeRO 1 or 3 (0 without data parallelism) and micro-batches 1, 2, 4. Only the sizes are
+    checked (:func:`layout_problem`): ``train`` does not run pp or cp yet."""
+    out = []
+    n = cluster.count
+    for tp, ep in itertools.product(_powers_of_two(min(n, cluster.gpus_per_node)),
+                                    _powers_of_two(model.experts)):
+        for cp in _powers_of_two(min(MAX_CP, n // (tp * ep))):
+            rest = n // (tp * ep * cp)
+            if n % (tp * ep * cp):
+                continue
+            for pp in (d for d in range(1, min(MAX_PP, rest, model.layers) + 1) if rest % d == 0):
+                dp = rest // pp
+                schedules = SEARCHED_SCHEDULES if pp > 1 else (("1f1b", 1),)
+                zeros = (1, 3) if dp * cp > 1 else (0,)
+                for (schedule, v), mb, rc, zero in itertools.product(
+                        schedules, MICRO_BATCHES[:3], SEARCHED_RECOMPUTE, zeros):
+                    o = Options(dp, tp, ep, "heads", tp > 1 and model.experts == 1, rc, zero, mb,
+                                pp=pp, cp=cp, schedule=schedule, virtual_stages=v)
+                    if layout_problem(model, cluster, o) is None:
+                        out.append(o)
     return out
 
 
@@ -233,6 +269,7 @@ def evaluate(model, cluster, o: Options, run: Execution | None = None) -> dict:
             "hfu": (model_flops + cluster.count * t["recompute_flops"]) / denominator,
             "tokens_per_s_per_gpu": tokens / (t["step_time_s"] * cluster.count),
             "micro_steps": t["micro_steps"], "dp_comm": t["dp_comm"], "execution": asdict(run),
+            "train_problem": train_problem(model, o),
             "time_breakdown": {k: v for k, v in t.items() if k.endswith("_s")
                                and k != "step_time_s"}}
 
@@ -252,11 +289,22 @@ def evaluate_layout(model, cluster, o: Options, run: Execution | None = None) ->
     return {**row, "problems": problems, "train_problem": train_problem(model, o)}
 
 
-def search(model, cluster, *, top: int = 10, run: Execution | None = None) -> dict:
+def search(model, cluster, *, top: int = 10, run: Execution | None = None,
+           runnable_only: bool = True) -> dict:
     """``{"model", "cluster", "candidates", "best", "advice"}``: candidates that fit, fastest
-    first (TP kept inside a node unless nothing else fits); when none fits, the smallest ones."""
+    first (TP kept inside a node unless nothing else fits); when none fits, the smallest ones.
+    ``runnable_only`` (the default, what ``train --plan`` runs) searches ``dp × tp × ep``;
+    ``False`` also pipeline and context parallelism (``plan --all-layouts``), whose layouts
+    ``train`` refuses for now (each row's ``train_problem`` says why)."""
     run = run or execution(cluster)[0]
-    rows = [evaluate(model, cluster, o, run) for o in candidates(model, cluster)]
+    options = candidates(model, cluster, runnable_only=runnable_only)
+    if not runnable_only:  # many layouts: time only those that fit (and the smallest otherwise)
+        size = model.bytes_per_element()
+        sized = [(sum(memory(model, o, size, run.attention_kernel, run.loss_kernel).values()), o)
+                 for o in options]
+        fitting = [o for m, o in sized if m <= cluster.gpu.memory_bytes]
+        options = fitting or [o for _, o in sorted(sized, key=lambda x: x[0])[:top]]
+    rows = [evaluate(model, cluster, o, run) for o in options]
     if not rows:
         raise ValueError(f"no layout of {model.name} divides over {cluster.count} GPUs: check "
                          f"heads ({model.heads}), ffn ({model.ffn}) and the global batch "
@@ -268,8 +316,11 @@ def search(model, cluster, *, top: int = 10, run: Execution | None = None) -> di
     pool = inside or fitting
     best = pool[0] if pool else None
     shown = pool[:top] if pool else sorted(rows, key=lambda r: r["memory_per_gpu_bytes"])[:top]
-    return {"model": model.to_dict(), "cluster": cluster.to_dict(), "candidates": shown,
-            "best": best, "advice": advice(model, cluster, best, rows)}
+    out = {"model": model.to_dict(), "cluster": cluster.to_dict(), "candidates": shown,
+           "best": best, "advice": advice(model, cluster, best, rows)}
+    if not runnable_only:
+        out["layouts"] = "dp × pp × cp × tp × ep (pp and cp do not run in train yet)"
+    return out
 
 
 LAYOUT_KEYS = {"tp", "dp", "attention"}
@@ -283,8 +334,10 @@ def is_planner_output(data) -> bool:
 
 def chosen_layout(data) -> dict:
     """The one reader of a planner result: the layout it chose (its ``best``, or the row itself)
-    as ``{"tp", "dp", "ep", "attention", "sequence_parallel", "recompute", "zero_stage"}``.
-    ``ValueError`` when nothing fits (``best`` is null) or ``data`` is not a planner result."""
+    as ``{"tp", "dp", "ep", "attention", "sequence_parallel", "recompute", "zero_stage", "pp",
+    "cp"}``. ``ValueError`` when nothing fits (``best`` is null), ``data`` is not a planner
+    result, or the layout has pipeline or context parallelism, which the runtime does not run
+    yet (:func:`.runnable.runtime_problem`'s one-line reason)."""
     if isinstance(data, dict) and "best" in data:
         if data["best"] is None:
             raise ValueError("the planner found no layout that fits (its 'best' is null)")
@@ -292,10 +345,14 @@ def chosen_layout(data) -> dict:
     if not (isinstance(data, dict) and LAYOUT_KEYS <= set(data)):
         raise ValueError("not a planner result: it has neither a 'best' layout nor 'tp', 'dp' "
                          "and 'attention'")
+    pp, cp = int(data.get("pp", 1)), int(data.get("cp", 1))
+    if pp > 1 or cp > 1:
+        raise ValueError(runtime_problem(tp=data["tp"], dp=data["dp"], pp=pp, cp=cp))
     return {"tp": data["tp"], "dp": data["dp"], "ep": data.get("ep", 1),
             "attention": data["attention"],
             "sequence_parallel": bool(data.get("sequence_parallel", False)),
-            "recompute": data.get("recompute", "none"), "zero_stage": data.get("zero_stage", 0)}
+            "recompute": data.get("recompute", "none"), "zero_stage": data.get("zero_stage", 0),
+            "pp": pp, "cp": cp}
 
 
 def _gb(x: float) -> str:
@@ -309,12 +366,15 @@ def advice(model, cluster, best, rows) -> str:
         tight = (" Within 5% of the capacity: the caching allocator's fragmentation (about 5% "
                  "in the published runs, docs/planner.md) may not fit; the next candidate leaves "
                  "more room." if best["memory_per_gpu_bytes"] > 0.95 * mem else "")
-        return (f"dp={best['dp']} × tp={best['tp']} × ep={best['ep']}, attention="
+        four_d = (f" × pp={best['pp']} ({best['schedule']}) × cp={best['cp']}"
+                  if best.get("pp", 1) > 1 or best.get("cp", 1) > 1 else "")
+        return (f"dp={best['dp']} × tp={best['tp']} × ep={best['ep']}{four_d}, attention="
                 f"{best['attention']}, ZeRO-{best['zero_stage']}, recompute={best['recompute']}, "
                 f"sequence_parallel={best['sequence_parallel']}, micro-batch "
                 f"{best['micro_batch']}: {best['step_time_s']:.3g} s/step predicted, MFU "
                 f"{best['mfu']:.0%}, {_gb(best['memory_per_gpu_bytes'])} of {_gb(mem)} per GPU."
-                + tight)
+                + tight + (f" Not runnable by train yet: {best['train_problem']}."
+                           if best.get("train_problem") else ""))
     states = 16 * model.params()
     smallest = min(rows, key=lambda r: r["memory_per_gpu_bytes"])
     act = smallest["memory_breakdown"]["activations"]

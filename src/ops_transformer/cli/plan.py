@@ -153,6 +153,9 @@ def _layout(args, model: ModelSpec) -> tuple[Options, int]:
     if args.dp is not None:
         gpus = model_parallel * args.dp
         if args.gpus is not None and args.gpus != gpus:
+            if pp * cp == 1:
+                raise ValueError(f"--tp × --dp × --ep = {tp} × {args.dp} × {ep} = {gpus}, but "
+                                 f"--gpus is {args.gpus}")
             raise ValueError(f"{names} × --dp = {sizes} × {args.dp} = {gpus}, but --gpus is "
                              f"{args.gpus}")
         dp = args.dp

@@ -1,17 +1,20 @@
-"""Predicted step time of one layout: compute, tensor/expert-parallel and data-parallel
-communication, optimizer (SPEC F10).
+"""Predicted step time of one layout: compute, tensor/expert/context-parallel, pipeline and
+data-parallel communication, optimizer (SPEC F10, F18, F19).
 
-Per GPU and optimizer step, with ``k = global_batch / (dp · micro_batch)`` micro-steps::
+Per GPU of the slowest pipeline stage and optimizer step, with ``k = global_batch / (dp ·
+micro_batch)`` micro-steps::
 
-    step = k · (matmul + attention core + memory-bound + tp_comm + ep_comm) + exposed dp_comm
-           + optimizer
+    step = k · t_micro · (1 + bubble) + exposed dp_comm + optimizer
+    t_micro = matmul + attention core + memory-bound + tp_comm + ep_comm + exposed cp + pp p2p
 
-* **matmul**: the projections and LM head, ``3 ×`` forward FLOPs (Narayanan et al. 2021), plus the
-  forward of what the recompute policy recomputes, over ``peak × efficiency`` (the achieved
-  matmul efficiency of the GPU and stack, :mod:`.efficiency`).
-* **attention core** (``QKᵀ`` and ``PV``, ``4bs²h/t`` forward FLOPs): eager kernels compute the
+* **matmul**: each projection's three GEMMs (forward, input and weight gradient) and the LM
+  head's, plus the forwards the recompute policy recomputes, each a roofline with tile/wave
+  quantisation (:mod:`.roofline`) under the ceiling of the GPU and stack (:mod:`.efficiency`);
+  ``b·s/cp`` tokens per rank, the stage's ``⌈layers/pp⌉`` layers.
+* **attention core** (``QKᵀ`` and ``PV``, ``4bs²h/t/cp`` forward FLOPs): eager kernels compute the
   whole ``s × s`` square, forward and backward (``3×``); fused kernels skip the masked half of a
-  causal square and recompute the scores in backward (``3.5 × ½``).
+  causal square and recompute the scores in backward (``3.5 × ½``); at ceiling × the fitted
+  attention ratio × its wave quantisation, bounded below by its bytes.
 * **memory-bound work** (norms, activations, softmax, dropout, residuals, the loss): ``c`` passes
   over the bytes of the layer's activations (:func:`.memory.activation_bytes_per_layer`, no
   recompute) and of the logits at the GPU's memory bandwidth, ``c`` fitted on published runs
@@ -21,8 +24,13 @@ Per GPU and optimizer step, with ``k = global_batch / (dp · micro_batch)`` micr
   same volume, priced by :func:`.network.group_time`. An MoE FFN's pair runs on the routed slots.
 * **ep_comm** (MoE, not overlapped): per layer the count all-gather and the 4 all-to-alls of the
   routed slots on the EP group (:func:`.strategies.moe_cost`, equal to the ledger).
-* **dp_comm** (:func:`zero_comm`, as the ZeRO paper and FSDP run them), hidden behind the compute
-  it overlaps with (the backward of the last micro-step for stages 0–1, each micro-step's for 2–3).
+* **cp** (:mod:`.cp_exchange`): each layer's K/V exchange, the ring's hidden under its pass's
+  attention core but for what exceeds it, the all-gather's exposed.
+* **pp** (:mod:`.pipeline`): the schedule's bubble and the activation / gradient sent between
+  stages per micro-step and chunk.
+* **dp_comm** (:func:`zero_comm`, as the ZeRO paper and FSDP run them, over ``dp × cp``), hidden
+  behind the compute it overlaps with (the backward of the last micro-step for stages 0–1, each
+  micro-step's for 2–3).
 * **optimizer**: Adam reads and writes ``32`` bytes per parameter of its shard (fp32 master,
   gradient, two moments, the 16-bit copy) at memory bandwidth.
 """

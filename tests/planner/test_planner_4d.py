@@ -230,3 +230,17 @@ def test_validate_published_command(validation, capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rep["median_abs_step_error_holdout"] == validation["median_abs_step_error_holdout"]
     assert all("planner_choice" in r for r in rep["rows"] if r["uses_pp_or_cp"])
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--tp", "8", "--dp", "1", "--pp", "200"], "pp (200) must be at most the number of layers (80)"),
+    (["--dp", "1", "--cp", "3"], "must be divisible by 6"),
+    (["--pp", "2", "--schedule", "zbv", "--virtual-stages", "3"], "zbv schedule runs 2 chunks"),
+    (["--matmul-precision", "float8"], "--matmul-precision float8: a100-80gb has no FP8"),
+    (["--pp", "2", "--tp", "2", "--gpus", "6"], "--tp × --ep × --pp × --cp (2 × 1 × 2 × 1)"),
+    (["--pp", "0"], "--pp must be at least 1, got 0"),
+])
+def test_4d_flag_errors_name_the_flag(flags, needle, capsys):
+    assert main(["plan", "--model", "llama3-70b", "--gpu", "a100-80gb", *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1

@@ -13,6 +13,7 @@ import itertools
 import math
 from dataclasses import asdict, dataclass
 
+from . import catalogue
 from .choose import attention_problem
 from . import efficiency as fitted
 from .memory import (ATTENTION_KERNELS, LOSS_KERNELS, activation_bytes_per_layer,
@@ -63,6 +64,9 @@ def execution(cluster, *, attention_kernel: str = "fused", loss_kernel: str = "f
     if matmul_precision not in MATMUL_PRECISIONS:
         raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got "
                          f"{matmul_precision!r}")
+    if matmul_precision == "float8" and not cluster.gpu.fp8_flops:
+        cards = ", ".join(n for n, g in catalogue.GPUS.items() if g.fp8_flops)
+        raise ValueError(f"{cluster.gpu.name} has no FP8 tensor cores (cards with FP8: {cards})")
     kernels = dict(attention_kernel=attention_kernel, loss_kernel=loss_kernel,
                    matmul_precision=matmul_precision)
     if cluster.gpu.vendor == "cpu":

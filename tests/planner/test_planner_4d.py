@@ -244,3 +244,13 @@ def test_4d_flag_errors_name_the_flag(flags, needle, capsys):
     assert main(["plan", "--model", "llama3-70b", "--gpu", "a100-80gb", *flags]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_flash_attention_bounds_by_hand():
+    from ops_transformer.planner.roofline import attention_bounds
+    # b 1, 8 heads, 1024 queries: 8 · 8 = 64 query blocks, one wave of 108 SMs at 64/108
+    compute, moved = attention_bounds(flops=1e12, batch=1, heads=8, q_len=1024, kv_len=1024,
+                                      head_dim=128, kv_heads=8, peak=A100_PEAK,
+                                      bandwidth=A100_BW, bytes_per_element=2, sms=A100_SMS)
+    assert compute == pytest.approx(1e12 / (A100_PEAK * 64 / 108))
+    assert moved == pytest.approx(1 * 128 * (2 * 8 * 1024 + 2 * 8 * 1024) * 2 / A100_BW)

@@ -1,8 +1,9 @@
 """Achieved matmul efficiency per GPU and software stack, and the other fitted constants of the
 time and memory model — each with where it comes from.
 
-The efficiency is the fraction of the dense peak (:mod:`.catalogue`) that a training step's
-matmuls achieve. It is an input of the planner, not a constant: ``plan --efficiency 0.45``
+The efficiency is the fraction of the dense peak (:mod:`.catalogue`) that a large, square GEMM
+of the stack reaches: the *ceiling* of the per-GEMM roofline (:mod:`.roofline`), which lowers it
+for each matrix by its tile and wave quantisation and bounds it by the bytes the GEMM moves. It is an input of the planner, not a constant: ``plan --efficiency 0.45``
 overrides it, a calibration on a GPU (``ops-transformer calibrate`` on a CUDA machine, see
 :mod:`ops_transformer.profiler.calibrate`) supplies a measured one for that card, and otherwise the defaults below apply:
 per GPU, and per ``(GPU, stack)`` when ``--stack`` names the software that will run the job.

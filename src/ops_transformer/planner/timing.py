@@ -45,7 +45,8 @@ from .memory import (activation_bytes_per_layer, effective_recompute, layer_matm
 from .cp_exchange import cp_layer_comm, exposed_cp_time
 from .network import group_alpha_beta, group_time, placement
 from .pipeline import boundary_elements, bubble_fraction, stage_layers
-from .roofline import attention_bounds, bounded, gemm_bounds, training_gemms
+from .roofline import (attention_bounds, bounded, gemm_bounds, memory_bound_time,
+                       training_gemms)
 from .strategies import attention_cost, layer_cost, moe_cost, vocab_cost
 
 ADAM_STEP_BYTES = 32
@@ -215,7 +216,7 @@ def compute_parts(model, cluster, o, attention_kernel: str, loss_kernel: str,
             "matmul_flops_s": matmul / peak,
             "core": (core_c, core_m * (3.5 if fused else 3.0) if gpu.sms else 0.0),
             "core_flops_s": core / peak, "core_forward_share": forward_core / core,
-            "traffic_s": traffic / gpu.memory_bandwidth,
+            "traffic_s": memory_bound_time(traffic, gpu.memory_bandwidth),
             "recompute_flops": f["recompute"] + core_recompute,
             "stage_layers": f["stage_layers"]}
 

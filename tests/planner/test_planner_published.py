@@ -27,9 +27,10 @@ def test_every_row_names_its_source_and_what_was_measured():
     for r in data["runs"]:
         assert r["source"] and r["url"].startswith("https://"), r["id"]
         assert r["split"] in ("fit", "holdout") and r["stack"] in E.STACKS
-        assert {"tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu"} & set(r["measured"])
+        assert {"tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu",
+                "model_tflops_per_gpu"} & set(r["measured"])
         lay = r["layout"]
-        assert lay["tp"] * lay["dp"] == r["gpus"], r["id"]
+        assert lay["tp"] * lay["dp"] * lay.get("pp", 1) * lay.get("cp", 1) == r["gpus"], r["id"]
     assert {r["split"] for r in data["runs"]} == {"fit", "holdout"}
 
 

@@ -12,7 +12,10 @@ from ..planner import catalogue
 from ..planner.efficiency import STACKS
 from ..planner.local import local_cluster, local_profile
 from ..planner.memory import ATTENTION_KERNELS, LOSS_KERNELS, RECOMPUTE
-from ..planner.published import print_report
+from ..planner.cp_exchange import CP_STRATEGIES
+from ..planner.pipeline import SCHEDULES
+from ..planner.published import print_report, print_validation
+from ..planner.timing import MATMUL_PRECISIONS
 from ..planner.search import Options, evaluate_layout, execution, layout_problem, search
 from ..planner.specs import ClusterSpec, ModelSpec
 from ..planner.strategies import ATTENTION_STRATEGIES
@@ -21,9 +24,9 @@ from ..utils.progress import format_table
 from ._common import check_out_file
 from ._calibrated import command_profile
 
-HELP = "predict step time and memory of every dp × tp × ep layout and pick the best"
+HELP = "predict step time and memory of every dp × tp × ep (× pp × cp) layout and pick the best"
 LAYOUT_FLAGS = ("tp", "dp", "ep", "zero", "recompute", "sequence_parallel", "micro_batch",
-                "attention")
+                "attention", "pp", "cp", "schedule", "virtual_stages", "cp_strategy")
 
 
 def add_parser(p) -> None:
@@ -62,6 +65,20 @@ def add_parser(p) -> None:
     g.add_argument("--micro-batch", type=int, help="sequences per forward pass (default 1)")
     g.add_argument("--attention", choices=ATTENTION_STRATEGIES, help="attention strategy "
                    "(default heads)")
+    g.add_argument("--pp", type=int, help="pipeline stages (priced; train does not run pp > 1 "
+                   "yet)")
+    g.add_argument("--cp", type=int, help="context-parallel ranks (priced; train does not run "
+                   "cp > 1 yet)")
+    g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+    g.add_argument("--virtual-stages", type=int, help="model chunks per pipeline stage "
+                   "(interleaved; zbv runs 2; default 1)")
+    g.add_argument("--cp-strategy", choices=CP_STRATEGIES, help="context parallelism's K/V "
+                   "exchange (default ring)")
+    p.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="default",
+                   help="float8: the layers' projections on the FP8 peak (torchtitan's Float8 "
+                   "linears); default: the model's dtype")
+    p.add_argument("--all-layouts", action="store_true", help="search pipeline and context "
+                   "parallelism too (dp × pp × cp × tp × ep); such plans do not run in train yet")
     p.add_argument("--top", type=int, default=10, help="candidates to show (default 10)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.add_argument("--out", help="also write the result as JSON (its 'best' is a plan that "
@@ -70,6 +87,9 @@ def add_parser(p) -> None:
                    "published training runs it ships (docs/planner.md)")
     p.add_argument("--fit", action="store_true", help="with --published: fit the constants on "
                    "the 'fit' rows again and print them")
+    p.add_argument("--validate-published", action="store_true", help="per published run the "
+                   "predicted and measured step time, the held-out median, and for runs with "
+                   "pipeline or context parallelism the layout the planner would choose")
     p.add_argument("--validate", action="store_true", help="run reference-GPT configurations on "
                    "local ranks and compare predicted with measured step time and communication")
 
@@ -126,23 +146,30 @@ def _forced(args) -> bool:
 def _layout(args, model: ModelSpec) -> tuple[Options, int]:
     """The forced layout and the GPU count, every inconsistency named by its flags."""
     tp, ep, mb = args.tp or 1, args.ep or 1, args.micro_batch or 1
+    pp, cp = args.pp or 1, args.cp or 1
+    model_parallel = tp * ep * pp * cp
+    names = "--tp × --ep" + (" × --pp × --cp" if pp * cp > 1 else "")
+    sizes = f"{tp} × {ep}" + (f" × {pp} × {cp}" if pp * cp > 1 else "")
     if args.dp is not None:
-        gpus = tp * args.dp * ep
+        gpus = model_parallel * args.dp
         if args.gpus is not None and args.gpus != gpus:
-            raise ValueError(f"--tp × --dp × --ep = {tp} × {args.dp} × {ep} = {gpus}, but "
-                             f"--gpus is {args.gpus}")
+            if pp * cp == 1:
+                raise ValueError(f"--tp × --dp × --ep = {tp} × {args.dp} × {ep} = {gpus}, but "
+                                 f"--gpus is {args.gpus}")
+            raise ValueError(f"{names} × --dp = {sizes} × {args.dp} = {gpus}, but --gpus is "
+                             f"{args.gpus}")
         dp = args.dp
     else:
         gpus = args.gpus or 8
-        if gpus % (tp * ep):
-            raise ValueError(f"--gpus ({gpus}) is not divisible by --tp × --ep ({tp} × {ep})")
-        dp = gpus // (tp * ep)
+        if gpus % model_parallel:
+            raise ValueError(f"--gpus ({gpus}) is not divisible by {names} ({sizes})")
+        dp = gpus // model_parallel
     if model.global_batch % (dp * mb):
         raise ValueError(f"--batch ({model.global_batch}) must be a multiple of --dp × "
                          f"--micro-batch ({dp} × {mb} = {dp * mb})")
     if args.sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel needs --tp > 1")
-    if args.zero and dp == 1:
+    if args.zero and dp * cp == 1:
         raise ValueError(f"--zero {args.zero} shards over the data-parallel ranks, but --dp is 1")
     if model.experts % ep:
         raise ValueError(f"--ep ({ep}) must divide the model's {model.experts} experts")
@@ -150,7 +177,10 @@ def _layout(args, model: ModelSpec) -> tuple[Options, int]:
         raise ValueError(f"--tp ({tp}) must divide the model's FFN width ({model.ffn})")
     o = Options(dp=dp, tp=tp, ep=ep, attention=args.attention or "heads",
                 sequence_parallel=bool(args.sequence_parallel),
-                recompute=args.recompute or "none", zero_stage=args.zero or 0, micro_batch=mb)
+                recompute=args.recompute or "none", zero_stage=args.zero or 0, micro_batch=mb,
+                pp=pp, cp=cp, schedule=args.schedule or "1f1b",
+                virtual_stages=args.virtual_stages or (2 if args.schedule == "zbv" else 1),
+                cp_strategy=args.cp_strategy or "ring")
     return o, gpus
 
 
@@ -169,7 +199,11 @@ def _efficiency(args, cluster) -> tuple[float | None, str | None]:
 
 
 def table(result: dict) -> str:
-    rows = [{"dp": c["dp"], "tp": c["tp"], "ep": c["ep"], "attention": c["attention"],
+    four_d = any(c.get("pp", 1) > 1 or c.get("cp", 1) > 1 for c in result["candidates"])
+    rows = [{"dp": c["dp"], "tp": c["tp"], "ep": c["ep"],
+             **({"pp": c["pp"], "cp": c["cp"], "schedule": c["schedule"] if c["pp"] > 1 else ""}
+                if four_d else {}),
+             "attention": c["attention"],
              "SP": "yes" if c["sequence_parallel"] else "", "recompute": c["recompute"],
              "ZeRO": c["zero_stage"], "mb": c["micro_batch"],
              "GB/GPU": round(c["memory_per_gpu_bytes"] / 1e9, 1), "fits": "yes" if c["fits"]
@@ -191,10 +225,12 @@ def _header(result: dict) -> str:
 def run(args) -> int:
     if args.validate:
         return run_validation(local_profile(command_profile("--validate")), json_output=args.json)
+    if args.validate_published:
+        return print_validation(by_stack=args.stack is not None, json_output=args.json)
     if args.published or args.fit:
         return print_report(refit=args.fit, by_stack=args.stack is not None, json_output=args.json)
     _positive(args, "top", "gpus", "gpus_per_node", "nics_per_node", "seq", "batch", "tp", "dp",
-              "ep", "micro_batch")
+              "ep", "micro_batch", "pp", "cp", "virtual_stages")
     if args.out:
         check_out_file(args.out)
     model = _model(args)
@@ -202,12 +238,15 @@ def run(args) -> int:
     layout, gpus = _layout(args, model) if forced else (None, args.gpus or 8)
     cluster = _cluster(args, gpus)
     value, source = _efficiency(args, cluster)
-    run_, found = execution(cluster, attention_kernel=args.attention_kernel,
-                            loss_kernel=args.loss_kernel, efficiency=value, stack=args.stack)
+    run_, found = _named("--matmul-precision", args.matmul_precision, lambda: execution(
+        cluster, attention_kernel=args.attention_kernel, loss_kernel=args.loss_kernel,
+        efficiency=value, stack=args.stack, matmul_precision=args.matmul_precision))
     if forced:
         problem = layout_problem(model, cluster, layout)
         if problem:
-            raise ValueError(f"--tp {layout.tp} --attention {layout.attention}: {problem}")
+            flags = f"--tp {layout.tp} --attention {layout.attention}" + (
+                f" --pp {layout.pp} --cp {layout.cp}" if layout.pp * layout.cp > 1 else "")
+            raise ValueError(f"{flags}: {problem}")
         row = evaluate_layout(model, cluster, layout, run_)
         result = {**row, "model": model.to_dict(), "cluster": cluster.to_dict(),
                   "layout": row, "candidates": [row],
@@ -215,7 +254,8 @@ def run(args) -> int:
                   "advice": "fits" if row["fits"] else "does not fit: " + "; ".join(
                       row["problems"])}
     else:
-        result = _named("--gpus", gpus, lambda: search(model, cluster, top=args.top, run=run_))
+        result = _named("--gpus", gpus, lambda: search(model, cluster, top=args.top, run=run_,
+                                                      runnable_only=not args.all_layouts))
     for row in result["candidates"]:
         row["execution"]["efficiency_source"] = source or found
     if args.out:

@@ -16,6 +16,9 @@ from .specs import MODEL_PRESETS, ClusterSpec, ModelSpec
 from .strategies import (ATTENTION_STRATEGIES, VOCAB_MODES, LayerCost, attention_cost, ffn_cost,
                          layer_cost, model_comm_per_step, vocab_cost)
 from .strategies import moe_cost
+from .cp_exchange import CP_STRATEGIES, cp_layer_comm, exposed_cp_time
+from .pipeline import SCHEDULES, bubble_fraction, in_flight_micro_batches
+from .roofline import gemm_time, wave_efficiency
 
 __all__ = [
     "A100_NVLINK", "ATTENTION_STRATEGIES", "CPU_GLOO", "CalibratedProfile", "ClusterSpec", "GPUS",
@@ -27,4 +30,5 @@ __all__ = [
     "evaluate_layout", "execution", "hierarchical_time", "logits_bytes", "model_comm_per_step",
     "ring_steps", "zero_comm",
 ]
-__all__ += ["moe_cost"]
+__all__ += ["moe_cost", "CP_STRATEGIES", "SCHEDULES", "bubble_fraction", "cp_layer_comm",
+            "exposed_cp_time", "gemm_time", "in_flight_micro_batches", "wave_efficiency"]

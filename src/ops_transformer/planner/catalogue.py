@@ -36,6 +36,8 @@ class GPU:
     intra_link: str  # default link between GPUs of one node, a key of LINKS
     gpus_per_node: int  # typical node (baseboard) size
     vendor: str
+    fp8_flops: float = 0.0  # dense FP8 tensor-core peak, FLOP/s (0: no FP8 units)
+    sms: int = 0  # streaming multiprocessors (CUs): the wave size of a GEMM (0: not modelled)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,35 +53,42 @@ class Link:
         return asdict(self)
 
 
+# FP8 dense peaks: H100 SXM / H200 datasheets 3,958 TFLOP/s with sparsity (1,979 dense), H100
+# PCIe 3,026 (1,513), B200 9 PFLOP/s (4.5 dense), MI300X data sheet 2,614.9 dense; V100 and A100
+# have no FP8 units.
+# SMs (the wave size of a GEMM): Tesla V100 datasheet 80; NVIDIA A100 architecture whitepaper
+# (2020) 108; NVIDIA H100 architecture whitepaper (2022) SXM5 132 (so H200 and the 96 GB SXM),
+# PCIe 114; NVIDIA Blackwell architecture technical brief (2024) 148 per B200; AMD MI300X data
+# sheet (2023) 304 compute units.
 GPUS: dict[str, GPU] = {
     # NVIDIA Tesla V100 GPU datasheet (2020), SXM2 32 GB: 125 TFLOP/s fp16 tensor, 15.7 TFLOP/s
     # fp32, 900 GB/s HBM2, NVLink 300 GB/s. Volta has no bf16 units: bf16 runs at best at the fp32
     # rate, so that is the figure here. Node: DGX-1 with 8 V100 (NVIDIA DGX-1 datasheet, 2018).
     "v100": GPU("v100", bf16_flops=15.7 * _T, fp16_flops=125 * _T, fp32_flops=15.7 * _T,
                 memory_bytes=32 * _GiB, memory_bandwidth=900 * _GB, intra_link="nvlink2",
-                gpus_per_node=8, vendor="nvidia"),
+                gpus_per_node=8, vendor="nvidia", sms=80),
     # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM: bf16/fp16 312 TFLOP/s dense (624 sparse),
     # fp32 19.5 TFLOP/s (TF32 156), 40 GB HBM2 at 1,555 GB/s, NVLink 600 GB/s. Node: DGX A100,
     # 8 GPUs (NVIDIA DGX A100 datasheet, 2020).
     "a100-40gb": GPU("a100-40gb", bf16_flops=312 * _T, fp16_flops=312 * _T, fp32_flops=19.5 * _T,
                      memory_bytes=40 * _GiB, memory_bandwidth=1555 * _GB, intra_link="nvlink3",
-                     gpus_per_node=8, vendor="nvidia"),
+                     gpus_per_node=8, vendor="nvidia", sms=108),
     # Same datasheet (2021), A100 80GB SXM: same compute, 80 GB HBM2e at 2,039 GB/s.
     "a100-80gb": GPU("a100-80gb", bf16_flops=312 * _T, fp16_flops=312 * _T, fp32_flops=19.5 * _T,
                      memory_bytes=80 * _GiB, memory_bandwidth=2039 * _GB, intra_link="nvlink3",
-                     gpus_per_node=8, vendor="nvidia"),
+                     gpus_per_node=8, vendor="nvidia", sms=108),
     # NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM: bf16/fp16 1,979 TFLOP/s with sparsity
     # (989.5 dense), fp32 67 TFLOP/s, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s. Node: DGX/HGX H100,
     # 8 GPUs (NVIDIA DGX H100 datasheet, 2023).
     "h100-sxm": GPU("h100-sxm", bf16_flops=989.5 * _T, fp16_flops=989.5 * _T, fp32_flops=67 * _T,
                     memory_bytes=80 * _GiB, memory_bandwidth=3350 * _GB, intra_link="nvlink4",
-                    gpus_per_node=8, vendor="nvidia"),
+                    gpus_per_node=8, vendor="nvidia", fp8_flops=1979 * _T, sms=132),
     # Same datasheet (2023), H100 PCIe: bf16/fp16 1,513 TFLOP/s with sparsity (756.5 dense), fp32
     # 51 TFLOP/s, 80 GB HBM2e at 2 TB/s, PCIe Gen5 128 GB/s. NVLink bridges join pairs only, so the
     # node default is PCIe 5; 8 cards per server is an assumption (common, not a standard).
     "h100-pcie": GPU("h100-pcie", bf16_flops=756.5 * _T, fp16_flops=756.5 * _T, fp32_flops=51 * _T,
                      memory_bytes=80 * _GiB, memory_bandwidth=2000 * _GB, intra_link="pcie5",
-                     gpus_per_node=8, vendor="nvidia"),
+                     gpus_per_node=8, vendor="nvidia", fp8_flops=1513 * _T, sms=114),
     # H100 SXM with 96 GB of HBM2e at 2.4 TB/s and a 500 W power limit (the variant Meta's Grand
     # Teton hosts carry): torchtitan's H100 benchmarks (benchmarks/llama3_h100_202412_torchtitan.md,
     # pytorch/torchtitan, 2024) give 96 GB HBM2e, 2.4 TB/s, 500 W, 8 GPUs per host over NVLink,
@@ -89,26 +98,28 @@ GPUS: dict[str, GPU] = {
     "h100-sxm-96gb": GPU("h100-sxm-96gb", bf16_flops=989.5 * _T, fp16_flops=989.5 * _T,
                          fp32_flops=67 * _T, memory_bytes=95 * _GiB,
                          memory_bandwidth=2400 * _GB, intra_link="nvlink4", gpus_per_node=8,
-                         vendor="nvidia"),
+                         vendor="nvidia", fp8_flops=1979 * _T, sms=132),
     # NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM: compute as H100 SXM (bf16 1,979
     # sparse → 989.5 dense, fp32 67), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; HGX H200, 8 GPUs.
     # 141 GB is not a binary size: nvidia-smi reports 143771 MiB, about 140.4 GiB.
     "h200": GPU("h200", bf16_flops=989.5 * _T, fp16_flops=989.5 * _T, fp32_flops=67 * _T,
                 memory_bytes=143771 * (1 << 20), memory_bandwidth=4800 * _GB,
-                intra_link="nvlink4", gpus_per_node=8, vendor="nvidia"),
+                intra_link="nvlink4", gpus_per_node=8, vendor="nvidia",
+                fp8_flops=1979 * _T, sms=132),
     # NVIDIA HGX B200 specifications / Blackwell datasheet (2024), B200 at 1,000 W: bf16/fp16 4.5
     # PFLOP/s with sparsity (2.25 dense), fp32 80 TFLOP/s, 8 TB/s HBM3e, NVLink 5 1.8 TB/s per GPU.
     # Memory: 192 GB physical, 180 GB usable per GPU (NVIDIA DGX B200 datasheet, 2024: 1,440 GB
     # for 8 GPUs).
     "b200": GPU("b200", bf16_flops=2250 * _T, fp16_flops=2250 * _T, fp32_flops=80 * _T,
                 memory_bytes=180 * _GiB, memory_bandwidth=8000 * _GB, intra_link="nvlink5",
-                gpus_per_node=8, vendor="nvidia"),
+                gpus_per_node=8, vendor="nvidia", fp8_flops=4500 * _T, sms=148),
     # AMD Instinct MI300X accelerator data sheet (2023): bf16/fp16 1,307.4 TFLOP/s dense (2,614.9
     # with sparsity), fp32 163.4 TFLOP/s, 192 GB HBM3 at 5.3 TB/s, 7 Infinity Fabric links; AMD
     # Instinct MI300X platform (2023): 8 GPUs, fully connected.
     "mi300x": GPU("mi300x", bf16_flops=1307.4 * _T, fp16_flops=1307.4 * _T, fp32_flops=163.4 * _T,
                   memory_bytes=192 * _GiB, memory_bandwidth=5300 * _GB,
-                  intra_link="infinity-fabric", gpus_per_node=8, vendor="amd"),
+                  intra_link="infinity-fabric", gpus_per_node=8, vendor="amd",
+                  fp8_flops=2614.9 * _T, sms=304),
 }
 
 

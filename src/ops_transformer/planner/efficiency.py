@@ -1,8 +1,9 @@
 """Achieved matmul efficiency per GPU and software stack, and the other fitted constants of the
 time and memory model — each with where it comes from.
 
-The efficiency is the fraction of the dense peak (:mod:`.catalogue`) that a training step's
-matmuls achieve. It is an input of the planner, not a constant: ``plan --efficiency 0.45``
+The efficiency is the fraction of the dense peak (:mod:`.catalogue`) that a large, square GEMM
+of the stack reaches: the *ceiling* of the per-GEMM roofline (:mod:`.roofline`), which lowers it
+for each matrix by its tile and wave quantisation and bounds it by the bytes the GEMM moves. It is an input of the planner, not a constant: ``plan --efficiency 0.45``
 overrides it, a calibration on a GPU (``ops-transformer calibrate`` on a CUDA machine, see
 :mod:`ops_transformer.profiler.calibrate`) supplies a measured one for that card, and otherwise the defaults below apply:
 per GPU, and per ``(GPU, stack)`` when ``--stack`` names the software that will run the job.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-STACKS = ("megatron", "llm-foundry", "torchtitan")
+STACKS = ("megatron", "llm-foundry", "torchtitan", "llama3")
 FIT = "fitted on the 'fit' rows of planner/data/published_runs.json"
 
 
@@ -32,25 +33,46 @@ class Efficiency:
 
 
 # Fitted by `ops-transformer plan --published --fit` (see the module docstring).
-FITTED_BY_GPU: dict[str, float] = {"a100-40gb": 0.708, "a100-80gb": 0.708, "h100-sxm": 0.506,
-                                   "h100-sxm-96gb": 0.451}
+FITTED_BY_GPU: dict[str, float] = {'a100-40gb': 0.698, 'a100-80gb': 0.698, 'h100-sxm': 0.505, 'h100-sxm-96gb': 0.444}
 FITTED_BY_STACK: dict[tuple[str, str], float] = {
-    ("a100-40gb", "llm-foundry"): 0.718, ("a100-80gb", "llm-foundry"): 0.718,
-    ("a100-40gb", "megatron"): 0.757, ("a100-80gb", "megatron"): 0.757,
-    ("a100-40gb", "torchtitan"): 0.657, ("a100-80gb", "torchtitan"): 0.657,
-    ("h100-sxm", "llm-foundry"): 0.506, ("h100-sxm-96gb", "torchtitan"): 0.451}
-MEMORY_PASSES = 6.79  # passes over the activation bytes by memory-bound kernels
+    ('a100-40gb', 'llm-foundry'): 0.705,
+    ('a100-40gb', 'megatron'): 0.721,
+    ('a100-40gb', 'torchtitan'): 0.648,
+    ('a100-80gb', 'llm-foundry'): 0.705,
+    ('a100-80gb', 'megatron'): 0.721,
+    ('a100-80gb', 'torchtitan'): 0.648,
+    ('h100-sxm', 'llm-foundry'): 0.505,
+    ('h100-sxm-96gb', 'torchtitan'): 0.444}
+# The ceiling of the layers' projections run as Float8 (torchtitan's Float8 linears with
+# torch.compile), as a fraction of the card's dense FP8 peak.
+FITTED_FLOAT8_BY_GPU: dict[str, float] = {'h100-sxm-96gb': 0.475}
+MEMORY_PASSES = 4.05  # passes over the activation bytes by memory-bound kernels
 ATTENTION_RATIO = 0.411  # the attention core's achieved efficiency ÷ the projections'
 
 # Cards that share a compute die with a fitted one (same SMs and clocks; only memory differs).
 SAME_DIE = {"a100-40gb": "a100-80gb", "a100-80gb": "a100-40gb", "h200": "h100-sxm"}
 
 
-def default_efficiency(gpu: str, stack: str | None = None) -> Efficiency:
+def default_efficiency(gpu: str, stack: str | None = None,
+                       precision: str = "default") -> Efficiency:
     """The planner's efficiency for ``gpu`` (a catalogue name) run by ``stack`` (one of
-    :data:`STACKS`, or ``None`` for any)."""
+    :data:`STACKS`, or ``None`` for any); with ``precision="float8"`` the ceiling of Float8
+    projections against the FP8 peak (the median of the fitted cards where ``gpu`` has none)."""
     if stack is not None and stack not in STACKS:
         raise ValueError(f"stack must be one of {STACKS}, got {stack!r}")
+    if precision == "float8":
+        if gpu in FITTED_FLOAT8_BY_GPU:
+            return Efficiency(FITTED_FLOAT8_BY_GPU[gpu], f"{FIT} for {gpu} with Float8")
+        twin = SAME_DIE.get(gpu)
+        if twin in FITTED_FLOAT8_BY_GPU:
+            return Efficiency(FITTED_FLOAT8_BY_GPU[twin],
+                              f"{FIT} for {twin} with Float8 (same compute die as {gpu})")
+        if gpu.startswith("h100") and "h100-sxm-96gb" in FITTED_FLOAT8_BY_GPU:
+            return Efficiency(FITTED_FLOAT8_BY_GPU["h100-sxm-96gb"],
+                              f"{FIT} for h100-sxm-96gb with Float8 (the H100 die)")
+        if FITTED_FLOAT8_BY_GPU:
+            return Efficiency(statistics.median(FITTED_FLOAT8_BY_GPU.values()),
+                              f"no published Float8 run on {gpu}: the median of the fitted cards")
     if stack is not None and (gpu, stack) in FITTED_BY_STACK:
         return Efficiency(FITTED_BY_STACK[gpu, stack], f"{FIT} for {gpu} with {stack}")
     if gpu in FITTED_BY_GPU:

@@ -27,7 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import efficiency as E
-from .search import Options, evaluate_layout, execution, params_per_gpu, peak_flops
+from .search import Options, evaluate_layout, execution, params_per_gpu, peak_flops, search
 from .specs import MODEL_PRESETS, ClusterSpec, ModelSpec
 from .timing import Execution, combine, step_parts
 
@@ -57,7 +57,15 @@ def run_options(row: dict) -> Options:
     lay = row["layout"]
     return Options(dp=lay["dp"], tp=lay["tp"], ep=1, attention="heads",
                    sequence_parallel=lay["sequence_parallel"], recompute=lay["recompute"],
-                   zero_stage=lay["zero"], micro_batch=lay["micro_batch"])
+                   zero_stage=lay["zero"], micro_batch=lay["micro_batch"],
+                   pp=lay.get("pp", 1), cp=lay.get("cp", 1),
+                   schedule=lay.get("schedule", "1f1b"),
+                   virtual_stages=lay.get("virtual_stages", 1),
+                   cp_strategy=lay.get("cp_strategy", "ring"))
+
+
+def uses_pp_or_cp(row: dict) -> bool:
+    return row["layout"].get("pp", 1) > 1 or row["layout"].get("cp", 1) > 1
 
 
 def measured_step_s(row: dict, model: ModelSpec) -> float:
@@ -66,20 +74,28 @@ def measured_step_s(row: dict, model: ModelSpec) -> float:
         l, h, s, v = model.layers, model.hidden, model.seq, model.vocab
         flops = 96 * model.global_batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
         return flops / (row["gpus"] * m["tflops_per_gpu"] * 1e12)
+    if "model_tflops_per_gpu" in m:  # model FLOPs (no recomputation), the planner's count
+        return model.flops_per_token() * tokens / (row["gpus"] * m["model_tflops_per_gpu"] * 1e12)
     if "tokens_per_s" in m:
         return tokens / m["tokens_per_s"]
     return tokens / (m["tokens_per_s_per_gpu"] * row["gpus"])
 
 
-def _family(gpu: str) -> str:
-    """Cards that share a compute die share a fitted efficiency."""
-    return "a100" if gpu.startswith("a100") else gpu
+def _family(gpu: str, precision: str = "default") -> str:
+    """Cards that share a compute die share a fitted efficiency (one per matmul precision)."""
+    die = "a100" if gpu.startswith("a100") else gpu
+    return die if precision == "default" else f"{die}/{precision}"
+
+
+def _precision(row: dict) -> str:
+    return row.get("matmul_precision", "default")
 
 
 def run_execution(row: dict, *, by_stack: bool = False) -> Execution:
     """The row's kernels with the built-in constants (per GPU, or per GPU × stack)."""
     return execution(run_cluster(row), attention_kernel=row["attention_kernel"],
-                     loss_kernel=row["loss_kernel"], stack=row["stack"] if by_stack else None)[0]
+                     loss_kernel=row["loss_kernel"], stack=row["stack"] if by_stack else None,
+                     matmul_precision=_precision(row))[0]
 
 
 def _parts(row: dict) -> dict:
@@ -131,7 +147,7 @@ def fit() -> dict:
 
     families: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
-        families.setdefault(_family(r["gpu"]), []).append(i)
+        families.setdefault(_family(r["gpu"], _precision(r)), []).append(i)
 
     def total(passes, ratio):
         return sum(best_eff(idx, passes, ratio)[1] for idx in families.values())
@@ -141,14 +157,19 @@ def fit() -> dict:
         passes = _golden(lambda c: total(c, ratio), 0.0, 20.0, iterations=30)
         ratio = _golden(lambda a: total(passes, a), 0.1, 2.0, iterations=30)
     effs = {fam: best_eff(idx, passes, ratio)[0] for fam, idx in families.items()}
-    cards = sorted({r["gpu"] for r in rows})
+    cards = sorted({r["gpu"] for r in rows if _precision(r) == "default"})
+    float8 = sorted({r["gpu"] for r in rows if _precision(r) == "float8"})
     by_stack = {}
-    for fam, stack in sorted({(_family(r["gpu"]), r["stack"]) for r in rows}):
-        idx = [i for i, r in enumerate(rows) if (_family(r["gpu"]), r["stack"]) == (fam, stack)]
+    for fam, stack in sorted({(_family(r["gpu"]), r["stack"]) for r in rows
+                              if _precision(r) == "default"}):
+        idx = [i for i, r in enumerate(rows) if (_family(r["gpu"], _precision(r)), r["stack"])
+               == (fam, stack)]
         e = round(best_eff(idx, passes, ratio)[0], 3)
         by_stack.update({(c, stack): e for c in cards if _family(c) == fam})
     return {"by_gpu": {c: round(effs[_family(c)], 3) for c in cards}, "by_stack": by_stack,
-            "memory_passes": round(passes, 2), "attention_ratio": round(ratio, 3)}
+            "float8_by_gpu": {c: round(effs[_family(c, "float8")], 3) for c in float8},
+            "memory_passes": round(passes, 2), "attention_ratio": round(ratio, 3),
+            "rows": [r["id"] for r in rows]}
 
 
 def predict(row: dict, *, by_stack: bool = False) -> dict:
@@ -165,9 +186,14 @@ def predict(row: dict, *, by_stack: bool = False) -> dict:
            "predicted_memory_gib": got["memory_per_gpu_bytes"] / GiB,
            "measured_mfu": row["measured"].get("mfu"), "predicted_mfu": got["mfu"],
            "source": row["source"], "url": row["url"]}
+    out.update(pp=o.pp, cp=o.cp, uses_pp_or_cp=uses_pp_or_cp(row),
+               time_breakdown=got["time_breakdown"])
     if "memory_gib" in row["measured"]:
         out["measured_memory_gib"] = row["measured"]["memory_gib"]
-        out["memory_error"] = out["predicted_memory_gib"] / row["measured"]["memory_gib"] - 1
+        if "memory_not_modelled" in row:  # shown, not compared: what the planner leaves out
+            out["memory_not_modelled"] = row["memory_not_modelled"]
+        else:
+            out["memory_error"] = out["predicted_memory_gib"] / row["measured"]["memory_gib"] - 1
     return out
 
 
@@ -181,21 +207,54 @@ def report(*, by_stack: bool = False) -> dict:
 
     memory = [abs(r["memory_error"]) for r in rows if "memory_error" in r]
     return {"rows": rows, "median_abs_step_error_holdout": median_abs("holdout"),
+            "holdout_rows": [r["id"] for r in rows if r["split"] == "holdout"],
+            "fit_rows": [r["id"] for r in rows if r["split"] == "fit"],
             "median_abs_step_error_fit": median_abs("fit"),
             "mean_abs_step_error_holdout": statistics.fmean(
                 abs(r["step_error"]) for r in rows if r["split"] == "holdout"),
             "not_fitting": [r["id"] for r in rows if not r["fits"]],
             "max_abs_memory_error": max(memory) if memory else None,
-            "constants": {"by_gpu": E.FITTED_BY_GPU,
+            "constants": {"by_gpu": E.FITTED_BY_GPU, "float8_by_gpu": E.FITTED_FLOAT8_BY_GPU,
                           "by_stack": {f"{g}/{s}": v for (g, s), v in E.FITTED_BY_STACK.items()},
                           "memory_passes": E.MEMORY_PASSES,
                           "attention_ratio": E.ATTENTION_RATIO},
             "by_stack": by_stack}
 
 
+CHOICE_KEYS = ("dp", "tp", "pp", "cp", "schedule", "virtual_stages", "cp_strategy",
+               "sequence_parallel", "recompute", "zero_stage", "micro_batch")
+
+
+def planner_choice(row: dict) -> dict | None:
+    """The layout the planner would choose for ``row``'s model, batch and sequence on the same
+    cards (the 4-D search, :func:`~.search.search` with ``runnable_only=False``, under the row's
+    kernels), with its predicted step time; ``None`` when nothing fits."""
+    best = search(run_model(row), run_cluster(row), top=1, run=run_execution(row),
+                  runnable_only=False)["best"]
+    if best is None:
+        return None
+    return {**{k: best[k] for k in CHOICE_KEYS}, "predicted_step_s": best["step_time_s"],
+            "fits": best["fits"], "memory_per_gpu_gib": best["memory_per_gpu_bytes"] / GiB,
+            "train_problem": best["train_problem"]}
+
+
+def _choice_text(c: dict) -> str:
+    lay = {"tp": c["tp"], "dp": c["dp"], "pp": c["pp"], "cp": c["cp"],
+           "schedule": c["schedule"], "virtual_stages": c["virtual_stages"],
+           "cp_strategy": c["cp_strategy"], "zero": c["zero_stage"], "recompute": c["recompute"],
+           "sequence_parallel": c["sequence_parallel"], "micro_batch": c["micro_batch"]}
+    return _layout_text(lay)
+
+
 def _layout_text(lay: dict) -> str:
     sp = " SP" if lay["sequence_parallel"] else ""
-    return (f"tp{lay['tp']}×dp{lay['dp']} ZeRO-{lay['zero']} {lay['recompute']}{sp} "
+    pp, cp = lay.get("pp", 1), lay.get("cp", 1)
+    pipe = ""
+    if pp > 1:
+        v = lay.get("virtual_stages", 1)
+        pipe = f"×pp{pp} {lay.get('schedule', '1f1b')}" + (f" v{v}" if v > 1 else "")
+    ctx = f"×cp{cp} {lay.get('cp_strategy', 'ring')}" if cp > 1 else ""
+    return (f"tp{lay['tp']}×dp{lay['dp']}{pipe}{ctx} ZeRO-{lay['zero']} {lay['recompute']}{sp} "
             f"mb{lay['micro_batch']}")
 
 
@@ -208,6 +267,8 @@ def markdown(rep: dict) -> str:
         mfu = f" ({r['measured_mfu']:.0%})" if r["measured_mfu"] is not None else ""
         mem = (f"{r['measured_memory_gib']:.1f} / {r['predicted_memory_gib']:.1f} GiB "
                f"({r['memory_error']:+.0%})" if "memory_error" in r
+               else f"{r['measured_memory_gib']:.1f} / {r['predicted_memory_gib']:.1f} GiB "
+               f"(not compared: see notes)" if "measured_memory_gib" in r
                else f"— / {r['predicted_memory_gib']:.1f} GiB")
         lines.append(f"| {r['id']} | {r['split']} | [{r['source']}]({r['url']}) | "
                      f"{r['gpus']}× {r['gpu']} | {_layout_text(r['layout'])} | "
@@ -231,6 +292,51 @@ def summary_lines(rep: dict) -> list[str]:
             + f"; constants: {json.dumps(rep['constants'])}"]
 
 
+def validate_published(*, by_stack: bool = False) -> dict:
+    """:func:`report` plus, for every row that uses pipeline or context parallelism, the
+    layout the planner would choose on the same cards (:func:`planner_choice`) — what
+    ``plan --validate-published`` prints."""
+    rep = report(by_stack=by_stack)
+    rows = {r["id"]: r for r in load()["runs"]}
+    for r in rep["rows"]:
+        if r["uses_pp_or_cp"]:
+            r["planner_choice"] = planner_choice(rows[r["id"]])
+    return rep
+
+
+def validation_lines(rep: dict) -> list[str]:
+    """Per row predicted against measured, the PP/CP rows' chosen layouts, the split summary."""
+    lines = [f"{'run':64s} {'split':7s} {'measured s':>10s} {'predicted s':>11s} {'error':>7s}"]
+    for r in rep["rows"]:
+        lines.append(f"{r['id']:64s} {r['split']:7s} {r['measured_step_s']:10.4g} "
+                     f"{r['predicted_step_s']:11.4g} {r['step_error']:+7.1%}"
+                     + ("" if r["fits"] else "  PREDICTED NOT TO FIT"))
+    lines += ["", "runs with pipeline or context parallelism: the published layout and the one the "
+              "planner would choose on the same cards (searching dp × pp × cp × tp)"]
+    for r in rep["rows"]:
+        if not r.get("uses_pp_or_cp"):
+            continue
+        c = r.get("planner_choice")
+        chosen = (f"{_choice_text(c)}: {c['predicted_step_s']:.4g} s" if c
+                  else "nothing fits")
+        lines.append(f"  {r['id']}: published {_layout_text(r['layout'])} measured "
+                     f"{r['measured_step_s']:.4g} s (predicted {r['predicted_step_s']:.4g} s); "
+                     f"planner {chosen}")
+    held = rep["holdout_rows"]
+    lines += ["", f"held-out median |step-time error|: {rep['median_abs_step_error_holdout']:.1%} "
+              f"over the {len(held)} 'holdout' rows (constants fitted on the "
+              f"{len(rep['fit_rows'])} 'fit' rows only); fit rows "
+              f"{rep['median_abs_step_error_fit']:.1%}", *summary_lines(rep)[1:]]
+    return lines
+
+
+def print_validation(*, by_stack: bool = False, json_output: bool = False) -> int:
+    """``ops-transformer plan --validate-published [--stack S] [--json]``."""
+    rep = validate_published(by_stack=by_stack)
+    print(json.dumps(rep, indent=2) if json_output else "\n".join(validation_lines(rep)))
+    return 0
+
+
 def print_report(*, refit: bool = False, by_stack: bool = False,
                  json_output: bool = False) -> int:
     """``ops-transformer plan --published [--fit] [--stack S] [--json]``."""
@@ -251,5 +357,6 @@ def print_report(*, refit: bool = False, by_stack: bool = False,
     return 0
 
 
-__all__ = ["fit", "load", "markdown", "measured_step_s", "predict", "print_report", "report",
-           "run_cluster", "run_execution", "run_model", "run_options"]
+__all__ = ["fit", "load", "markdown", "measured_step_s", "planner_choice", "predict",
+           "print_report", "print_validation", "report", "run_cluster", "run_execution",
+           "run_model", "run_options", "validate_published"]

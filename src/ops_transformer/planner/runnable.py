@@ -16,6 +16,10 @@ ZeRO stage 1, 2 or 3           ``dp × ep > 1`` (each parameter sharded over its
                                the experts; stage 3 through FSDP2)
 ``recompute="selective"``      not with ``attention="kv_split"`` at ``tp > 1`` (its attention
                                core communicates)
+``pp > 1``                     not yet: pipeline parallelism is priced and searched by the
+                               planner but not implemented in ``train`` (SPEC F19)
+``cp > 1``                     not yet: context parallelism is being built (issue #36); the
+                               planner prices it, ``train`` does not run it
 =============================  ===============================================================
 
 Messages name the command-line flags, which ``train`` and ``plan`` share.
@@ -27,11 +31,16 @@ ZERO_STAGES = (0, 1, 2, 3)  # what train runs (3: FSDP2, ``memory.fsdp.shard_par
 SEQUENCE_PARALLEL_ATTENTION = ("auto", "heads")  # "auto" becomes "heads" under SP
 
 
-def runtime_problem(*, tp: int, dp: int, ep: int = 1, attention: str = "heads",
+def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
+                    attention: str = "heads",
                     sequence_parallel: bool = False, recompute: str = "none",
                     zero_stage: int = 0, experts: int = 1, seq: int | None = None,
                     model: str = "the model") -> str | None:
     """Why ``train`` cannot run this combination, or ``None`` when it can."""
+    if pp > 1:
+        return f"--pp {pp}: pipeline parallelism is not implemented in train yet"
+    if cp > 1:
+        return f"--cp {cp}: context parallelism is not implemented in train yet"
     if zero_stage not in ZERO_STAGES:
         return f"--zero must be 0, 1, 2 or 3, got {zero_stage!r}"
     if zero_stage and dp * ep == 1:

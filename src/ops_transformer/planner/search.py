@@ -13,13 +13,16 @@ import itertools
 import math
 from dataclasses import asdict, dataclass
 
+from . import catalogue
 from .choose import attention_problem
 from . import efficiency as fitted
 from .memory import (ATTENTION_KERNELS, LOSS_KERNELS, activation_bytes_per_layer,
                      logits_bytes, model_state_bytes)
+from .cp_exchange import CP_STRATEGIES
+from .pipeline import SCHEDULES, in_flight_micro_batches, stage_layers
 from .runnable import runtime_problem
 from .strategies import ATTENTION_STRATEGIES
-from .timing import Execution
+from .timing import MATMUL_PRECISIONS, Execution
 from .timing import step_time as _step_time
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -36,10 +39,20 @@ class Options:
     recompute: str
     zero_stage: int
     micro_batch: int
+    pp: int = 1  # pipeline stages (outermost)
+    cp: int = 1  # context-parallel ranks (the sequence split over them)
+    schedule: str = "1f1b"  # the pipeline schedule (.pipeline.SCHEDULES)
+    virtual_stages: int = 1  # model chunks per stage (interleaved, zbv)
+    cp_strategy: str = "ring"  # the K/V exchange (.cp_exchange.CP_STRATEGIES)
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.ep * self.pp * self.cp
 
 
 def execution(cluster, *, attention_kernel: str = "fused", loss_kernel: str = "fused",
-              efficiency: float | None = None, stack: str | None = None) -> tuple[Execution, str]:
+              efficiency: float | None = None, stack: str | None = None,
+              matmul_precision: str = "default") -> tuple[Execution, str]:
     """The run settings for ``cluster`` and where its efficiency comes from: ``efficiency`` when
     given, else the default of the GPU (and ``stack``, :mod:`.efficiency`); local CPU ranks run at
     the profile's measured matmul rate (efficiency 1, no separate memory-bound term)."""
@@ -48,14 +61,21 @@ def execution(cluster, *, attention_kernel: str = "fused", loss_kernel: str = "f
                          f"{attention_kernel!r}")
     if loss_kernel not in LOSS_KERNELS:
         raise ValueError(f"loss_kernel must be one of {LOSS_KERNELS}, got {loss_kernel!r}")
-    kernels = dict(attention_kernel=attention_kernel, loss_kernel=loss_kernel)
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got "
+                         f"{matmul_precision!r}")
+    if matmul_precision == "float8" and not cluster.gpu.fp8_flops:
+        cards = ", ".join(n for n, g in catalogue.GPUS.items() if g.fp8_flops)
+        raise ValueError(f"{cluster.gpu.name} has no FP8 tensor cores (cards with FP8: {cards})")
+    kernels = dict(attention_kernel=attention_kernel, loss_kernel=loss_kernel,
+                   matmul_precision=matmul_precision)
     if cluster.gpu.vendor == "cpu":
         return Execution(efficiency=efficiency or 1.0, **kernels), "this machine's profile"
     constants = dict(memory_passes=fitted.MEMORY_PASSES, attention_ratio=fitted.ATTENTION_RATIO,
                      **kernels)
     if efficiency is not None:
         return Execution(efficiency=efficiency, **constants), "given"
-    found = fitted.default_efficiency(cluster.gpu.name, stack)
+    found = fitted.default_efficiency(cluster.gpu.name, stack, matmul_precision)
     return Execution(efficiency=found.value, **constants), found.source
 
 
@@ -65,9 +85,27 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def layout_problem(model, cluster, o: Options) -> str | None:
     """Why the model's sizes do not divide over layout ``o`` (``None`` when they do)."""
-    if o.dp * o.tp * o.ep != cluster.count:
-        return (f"dp × tp × ep = {o.dp} × {o.tp} × {o.ep} = {o.dp * o.tp * o.ep} is not the "
-                f"number of GPUs ({cluster.count})")
+    if o.gpus != cluster.count:
+        if o.pp == 1 and o.cp == 1:
+            return (f"dp × tp × ep = {o.dp} × {o.tp} × {o.ep} = {o.gpus} is not the number of "
+                    f"GPUs ({cluster.count})")
+        return (f"dp × pp × cp × tp × ep = {o.dp} × {o.pp} × {o.cp} × {o.tp} × {o.ep} = "
+                f"{o.gpus} is not the number of GPUs ({cluster.count})")
+    if o.pp > model.layers:
+        return f"pp ({o.pp}) must be at most the number of layers ({model.layers})"
+    if o.schedule not in SCHEDULES:
+        return f"schedule must be one of {SCHEDULES}, got {o.schedule!r}"
+    if o.schedule in ("interleaved", "zbv") and o.pp > 1 \
+            and model.layers < o.pp * o.virtual_stages:
+        return (f"pp × virtual stages ({o.pp} × {o.virtual_stages}) must be at most the number "
+                f"of layers ({model.layers})")
+    if o.schedule == "zbv" and o.virtual_stages != 2:
+        return f"the zbv schedule runs 2 chunks per stage, got virtual stages {o.virtual_stages}"
+    if o.cp_strategy not in CP_STRATEGIES:
+        return f"cp strategy must be one of {CP_STRATEGIES}, got {o.cp_strategy!r}"
+    if model.seq % (2 * o.cp) and o.cp > 1:
+        return (f"cp ({o.cp}) splits the sequence into 2·cp head-tail chunks: the sequence "
+                f"({model.seq}) must be divisible by {2 * o.cp}")
     if model.experts % o.ep:
         return f"ep ({o.ep}) must divide the number of experts ({model.experts})"
     if model.ffn % o.tp:
@@ -77,13 +115,17 @@ def layout_problem(model, cluster, o: Options) -> str | None:
                 f"micro-batch ({o.dp} × {o.micro_batch})")
     if o.sequence_parallel and o.tp == 1:
         return "sequence parallelism needs tp > 1"
-    if o.zero_stage and o.dp == 1:
+    if o.zero_stage and o.dp * o.cp == 1:
         return f"ZeRO stage {o.zero_stage} shards over dp, which is 1"
     return attention_problem(model.gpt_config(), o.tp, o.attention, model.seq)
 
 
-def candidates(model, cluster) -> list[Options]:
-    """Every layout the model's sizes allow on the cluster and ``train`` can run."""
+def candidates(model, cluster, *, runnable_only: bool = True) -> list[Options]:
+    """Every layout the model's sizes allow on the cluster: with ``runnable_only`` (what
+    ``train --plan`` runs) the ``dp × tp × ep`` ones :func:`train_problem` accepts; else also
+    pipeline and context parallelism (:func:`layouts_4d`)."""
+    if not runnable_only:
+        return layouts_4d(model, cluster)
     out = []
     n = cluster.count
     for tp, ep in itertools.product(_powers_of_two(n), _powers_of_two(model.experts)):
@@ -99,25 +141,67 @@ def candidates(model, cluster) -> list[Options]:
     return out
 
 
+SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1))
+MAX_PP, MAX_CP = 64, 16
+
+
+def layouts_4d(model, cluster) -> list[Options]:
+    """``dp × pp × cp × tp (× ep)`` layouts: tp a power of two inside a node, cp a power of two up
+    to :data:`MAX_CP` that splits the sequence into head-tail chunks, pp any divisor of the rest
+    up to the layers and :data:`MAX_PP` with the schedules of :data:`SEARCHED_SCHEDULES`, and
+    per layout ``heads`` attention (sequence-parallel when ``tp > 1``), each recompute policy,
+    ZeRO 1 or 3 (0 without data parallelism) and micro-batches 1, 2, 4. Only the sizes are
+    checked (:func:`layout_problem`): ``train`` does not run pp or cp yet."""
+    out = []
+    n = cluster.count
+    for tp, ep in itertools.product(_powers_of_two(min(n, cluster.gpus_per_node)),
+                                    _powers_of_two(model.experts)):
+        for cp in _powers_of_two(min(MAX_CP, n // (tp * ep))):
+            rest = n // (tp * ep * cp)
+            if n % (tp * ep * cp):
+                continue
+            for pp in (d for d in range(1, min(MAX_PP, rest, model.layers) + 1) if rest % d == 0):
+                dp = rest // pp
+                schedules = SEARCHED_SCHEDULES if pp > 1 else (("1f1b", 1),)
+                zeros = (1, 3) if dp * cp > 1 else (0,)
+                for (schedule, v), mb, rc, zero in itertools.product(
+                        schedules, MICRO_BATCHES[:3], SEARCHED_RECOMPUTE, zeros):
+                    o = Options(dp, tp, ep, "heads", tp > 1 and model.experts == 1, rc, zero, mb,
+                                pp=pp, cp=cp, schedule=schedule, virtual_stages=v)
+                    if layout_problem(model, cluster, o) is None:
+                        out.append(o)
+    return out
+
+
 def train_problem(model, o: Options) -> str | None:
     """Why ``train`` cannot run layout ``o`` of ``model`` (:mod:`.runnable`, the rule ``train``
     checks its options with): the search proposes only layouts it can run."""
-    return runtime_problem(tp=o.tp, dp=o.dp, ep=o.ep, attention=o.attention,
+    return runtime_problem(tp=o.tp, dp=o.dp, ep=o.ep, pp=o.pp, cp=o.cp, attention=o.attention,
                            sequence_parallel=o.sequence_parallel, recompute=o.recompute,
                            zero_stage=o.zero_stage, experts=model.experts, seq=model.seq,
                            model=model.name)
 
 
 def params_per_gpu(model, o: Options) -> float:
+    """Parameters one GPU holds before ZeRO: the dense ones over ``tp``, the experts over ``tp ×
+    ep``; with ``pp`` stages the largest stage's, ``⌈layers/pp⌉`` layers and one ``V × h``
+    matrix (the first stage's embedding or the last one's head, each stage keeping its copy
+    when they are tied, as Megatron does)."""
     expert = model.params() - model.active_params() if model.experts > 1 else 0
     dense = model.params() - expert  # attention, embeddings, norms, shared parts
+    if o.pp > 1:
+        embeddings = model.vocab * model.hidden * (1 if model.tie_embeddings else 2)
+        share = stage_layers(model.layers, o.pp) / model.layers
+        dense = (dense - embeddings) * share + model.vocab * model.hidden
+        expert = expert * share
     return dense / o.tp + expert / (o.tp * o.ep)
 
 
 def _largest_unit(model, o: Options) -> float:
     """Parameters per GPU of the largest unit ZeRO-3 gathers at once: a layer or the LM head."""
+    embeddings = 1 if model.tie_embeddings or o.pp > 1 else 2
     per_layer = (params_per_gpu(model, o) - model.vocab * model.hidden / o.tp
-                 * (1 if model.tie_embeddings else 2)) / model.layers
+                 * embeddings) / stage_layers(model.layers, o.pp)
     return max(per_layer, model.vocab * model.hidden / o.tp)
 
 
@@ -131,16 +215,23 @@ def memory(model, o: Options, bytes_per_element: int, attention_kernel: str = "f
     also holds the gathered 16-bit parameters of the running and the prefetched unit and one
     unit's gradients. A caching allocator reserves more than this peak (fragmentation; the
     published runs that report reserved memory show about 5 % more, docs/planner.md)."""
-    states = model_state_bytes(params_per_gpu(model, o), o.zero_stage, o.dp, bytes_per_element)
+    states = model_state_bytes(params_per_gpu(model, o), o.zero_stage, o.dp * o.cp,
+                               bytes_per_element)
     shape = dict(sequence_parallel=o.sequence_parallel, bytes_per_element=bytes_per_element,
                  attention_kernel=attention_kernel, kv_heads=model.kv_heads, ffn=model.ffn,
                  gated=model.ffn_type == "swiglu", dropout=model.dropout > 0)
-    args = (model.seq, o.micro_batch, model.hidden, model.heads, o.tp)
+    seq = model.seq // o.cp  # context parallelism: each rank keeps 1/cp of every activation
+    args = (seq, o.micro_batch, model.hidden, model.heads, o.tp)
     kept = activation_bytes_per_layer(*args, recompute=o.recompute, **shape)
     rebuilt = activation_bytes_per_layer(*args, **shape) - kept if o.recompute != "none" else 0.0
-    act = (model.layers * kept + rebuilt
-           + logits_bytes(o.micro_batch * model.seq, model.vocab, o.tp, bytes_per_element,
-                          loss_kernel))
+    logits = logits_bytes(o.micro_batch * seq, model.vocab, o.tp, bytes_per_element, loss_kernel)
+    layers = stage_layers(model.layers, o.pp)
+    micro_steps = max(1, model.global_batch // (o.dp * o.micro_batch))
+    in_flight = in_flight_micro_batches(o.schedule, o.pp, micro_steps, o.virtual_stages)
+    if o.pp == 1:
+        act = model.layers * kept + rebuilt + logits
+    else:  # the first stage's in-flight micro-batches, or the last one's one and its logits
+        act = max(layers * kept * in_flight, layers * kept + logits) + rebuilt
     if o.zero_stage == 3:
         unit = _largest_unit(model, o)
         states["params"] += 2 * unit * bytes_per_element
@@ -169,7 +260,9 @@ def evaluate(model, cluster, o: Options, run: Execution | None = None) -> dict:
     tokens = model.global_batch * model.seq
     model_flops = model.flops_per_token() * tokens
     denominator = t["step_time_s"] * cluster.count * peak
-    return {"dp": o.dp, "tp": o.tp, "ep": o.ep, "attention": o.attention,
+    return {"dp": o.dp, "tp": o.tp, "ep": o.ep, "pp": o.pp, "cp": o.cp, "schedule": o.schedule,
+            "virtual_stages": o.virtual_stages, "cp_strategy": o.cp_strategy,
+            "attention": o.attention,
             "ffn": "experts" if model.experts > 1 else "column_row",
             "sequence_parallel": o.sequence_parallel, "recompute": o.recompute,
             "zero_stage": o.zero_stage, "micro_batch": o.micro_batch,
@@ -180,6 +273,7 @@ def evaluate(model, cluster, o: Options, run: Execution | None = None) -> dict:
             "hfu": (model_flops + cluster.count * t["recompute_flops"]) / denominator,
             "tokens_per_s_per_gpu": tokens / (t["step_time_s"] * cluster.count),
             "micro_steps": t["micro_steps"], "dp_comm": t["dp_comm"], "execution": asdict(run),
+            "train_problem": train_problem(model, o),
             "time_breakdown": {k: v for k, v in t.items() if k.endswith("_s")
                                and k != "step_time_s"}}
 
@@ -199,11 +293,22 @@ def evaluate_layout(model, cluster, o: Options, run: Execution | None = None) ->
     return {**row, "problems": problems, "train_problem": train_problem(model, o)}
 
 
-def search(model, cluster, *, top: int = 10, run: Execution | None = None) -> dict:
+def search(model, cluster, *, top: int = 10, run: Execution | None = None,
+           runnable_only: bool = True) -> dict:
     """``{"model", "cluster", "candidates", "best", "advice"}``: candidates that fit, fastest
-    first (TP kept inside a node unless nothing else fits); when none fits, the smallest ones."""
+    first (TP kept inside a node unless nothing else fits); when none fits, the smallest ones.
+    ``runnable_only`` (the default, what ``train --plan`` runs) searches ``dp × tp × ep``;
+    ``False`` also pipeline and context parallelism (``plan --all-layouts``), whose layouts
+    ``train`` refuses for now (each row's ``train_problem`` says why)."""
     run = run or execution(cluster)[0]
-    rows = [evaluate(model, cluster, o, run) for o in candidates(model, cluster)]
+    options = candidates(model, cluster, runnable_only=runnable_only)
+    if not runnable_only:  # many layouts: time only those that fit (and the smallest otherwise)
+        size = model.bytes_per_element()
+        sized = [(sum(memory(model, o, size, run.attention_kernel, run.loss_kernel).values()), o)
+                 for o in options]
+        fitting = [o for m, o in sized if m <= cluster.gpu.memory_bytes]
+        options = fitting or [o for _, o in sorted(sized, key=lambda x: x[0])[:top]]
+    rows = [evaluate(model, cluster, o, run) for o in options]
     if not rows:
         raise ValueError(f"no layout of {model.name} divides over {cluster.count} GPUs: check "
                          f"heads ({model.heads}), ffn ({model.ffn}) and the global batch "
@@ -215,8 +320,11 @@ def search(model, cluster, *, top: int = 10, run: Execution | None = None) -> di
     pool = inside or fitting
     best = pool[0] if pool else None
     shown = pool[:top] if pool else sorted(rows, key=lambda r: r["memory_per_gpu_bytes"])[:top]
-    return {"model": model.to_dict(), "cluster": cluster.to_dict(), "candidates": shown,
-            "best": best, "advice": advice(model, cluster, best, rows)}
+    out = {"model": model.to_dict(), "cluster": cluster.to_dict(), "candidates": shown,
+           "best": best, "advice": advice(model, cluster, best, rows)}
+    if not runnable_only:
+        out["layouts"] = "dp × pp × cp × tp × ep (pp and cp do not run in train yet)"
+    return out
 
 
 LAYOUT_KEYS = {"tp", "dp", "attention"}
@@ -230,8 +338,10 @@ def is_planner_output(data) -> bool:
 
 def chosen_layout(data) -> dict:
     """The one reader of a planner result: the layout it chose (its ``best``, or the row itself)
-    as ``{"tp", "dp", "ep", "attention", "sequence_parallel", "recompute", "zero_stage"}``.
-    ``ValueError`` when nothing fits (``best`` is null) or ``data`` is not a planner result."""
+    as ``{"tp", "dp", "ep", "attention", "sequence_parallel", "recompute", "zero_stage", "pp",
+    "cp"}``. ``ValueError`` when nothing fits (``best`` is null), ``data`` is not a planner
+    result, or the layout has pipeline or context parallelism, which the runtime does not run
+    yet (:func:`.runnable.runtime_problem`'s one-line reason)."""
     if isinstance(data, dict) and "best" in data:
         if data["best"] is None:
             raise ValueError("the planner found no layout that fits (its 'best' is null)")
@@ -239,10 +349,14 @@ def chosen_layout(data) -> dict:
     if not (isinstance(data, dict) and LAYOUT_KEYS <= set(data)):
         raise ValueError("not a planner result: it has neither a 'best' layout nor 'tp', 'dp' "
                          "and 'attention'")
+    pp, cp = int(data.get("pp", 1)), int(data.get("cp", 1))
+    if pp > 1 or cp > 1:
+        raise ValueError(runtime_problem(tp=data["tp"], dp=data["dp"], pp=pp, cp=cp))
     return {"tp": data["tp"], "dp": data["dp"], "ep": data.get("ep", 1),
             "attention": data["attention"],
             "sequence_parallel": bool(data.get("sequence_parallel", False)),
-            "recompute": data.get("recompute", "none"), "zero_stage": data.get("zero_stage", 0)}
+            "recompute": data.get("recompute", "none"), "zero_stage": data.get("zero_stage", 0),
+            "pp": pp, "cp": cp}
 
 
 def _gb(x: float) -> str:
@@ -256,12 +370,15 @@ def advice(model, cluster, best, rows) -> str:
         tight = (" Within 5% of the capacity: the caching allocator's fragmentation (about 5% "
                  "in the published runs, docs/planner.md) may not fit; the next candidate leaves "
                  "more room." if best["memory_per_gpu_bytes"] > 0.95 * mem else "")
-        return (f"dp={best['dp']} × tp={best['tp']} × ep={best['ep']}, attention="
+        four_d = (f" × pp={best['pp']} ({best['schedule']}) × cp={best['cp']}"
+                  if best.get("pp", 1) > 1 or best.get("cp", 1) > 1 else "")
+        return (f"dp={best['dp']} × tp={best['tp']} × ep={best['ep']}{four_d}, attention="
                 f"{best['attention']}, ZeRO-{best['zero_stage']}, recompute={best['recompute']}, "
                 f"sequence_parallel={best['sequence_parallel']}, micro-batch "
                 f"{best['micro_batch']}: {best['step_time_s']:.3g} s/step predicted, MFU "
                 f"{best['mfu']:.0%}, {_gb(best['memory_per_gpu_bytes'])} of {_gb(mem)} per GPU."
-                + tight)
+                + tight + (f" Not runnable by train yet: {best['train_problem']}."
+                           if best.get("train_problem") else ""))
     states = 16 * model.params()
     smallest = min(rows, key=lambda r: r["memory_per_gpu_bytes"])
     act = smallest["memory_breakdown"]["activations"]

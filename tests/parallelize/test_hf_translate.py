@@ -207,3 +207,22 @@ def test_vocabulary_choice_reads_the_agreed_profile():
     assert resolve_plan(model, ctx()).vocab == "parallel"
     slow = HardwareProfile("slow network", matmul_flops=1e11, alpha_s=1.0, bandwidth=1e3)
     assert resolve_plan(model, ctx(slow)).vocab == "replicated"
+
+
+def test_experts_of_an_expert_parallel_plan_become_our_moe_rule():
+    """transformers 5.25 keeps the experts in ``ep_plan`` (``ep_dispatch_experts``, its weights
+    ``grouped_gemm``), not in ``tp_plan``: the module still becomes a ``moe_tp_experts`` entry;
+    the config's ``base_model_ep_plan`` is read under the base model's prefix when the model has
+    no ``ep_plan``."""
+    from types import SimpleNamespace
+
+    from ops_transformer.parallelize.hf_translate import hf_experts_modules
+    ep = {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+          "layers.*.mlp.experts.down_proj": "grouped_gemm",
+          "layers.*.mlp.experts": "ep_dispatch_experts"}
+    by_model = SimpleNamespace(ep_plan={"model." + k: v for k, v in ep.items()}, config=None)
+    by_config = SimpleNamespace(config=SimpleNamespace(base_model_ep_plan=ep))
+    expected = {"model.layers.*.mlp.experts": "moe_tp_experts"}
+    assert hf_experts_modules(by_model, "model.") == expected
+    assert hf_experts_modules(by_config, "model.") == expected
+    assert hf_experts_modules(SimpleNamespace(config=SimpleNamespace()), "model.") == {}

@@ -107,14 +107,30 @@ PLAN_FIXES = {
 
 def hf_tp_plan(model) -> dict[str, str]:
     """The model's whole Hugging Face plan: ``model.tp_plan`` (transformers ≥ 5), else the
-    config's ``base_model_tp_plan`` under the base model's prefix."""
+    config's ``base_model_tp_plan`` under the base model's prefix; plus the experts modules of
+    its expert-parallel plan (:func:`hf_experts_modules`)."""
     prefix = base_prefix(model)
     plan = getattr(model, "tp_plan", None)
     if not (isinstance(plan, dict) and plan):
         plan = {prefix + k: v for k, v in (getattr(model.config, "base_model_tp_plan", None)
                                            or {}).items()}
+    if not plan:
+        return {}
     fixes = PLAN_FIXES.get(getattr(model.config, "model_type", None), {})
-    return {**plan, **{prefix + k: v for k, v in fixes.items()}} if plan else {}
+    return {**hf_experts_modules(model, prefix), **plan,
+            **{prefix + k: v for k, v in fixes.items()}}
+
+
+def hf_experts_modules(model, prefix: str) -> dict[str, str]:
+    """``moe_tp_experts`` for every module that the model's expert-parallel plan dispatches
+    (``ep_dispatch_experts``): transformers 5.25 moved the experts out of ``tp_plan`` into
+    ``ep_plan`` (``base_model_ep_plan``); earlier releases mark them ``moe_tp_experts`` in
+    ``tp_plan`` itself. Either way the experts module becomes our ``moe`` rule."""
+    plan = getattr(model, "ep_plan", None)
+    if not (isinstance(plan, dict) and plan):
+        plan = {prefix + k: v for k, v in (getattr(model.config, "base_model_ep_plan", None)
+                                           or {}).items()}
+    return {p: "moe_tp_experts" for p, style in plan.items() if style == "ep_dispatch_experts"}
 
 
 def check_styles(plan: dict[str, str], model_type: str) -> None:

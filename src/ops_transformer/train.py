@@ -105,9 +105,9 @@ class TrainConfig:
 
     @property
     def overlap_mode(self) -> str:
-        """``overlap``, except ``auto`` with LoRA: ``none`` (adapters do not combine with chunked
-        collective matmuls; ``--overlap chunked`` with ``--lora-rank`` is refused)."""
-        return "none" if self.lora_rank is not None and self.overlap == "auto" else self.overlap
+        """``overlap`` (kept as a name for earlier readers: LoRA adapters now run inside the
+        chunked collective matmuls, so every mode combines with ``--lora-rank``)."""
+        return self.overlap
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -152,9 +152,6 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     except ValueError as exc:  # "chunks must be ..." → "--chunks must be ..."
         name, _, rest = str(exc).partition(" ")
         raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
-    if cfg.lora_rank is not None and cfg.overlap == "chunked":
-        raise ValueError("--overlap chunked does not combine with --lora-rank (LoRA adapters ride "
-                         "on the layers' own matmuls): use --overlap none or auto")
     finetune.check_lora(cfg, model_cfg)
     if cfg.model:
         finetune.check_data(cfg, model_cfg, say=say)

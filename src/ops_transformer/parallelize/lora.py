@@ -19,8 +19,6 @@ import torch
 from torch import nn
 
 from ..layers.lora import SUPPORTED, adapter_kind, add_adapter, dense_dims, is_conv1d
-from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
-                                      ChunkedRowOutput, ChunkedRowScatter)
 from ..models.hf import is_hf, transformer_layers
 from ..parallel.grad_shard import ReduceScatterGradSync
 from . import gradient_reducers
@@ -81,7 +79,6 @@ def lora(model: nn.Module, ctx, *, rank: int, alpha: float | None = None, target
     if any(isinstance(r, ReduceScatterGradSync) for r in state.reducers):
         raise ValueError("lora must come before zero_optimizer: the optimizer is built over the "
                          "parameters that train, which lora changes")
-    check_not_chunked(model, state)
     alpha = check_lora_args(rank, alpha, dropout)
     names = resolve_targets(model, targets)
     check_rank(model, names, rank)
@@ -102,20 +99,6 @@ def lora(model: nn.Module, ctx, *, rank: int, alpha: float | None = None, target
              rank, alpha, len(names), sum(p.numel() for p in model.parameters()
                                           if p.requires_grad))
     return model
-
-
-def check_not_chunked(model: nn.Module, state) -> None:
-    """LoRA adapters ride on the layers' own matmuls; a chunked collective matmul (``overlap``,
-    :mod:`ops_transformer.layers.overlap_regions`) computes the base layers in one fused op that
-    knows nothing of them: refused, with what to do instead."""
-    chunked = (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion, ChunkedRowOutput,
-               ChunkedRowScatter)
-    found = next((n for n, m in model.named_modules() if isinstance(m, chunked)), None)
-    if found is not None:
-        overlap = getattr(state.options, "overlap", "auto")
-        raise ValueError(f"lora: this model was parallelised with overlap={overlap!r}, whose "
-                         f"chunked collective matmuls (e.g. {found}) LoRA adapters do not combine "
-                         f"with: call parallelize(model, ctx, overlap='none') before lora")
 
 
 def check_lora_args(rank, alpha, dropout) -> float:

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..layers.loss import vocab_parallel_cross_entropy
 from ..layers.moe import scale_expert_grads, split_expert_params
+from ..layers.moe_stats import use_global_statistics
 from ..memory.apply import apply_memory_options
 from ..models.gpt import GPT
 from ..models.hf import is_hf
@@ -116,6 +117,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     elif ctx.ep_size > 1:  # experts only
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items()
                                 if r["style"] in ("moe", "moe_chunked")}), ctx)
+    if options.moe_statistics == "global":
+        use_global_statistics(model, ctx)
     if materialize is not None:
         materialize(model)
     model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options))

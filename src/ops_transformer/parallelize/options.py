@@ -31,6 +31,7 @@ from ..precision.policy import check_grad_reduce_dtype
 from .gpt_plan import ATTENTION_CHOICES
 
 VOCAB_CHOICES = ("auto",) + VOCAB_MODES
+MOE_STATISTICS = ("local", "global")
 log = logging.getLogger("ops_transformer")
 
 
@@ -63,6 +64,11 @@ class ParallelOptions:
       model says pays on the agreed profile, often 1) or ``none`` (the plan's collectives as
       they are). The expert all-to-alls too.
     * ``chunks`` — the chunks of ``overlap`` (at most, for ``auto``): an integer >= 1.
+    * ``moe_statistics`` — what the reference MoE layers take their capacity and load-balancing
+      loss over: ``local`` (each rank's micro-batch, Megatron-LM's default: ``dp × ep > 1``
+      differs from one process) or ``global`` (the global batch, from one all-gather of the
+      expert counts per layer over ``dp × ep``: equal to one process;
+      :mod:`ops_transformer.layers.moe_stats`).
     * ``tp_plan`` — Hugging Face style names (``{pattern: style}``, as in ``transformers``) merged
       over a Hugging Face model's own plan and translated (``plan="auto"`` only).
     """
@@ -78,6 +84,7 @@ class ParallelOptions:
     tp_plan: Mapping[str, str] | None = None
     overlap: str = "auto"
     chunks: int = 2
+    moe_statistics: str = "local"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -133,4 +140,4 @@ class ParallelOptions:
 CHOICES = {"attention": ATTENTION_CHOICES, "vocab": VOCAB_CHOICES,
            "loss_parallel": (False, True), "sequence_parallel": SEQUENCE_PARALLEL_VALUES,
            "recompute": RECOMPUTE, "activation_cache": ACTIVATION_CACHES,
-           "overlap": OVERLAP_MODES}
+           "overlap": OVERLAP_MODES, "moe_statistics": MOE_STATISTICS}

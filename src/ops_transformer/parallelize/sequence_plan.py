@@ -36,6 +36,7 @@ import dataclasses
 
 from torch import nn
 
+from ..layers.regions import FullSequenceRegion
 from ..layers.sequence_parallel import is_partial
 from ..models.hf import DECODER_LAYOUTS, decoder_layout, model_type
 from ..parallel.sharding import shard_spec
@@ -71,6 +72,8 @@ def _transform(pattern: str, rule: dict, regather: bool = False) -> dict:
         return {**options, "style": "colwise_sequence" + suffix}
     if style == "colwise" and regather:  # fed by a region entry
         return {**options, "style": "colwise_regather"}
+    if style == "moe":  # on the whole sequence (layers.regions.FullSequenceRegion)
+        return {**rule, "sequence": True}
     if style in ("colwise", "attrs"):
         return rule
     raise ValueError(f"sequence parallelism has no variant of style {style!r} (plan rule "
@@ -92,9 +95,13 @@ def sequence_parallel_plan(plan, model: nn.Module, regather: bool = False):
              for pattern, rule in plan.rules.items()}
     parts = [p[len(inside):].split(".", 1) for p in plan.rules if p.startswith(inside)]
     targeted = {rest[1] for rest in parts if len(rest) == 2}  # names inside one layer
+    whole = tuple(p[len(inside):].split(".", 1)[1] + "." for p, r in plan.rules.items()
+                  if p.startswith(inside) and "." in p[len(inside):] and r["style"] == "moe")
     first = model.get_submodule(layers + ".0")
     rules[layers + ".0"] = {"style": "sequence_scatter"}
     for name, module in first.named_modules():
+        if whole and name.startswith(whole):  # an MoE layer runs on the whole sequence
+            continue
         if name and name not in targeted and any(True for _ in module.parameters(recurse=False)):
             rules[f"{layers}.*.{name}"] = {"style": "sequence_partial"}
     rules[final_norm] = {"style": "sequence_gather"}
@@ -109,8 +116,11 @@ def check_partial_marked(model: nn.Module) -> None:
     the final norm sees only this rank's tokens, so each must be marked for the TP sum (an internal
     invariant: a plan rule missing would silently leave a partial gradient)."""
     layers, final_norm = sequence_parallel_layout(model)
+    whole = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FullSequenceRegion))
     for name, p in model.named_parameters():
         inside = name.startswith(layers + ".") or name.startswith(final_norm + ".")
+        if whole and name.startswith(whole):  # run on every token: a complete gradient
+            continue
         if inside and shard_spec(p) is None and not is_partial(p):
             raise AssertionError(f"sequence parallelism: replicated parameter {name} is used on "
                                  f"a share of the tokens but its gradient is not summed over TP")

@@ -108,7 +108,7 @@ from ..layers.moe import ParallelExperts, to_expert_parallel
 from ..layers.overlap_policy import OverlapPolicy
 from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
                                       ChunkedRowOutput, ChunkedRowScatter, FedColumn, as_variant)
-from ..layers.regions import (CopyToTPRegion, GatherInput, GatherSequenceOutput,
+from ..layers.regions import (CopyToTPRegion, FullSequenceRegion, GatherInput, GatherSequenceOutput,
                               GatherSequenceRegion, ReduceOutput, RegatherSequenceRegion,
                               RopeGradRegion, ScatterSequence)
 from ..layers.sequence_parallel import SequenceParallelRowLinear, mark_partial
@@ -231,8 +231,9 @@ def shard_param(owner, ctx, model, *, param, dim=0):
     return owner
 
 
-def moe(module, ctx, model, *, hf_experts=False):
-    return HFExperts.from_dense(module, ctx) if hf_experts else to_expert_parallel(module, ctx)
+def moe(module, ctx, model, *, hf_experts=False, sequence=False):
+    layer = HFExperts.from_dense(module, ctx) if hf_experts else to_expert_parallel(module, ctx)
+    return FullSequenceRegion.wrap(layer, ctx.tp_group) if sequence else layer
 
 
 def sequence_scatter(module, ctx, model):
@@ -329,8 +330,9 @@ def rowwise_sequence_chunked(module, ctx, model, *, overlap="auto", chunks=2):
                       overlap=_policy(ctx, overlap, chunks))
 
 
-def moe_chunked(module, ctx, model, *, hf_experts=False, overlap="auto", chunks=2):
-    layer = moe(module, ctx, model, hf_experts=hf_experts)
+def moe_chunked(module, ctx, model, *, hf_experts=False, sequence=False, overlap="auto",
+                chunks=2):
+    layer = moe(module, ctx, model, hf_experts=hf_experts, sequence=sequence)
     experts = layer if isinstance(layer, ParallelExperts) else layer.experts
     experts.overlap = _policy(ctx, overlap, chunks)
     return layer

@@ -36,9 +36,8 @@ class GradReducers:
         end of the first backward that gives it a gradient, to ``adopt(params) -> [reducers]``:
         they reduce that gradient at once and join the chain (or ``adopt`` raises, naming it) —
         never left silently local."""
-        self._model = weakref.ref(model)
-        self._covered = {p for p in model.parameters() if p.requires_grad}
-        self._adopt = adopt
+        self._model, self._adopt = weakref.ref(model), adopt
+        self._cover()
 
     def _late(self) -> list:
         model = self._model() if self._model is not None else None
@@ -58,6 +57,12 @@ class GradReducers:
         for r in new:
             r.chain = self
         self._reducers[at:at] = new
+        self._cover()  # a preparation step (ZeRO, FSDP2) changed the chain: what trains now
+
+    def _cover(self) -> None:
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            self._covered = {p for p in model.parameters() if p.requires_grad}
 
     def replace(self, old: BucketedReducer, new: list[BucketedReducer]) -> None:
         """Put ``new`` where ``old`` was (``old``'s hooks are removed)."""

@@ -116,7 +116,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
             check_partial_marked(model)
     elif ctx.ep_size > 1:  # experts only
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items()
-                                if r["style"] in ("moe", "moe_chunked")}), ctx)
+                                if r["style"] == "moe"}), ctx)
     if options.moe_statistics == "global":
         use_global_statistics(model, ctx)
     if materialize is not None:

@@ -49,10 +49,30 @@ KNOWN_LIMITS = {
     ("zero2", "zero3"): "both set --zero",
     ("recompute-selective", "recompute-full"): "both set --recompute",
 }
+# What the matrix does not show, listed with it in docs/composition.md.
+LIMITS = (
+    "`train --model DIR` (a Hugging Face checkpoint) is not a column of the matrix; its options are "
+    "the same code paths (`tests/test_finetune.py`, `tests/parallelize/test_lora_hf.py`).",
+    "`train --model DIR --dropout P` is refused in one line: Hugging Face models keep their "
+    "config's dropout (one-device masks for Hugging Face families are not done).",
+    "ZeRO-3 leaves the parameters with partial gradients whole (SP norms, KV replicas, LoRA's "
+    "replicated factors): exact, averaged by our own reducer, but not sharded.",
+    "`sequence_parallel=\"regather\"` entries stay unchunked under `--overlap` (the exits and "
+    "the experts run in chunks).",
+    "MoE under sequence parallelism all-gathers its input and cuts its output (one all-gather "
+    "per direction more than a reduce-scatter exit); the cell is exact.",
+    "The `moe-ep` column uses `--moe-statistics global`; with the default `local` MoE at "
+    "dp × ep > 1 differs from one process by design (docs/moe.md).",
+)
 # int8 cache: each rank quantises its own shard of a saved activation (blocks of 128 values), so
 # at tp 2 the blocks, hence the rounding, differ from tp 1's: after the first step the weights
 # differ by that rounding (the int8 tests bound it per tensor); the losses stay within 1e-3.
 INT8_LOSS = 1e-3
+# int8 cache with fp16: measured step-3 losses 4.5131 (tp 2), 4.5361 (tp 1), 4.5121 (int8 alone at
+# tp 1 and 2, fp16 alone): the int8 rounding of fp16 activations moves the tp-1 run itself 5e-3
+# from the others, while tp 2 stays within 3e-4 of them — the reference is the outlier. Bounded by
+# 1e-2 (bf16's own loss bound is 5e-3).
+INT8_16BIT_LOSS = 1e-2
 
 
 def cell_config(pair: tuple[str, ...], tp: int) -> tuple[TrainConfig, int]:
@@ -100,7 +120,9 @@ def bound(pair) -> float:
     precision = next((FEATURES[n]["precision"] for n in pair if "precision" in FEATURES[n]),
                      "fp32")
     tol = tolerance_for(precision).loss
-    return max(tol, INT8_LOSS) if "int8-cache" in pair else tol
+    if "int8-cache" not in pair:
+        return tol
+    return INT8_LOSS if precision == "fp32" else INT8_16BIT_LOSS
 
 
 def check_cell(pair, run_ranks) -> None:
@@ -148,7 +170,8 @@ def write_table(path: Path) -> None:
              "cell runs `train` for 3 steps on the tiny presets with both features at tp 2 "
              "(dp 2 × tp 2 with ZeRO, tp 2 × ep 2 with MoE) and compares every step's loss with "
              "the same options at tp 1 (fp32: 1e-5 relative; bf16/fp16: the loss bound of "
-             "`check`; with the int8 cache 1e-3, see `tests/test_composition.py`). ✓: equal "
+             "`check`; with the int8 cache 1e-3, with int8 and 16 bits 1e-2, explained in "
+             "`tests/test_composition.py`). ✓: equal "
              "within the bound; a refusal is its one-line message.", "",
              "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for a in names:
@@ -156,12 +179,18 @@ def write_table(path: Path) -> None:
         for b in names:
             pair = (a,) if a == b else tuple(sorted((a, b), key=names.index))
             text = cells[pair]
-            row.append("✓" if text == "✓" else ("refused" if text.startswith("refused") else text))
+            same_flag = text.startswith("refused") and "both set" in text
+            row.append("— (one flag)" if same_flag else
+                       "refused" if text.startswith("refused") else text)
         lines.append(f"| **{a}** | " + " | ".join(row) + " |")
     refusals = sorted({v for v in cells.values() if v.startswith("refused")})
-    lines += ["", "## Known limits (the refused cells)", ""]
+    lines += ["", "## Refused cells", "",
+              "Each is two values of one flag (not a pair of features); no pair of features is "
+              "refused.", ""]
     lines += [f"- {', '.join('+'.join(p) for p, v in cells.items() if v == r)}: "
               f"{r[len('refused: '):]}" for r in refusals] or ["- none"]
+    lines += ["", "## Known limits (not in the matrix, or not exact in every resource)", "",
+              *(f"- {line}" for line in LIMITS)]
     path.write_text("\n".join(lines) + "\n")
 
 

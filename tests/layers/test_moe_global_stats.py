@@ -6,31 +6,17 @@ for); one all-gather of ``E + 1`` counts per MoE layer and forward."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from helpers import assert_rel
 from ops_transformer import GPT, CommLedger, gather_full_state_dict, init_parallel, parallelize
 from ops_transformer.models import preset
-
-B, T, STEPS = 4, 16, 3
-
-
-def _batches():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 256, (B, T + 1), generator=g) for _ in range(STEPS)]
+from test_moe import B, T, _batches, moe_model
 
 
 def _train(tp, ep, dp, capacity, statistics):
-    parallel = int(os.environ["WORLD_SIZE"]) > 1
-    ctx = init_parallel(tp=tp, ep=ep, dp=dp) if parallel else init_parallel()
-    cfg = preset("moe-tiny", max_seq_len=T, moe_capacity_factor=capacity)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    if parallel:
-        model = parallelize(model, ctx, moe_statistics=statistics)
+    ctx, model, _ = moe_model(tp, ep, dp, capacity, moe_statistics=statistics)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rows = B // ctx.dp_ep_size
     losses, calls = [], None

@@ -274,3 +274,37 @@ def test_lora_after_default_parallelize_equals_tp1(run_ranks):
     assert_rel(torch.tensor(losses2), torch.tensor(losses1), what="losses")
     for name, value in adapters1.items():
         assert_rel(adapters2[name], value, what=name)
+
+
+def _lora_as_an_option(inside):
+    ctx = init_parallel(tp=2)
+    torch.manual_seed(0)
+    if inside:  # one ordered preparation: the reducers are built once, over the adapters
+        model = parallelize(GPT(CFG), ctx, lora={"rank": RANK, "alpha": ALPHA})
+    else:
+        model = lora(parallelize(GPT(CFG), ctx), ctx, rank=RANK, alpha=ALPHA)
+    dp_params = sum(p.numel() for r in model.parallel_state.reducers if r.name == "dp"
+                    for b in r.buckets for p in b.params)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    rows = slice(ctx.dp_rank * B // ctx.dp_size, (ctx.dp_rank + 1) * B // ctx.dp_size)
+    for batch in _batches()[:2]:
+        model(batch[rows, :-1], batch[rows, 1:])[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return _adapters(model, ctx), model.parallel_state.lora, dp_params, trainable
+
+
+def test_lora_as_a_parallelize_option_equals_ot_lora(run_ranks):
+    """Issue 33: ``parallelize(..., lora={...})`` adds the adapters after the plan and before the
+    gradient reducers, which it builds once over the adapters alone (dp 2 × tp 2); the same
+    adapters as ``ot.lora`` afterwards."""
+    inside = run_ranks(_lora_as_an_option, 4, True)[0]
+    after = run_ranks(_lora_as_an_option, 4, False)[0]
+    assert inside[1] == after[1] and inside[2] == inside[3] == after[2]
+    for name, value in after[0].items():
+        assert_rel(inside[0][name], value, what=name)
+    from ops_transformer import ParallelOptions
+
+    with pytest.raises(ValueError, match="lora: rank must be a positive integer, got 0"):
+        ParallelOptions(lora={"rank": 0})

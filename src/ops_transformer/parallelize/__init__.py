@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import itertools
 import logging
 
@@ -10,24 +10,21 @@ import torch
 from torch import nn
 
 from ..layers.loss import vocab_parallel_cross_entropy
-from ..layers.moe import scale_expert_grads, split_expert_params
 from ..layers.moe_stats import use_global_statistics
 from ..memory.apply import apply_memory_options
 from ..models.gpt import GPT
 from ..models.hf import is_hf
-from ..comm.bucketing import partial_grad_group
-from ..parallel.grad_reduce import GradSums, GradSync
-from ..parallel.grad_shard import FSDPGradSync, ReduceScatterGradSync
-from ..parallel.state import GradReducers, ParallelState, no_sync
+from ..parallel.state import ParallelState, no_sync
 from ..planner.search import chosen_layout, is_planner_output
-from ..precision.policy import resolve_grad_reduce_dtype
 from .dropout import apply_dropout
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
+from .lora import add_lora
 from .moe_plan import check_expert_parallel
 from .options import ParallelOptions
 from .overlap_plan import overlap_plan
 from .plan import Plan, apply_plan
+from .reducers import gradient_reducers
 from .sequence_plan import check_partial_marked, sequence_parallel_plan
 
 log = logging.getLogger("ops_transformer")
@@ -86,7 +83,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     or its dict, or a planner result (:func:`resolve_plan`). ``options``: a
     :class:`ParallelOptions` (attention, vocabulary split, loss parallelism, sequence parallelism,
     recompute, activation cache, gradient-reduction dtype and bucket size, ``tp_plan``, overlap
-    and its ``chunks``); keyword
+    and its ``chunks``, MoE statistics, LoRA adapters added before the reducers); keyword
     arguments named like its fields build it or change it. Hugging Face models return what the
     unsharded model returns (full logits, so ``generate`` works), unless ``loss_parallel``.
     What was applied is ``model.parallel_state`` (plan, options, gradient reducers);
@@ -117,11 +114,11 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     elif ctx.ep_size > 1:  # experts only
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items()
                                 if r["style"] == "moe"}), ctx)
-    if options.moe_statistics == "global":
-        use_global_statistics(model, ctx)
     if materialize is not None:
         materialize(model)
-    model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options))
+    adapters = adapt_layers(model, ctx, options)  # MoE statistics, LoRA: before the reducers
+    model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options),
+                                         lora=adapters)
     model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
     apply_dropout(model, ctx, attention=resolved.attention,  # before recompute wraps the core
                   sequence_parallel=bool(options.sequence_parallel) and ctx.tp_size > 1)
@@ -130,6 +127,17 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
              ctx.ep_size, resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model
+
+
+def adapt_layers(model: nn.Module, ctx, options: ParallelOptions):
+    """The changes to the parallel layers that come before the gradient reducers, in order: MoE
+    statistics over the global batch, then the LoRA adapters of ``options.lora`` (their
+    :class:`~.lora.LoRAConfig`, or ``None``)."""
+    if options.moe_statistics == "global":
+        use_global_statistics(model, ctx)
+    if options.lora is None:
+        return None
+    return add_lora(model, ctx, **dataclasses.asdict(options.lora))
 
 
 def check_model_device(model: nn.Module, ctx) -> None:
@@ -145,49 +153,6 @@ def check_model_device(model: nn.Module, ctx) -> None:
         raise ValueError(f"the model's {name} is on {here}, but ctx.device is {want}: move the "
                          f"model there first (model.to(ctx.device)) or build it on 'meta' and "
                          f"pass materialize=")
-
-
-def gradient_reducers(model: nn.Module, ctx, options: ParallelOptions,
-                      params=None) -> GradReducers:
-    """The model's gradient reductions, in the order they finish: data-parallel averaging of the
-    dense parameters over ``dp × ep`` (EP ranks read different micro-batches, like DP ranks) and of
-    the experts over ``dp``, then the sums of the partial gradients the plan marked. Frozen
-    parameters (``requires_grad=False``: a LoRA model's base) get none; one unfrozen later is
-    reduced from its first backward on (:meth:`GradReducers.watch`). ``params``: only these."""
-    dtype = resolve_grad_reduce_dtype(model, options.grad_reduce_dtype)
-    buckets, reducers = options.bucket_bytes, GradReducers()
-    chosen = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
-    if ctx.dp_ep_size > 1:
-        dense, experts = split_expert_params(chosen)
-        scale_expert_grads(experts, ctx.ep_size)
-        if params is not None and ctx.ep_size > 1:  # adopted late: this backward's, unscaled
-            for p in experts:
-                p.grad.div_(ctx.ep_size)
-        group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
-        reducers.append(GradSync(dense, group, bucket_bytes=buckets, reduce_dtype=dtype))
-        if experts and ctx.dp_size > 1:
-            reducers.append(GradSync(experts, ctx.dp_group, bucket_bytes=buckets,
-                                     reduce_dtype=dtype, name="dp_experts"))
-    pairs = [(p, partial_grad_group(p)) for p in dict.fromkeys(chosen)
-             if partial_grad_group(p) is not None]
-    if pairs:
-        reducers.append(GradSums(pairs, dtype=dtype, bucket_bytes=buckets))
-    if params is None:
-        reducers.watch(model, functools.partial(_adopt_late, model, ctx, options, reducers))
-    return reducers
-
-
-def _adopt_late(model: nn.Module, ctx, options: ParallelOptions, chain: GradReducers,
-                late: list) -> list:
-    """The reducers of parameters made trainable after preparation (:meth:`GradReducers.watch`);
-    refused in one line, naming them, once the data-parallel state is sharded (ZeRO-2/3 built it
-    over the parameters trainable then)."""
-    if any(isinstance(r, (ReduceScatterGradSync, FSDPGradSync)) for r in chain):
-        names = [n for n, p in model.named_parameters() if any(p is q for q in late)]
-        raise RuntimeError(f"{', '.join(names)}: requires_grad was turned on after ZeRO sharded "
-                           f"the gradients over the parameters trainable then; set it before "
-                           f"ot.zero_optimizer / ot.shard_parameters (or train --zero 2/3)")
-    return list(gradient_reducers(model, ctx, options, params=late))
 
 
 def _parallel_loss(model: nn.Module, ctx, plan: Plan, loss_parallel: bool) -> None:

@@ -35,6 +35,37 @@ MOE_STATISTICS = ("local", "global")
 log = logging.getLogger("ops_transformer")
 
 
+def check_lora_args(rank, alpha, dropout) -> float:
+    """``rank`` ≥ 1, ``alpha`` > 0, ``0 ≤ dropout < 1``; returns ``alpha`` (``None``: ``rank``)."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"lora: rank must be a positive integer, got {rank!r}")
+    alpha = rank if alpha is None else alpha
+    if not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ValueError(f"lora: alpha must be a positive number (default: the rank), got "
+                         f"{alpha!r}")
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"lora: dropout must be in [0, 1), got {dropout!r}")
+    return alpha
+
+
+@dataclass(frozen=True)
+class LoRAOptions:
+    """The LoRA section of :class:`ParallelOptions` (``parallelize(..., lora={"rank": 8})``): the
+    arguments of :func:`~ops_transformer.lora`, applied inside ``parallelize`` after the plan and
+    before the gradient reducers are built — once, over the adapters."""
+
+    rank: int
+    alpha: float | None = None
+    targets: tuple[str, ...] | str | None = None
+    dropout: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        check_lora_args(self.rank, self.alpha, self.dropout)
+        if isinstance(self.targets, list):
+            object.__setattr__(self, "targets", tuple(self.targets))
+
+
 @dataclass(frozen=True)
 class ParallelOptions:
     """What ``parallelize`` does besides applying the plan.
@@ -69,6 +100,9 @@ class ParallelOptions:
       differs from one process) or ``global`` (the global batch, from one all-gather of the
       expert counts per layer over ``dp × ep``: equal to one process;
       :mod:`ops_transformer.layers.moe_stats`).
+    * ``lora`` — LoRA adapters added inside ``parallelize`` (a :class:`LoRAOptions` or its
+      dict: ``rank``, ``alpha``, ``targets``, ``dropout``, ``seed``), every other weight frozen,
+      before the gradient reducers are built; ``None``: none (``ot.lora`` adds them afterwards).
     * ``tp_plan`` — Hugging Face style names (``{pattern: style}``, as in ``transformers``) merged
       over a Hugging Face model's own plan and translated (``plan="auto"`` only).
     """
@@ -85,6 +119,7 @@ class ParallelOptions:
     overlap: str = "auto"
     chunks: int = 2
     moe_statistics: str = "local"
+    lora: LoRAOptions | None = None
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -101,6 +136,11 @@ class ParallelOptions:
             raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise ValueError(f"chunks must be an integer >= 1, got {self.chunks!r}")
+        if isinstance(self.lora, Mapping):
+            object.__setattr__(self, "lora", LoRAOptions(**self.lora))
+        if self.lora is not None and not isinstance(self.lora, LoRAOptions):
+            raise ValueError(f"lora must be None, a LoRAOptions or its dict (rank=, alpha=, "
+                             f"targets=, dropout=, seed=), got {type(self.lora).__name__}")
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
             raise ValueError(f"tp_plan must be a {{pattern: style}} dict, got "
                              f"{type(self.tp_plan).__name__}")

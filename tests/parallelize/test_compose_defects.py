@@ -122,3 +122,56 @@ def test_input_without_grad_needs_no_entry_collective(run_ranks, layout):
         assert none == {"all_reduce": 1}
     else:  # gather in, reduce-scatter out; backward: the exit's all-gather; the bias sums
         assert none["reduce_scatter"] == 1 and none["all_gather"] == 2
+
+
+def test_train_flags_dropout_and_moe_statistics():
+    """Issue 33: ``train --dropout P`` (it had no flag) and ``--moe-statistics``; a Hugging Face
+    model keeps its own dropout (refused in one line)."""
+    import argparse
+
+    from ops_transformer.cli.train import add_parser, config_from_args
+    from ops_transformer.train import TrainConfig, validate
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser)
+    args = parser.parse_args(["--dropout", "0.1", "--moe-statistics", "global"])
+    cfg = config_from_args(args, "train")
+    assert (cfg.dropout, cfg.moe_statistics) == (0.1, "global")
+    assert cfg.model_config().dropout == 0.1
+    assert cfg.parallel_options().moe_statistics == "global"
+    assert TrainConfig().model_config().dropout == 0.0  # the preset's own
+    with pytest.raises(ValueError, match=r"--dropout must be in \[0, 1\), got 1.5"):
+        validate(TrainConfig(dropout=1.5), 1)
+    with pytest.raises(ValueError, match="--moe-statistics|moe_statistics must be one of"):
+        validate(TrainConfig(moe_statistics="batch"), 1)
+
+
+def _style_options():
+    from ops_transformer.layers import ColumnParallelLinear, RowParallelLinear
+
+    ctx = init_parallel(tp=2)
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for chunks in (1, 2):
+        torch.manual_seed(0)
+        plan = {"fc1": {"style": "colwise", "entry": "copy", "chunks": chunks},
+                "fc2": {"style": "rowwise", "exit": "all_reduce", "chunks": chunks}}
+        model = parallelize(MLP(), ctx, plan, overlap="none")
+        with CommLedger() as ledger:
+            model(x.clone().requires_grad_()).pow(2).sum().backward()
+        out[chunks] = ({n: p.grad for n, p in model.named_parameters()},
+                       {k: v["calls"] for k, v in ledger.summary().items()},
+                       (type(model.fc1) is ColumnParallelLinear,
+                        type(model.fc2) is RowParallelLinear))
+    return out
+
+
+def test_one_chunk_is_the_plain_layer(run_ranks):
+    """Issue 33: the communicating kinds take ``chunks``; ``chunks=1`` is the plain column / row
+    layer (their own classes), ``chunks=2`` the chunked collective matmul — the same gradients,
+    each collective in two calls."""
+    out = run_ranks(_style_options, 2)[0]
+    assert out[1][2] == (True, True) and out[2][2] == (False, False)
+    assert out[1][1] == {"all_reduce": 2} and out[2][1] == {"all_reduce": 4}
+    for name, grad in out[1][0].items():
+        assert_rel(out[2][0][name], grad, what=name)

@@ -56,8 +56,8 @@ def region_columns(rules: dict) -> dict[str, list[str]]:
 
 def _chunked_rule(pattern: str, rule: dict, columns: dict, fed: set, extra: dict) -> dict:
     style = rule["style"]
-    if rule.get("regather") or rule.get("overlap", "none") != "none" or rule.get("fed"):
-        return rule  # re-gathering entries stay unchunked; a rule's own overlap wins
+    if rule.get("regather") or rule.get("fed") or "overlap" in rule or "chunks" in rule:
+        return rule  # re-gathering entries stay unchunked; a rule's own overlap / chunks win
     if pattern in columns:
         return {**rule, "columns": columns[pattern], **extra}
     if pattern in fed:

@@ -166,17 +166,37 @@ def _check_choice(style: str, name: str, value, choices) -> None:
         raise ValueError(f"{style}: {name} must be one of {choices}, got {value!r}")
 
 
+_ENTRIES = {"copy": "copy", "all_reduce": "copy", "sequence": "sequence", "all_gather": "sequence"}
+
+
+def _entry_of(style: str, entry: str) -> str:
+    """``copy`` (alias ``all_reduce``: its backward collective) or ``sequence`` (alias
+    ``all_gather``: its forward one)."""
+    _check_choice(style, "entry", entry, tuple(_ENTRIES))
+    return _ENTRIES[entry]
+
+
+def _overlap_of(style: str, overlap, chunks) -> str:
+    """The chunking mode: ``overlap`` as given, or (``None``) ``chunked`` when ``chunks > 1``
+    and ``none`` for one chunk — one chunk is the plain layer."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{style}: chunks must be an integer >= 1, got {chunks!r}")
+    if overlap is None:
+        return "chunked" if chunks > 1 else "none"
+    _check_choice(style, "overlap", overlap, ("none", "chunked", "auto"))
+    return overlap
+
+
 def colwise(module, ctx, model, *, sub_blocks=None, kv_heads=None, reduce_input_grad=True,
             gather_output=False, pad=False, entry="copy", regather=False, fed=False,
-            overlap="none", chunks=2):
+            overlap=None, chunks=1):
     """``entry``: how the layer's input enters the region — ``copy`` (replicated; backward
     all-reduce of the input gradient, none with ``reduce_input_grad=False``: a region reduces
     it) or ``sequence`` (all-gathered from the sequence-parallel layout, backward
     reduce-scatter); ``regather``: keep no input for backward (all-gather the share again
     there); ``fed``: the layer's output comes from its region's collective matmul; ``overlap``
     ``chunked``/``auto``: the layer is its own chunked entry (``chunks``)."""
-    _check_choice("colwise", "entry", entry, ("copy", "sequence"))
-    _check_choice("colwise", "overlap", overlap, ("none", "chunked", "auto"))
+    entry, overlap = _entry_of("colwise", entry), _overlap_of("colwise", overlap, chunks)
     if fed:
         return as_variant(_column_layer(module, ctx, sub_blocks, kv_heads, False, pad=pad),
                           FedColumn)
@@ -193,12 +213,12 @@ def colwise(module, ctx, model, *, sub_blocks=None, kv_heads=None, reduce_input_
 
 
 def rowwise(module, ctx, model, *, input_is_parallel=True, pad=False, sub_blocks=None,
-            exit="all_reduce", overlap="none", chunks=2):
+            exit="all_reduce", overlap=None, chunks=1):
     """``exit``: the output's collective, ``all_reduce`` (replicated output) or
     ``reduce_scatter`` (this rank's share of the sequence: :class:`SequenceParallelRowLinear`);
     ``overlap`` ``chunked``/``auto``: the matmul and that collective in ``chunks``."""
     _check_choice("rowwise", "exit", exit, ("all_reduce", "reduce_scatter"))
-    _check_choice("rowwise", "overlap", overlap, ("none", "chunked", "auto"))
+    overlap = _overlap_of("rowwise", overlap, chunks)
     _linear(module)
     if exit == "reduce_scatter":
         layer = SequenceParallelRowLinear.from_dense(module, ctx)
@@ -233,13 +253,12 @@ def attrs(module, ctx, model, *, set=None):
 
 
 def region(module, ctx, model, *, set=None, entry="copy", regather=False, columns=None,
-           overlap="none", chunks=2):
+           overlap=None, chunks=1):
     """``entry``: ``copy`` (one ``copy_to_tp_region`` on the input: a backward all-reduce for
     the column children) or ``sequence`` (all-gather of the tokens; backward reduce-scatter;
     ``regather``: only this rank's share kept); ``overlap`` ``chunked``/``auto``: the entry and
     its ``columns`` children (``fed`` column layers) as one collective matmul in ``chunks``."""
-    _check_choice("region", "entry", entry, ("copy", "sequence"))
-    _check_choice("region", "overlap", overlap, ("none", "chunked", "auto"))
+    entry, overlap = _entry_of("region", entry), _overlap_of("region", overlap, chunks)
     module = attrs(module, ctx, model, set=set)
     if overlap != "none" and not regather:
         if not columns:
@@ -304,11 +323,11 @@ def shard_param(owner, ctx, model, *, param, dim=0):
     return owner
 
 
-def moe(module, ctx, model, *, hf_experts=False, sequence=False, overlap="none", chunks=2):
+def moe(module, ctx, model, *, hf_experts=False, sequence=False, overlap=None, chunks=1):
     """``sequence``: under sequence parallelism the layer runs on the gathered sequence
     (:class:`FullSequenceRegion`); ``overlap`` ``chunked``/``auto``: dispatch and combine in
     ``chunks``."""
-    _check_choice("moe", "overlap", overlap, ("none", "chunked", "auto"))
+    overlap = _overlap_of("moe", overlap, chunks)
     layer = HFExperts.from_dense(module, ctx) if hf_experts else to_expert_parallel(module, ctx)
     if overlap != "none":
         experts = layer if isinstance(layer, ParallelExperts) else layer.experts
@@ -342,21 +361,22 @@ STYLES = {style.__name__: style for style in (
     embed_colwise, grad_allreduce, reduce_out, mla_kv_a, shard_param, moe, sequence)}
 # The renamed variants of earlier versions, mapped once when a plan is built (a deprecation
 # note in the log): a variant is an option value of its kind.
+_AUTO = {"overlap": "auto", "chunks": 2}  # what the earlier chunked styles defaulted to
 LEGACY_STYLES = {
     "colwise_sequence": ("colwise", {"entry": "sequence"}),
     "colwise_regather": ("colwise", {"regather": True}),
     "colwise_sequence_regather": ("colwise", {"entry": "sequence", "regather": True}),
     "colwise_fed": ("colwise", {"fed": True}),
-    "colwise_chunked": ("colwise", {"overlap": "auto"}),
-    "colwise_sequence_chunked": ("colwise", {"entry": "sequence", "overlap": "auto"}),
+    "colwise_chunked": ("colwise", _AUTO),
+    "colwise_sequence_chunked": ("colwise", {"entry": "sequence", **_AUTO}),
     "rowwise_sequence": ("rowwise", {"exit": "reduce_scatter"}),
-    "rowwise_chunked": ("rowwise", {"overlap": "auto"}),
-    "rowwise_sequence_chunked": ("rowwise", {"exit": "reduce_scatter", "overlap": "auto"}),
+    "rowwise_chunked": ("rowwise", _AUTO),
+    "rowwise_sequence_chunked": ("rowwise", {"exit": "reduce_scatter", **_AUTO}),
     "sequence_region": ("region", {"entry": "sequence"}),
     "sequence_region_regather": ("region", {"entry": "sequence", "regather": True}),
-    "region_chunked": ("region", {"overlap": "auto"}),
-    "sequence_region_chunked": ("region", {"entry": "sequence", "overlap": "auto"}),
-    "moe_chunked": ("moe", {"overlap": "auto"}),
+    "region_chunked": ("region", _AUTO),
+    "sequence_region_chunked": ("region", {"entry": "sequence", **_AUTO}),
+    "moe_chunked": ("moe", _AUTO),
     "sequence_scatter": ("sequence", {"kind": "scatter"}),
     "sequence_gather": ("sequence", {"kind": "gather"}),
     "sequence_partial": ("sequence", {"kind": "partial"}),

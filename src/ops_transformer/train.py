@@ -95,25 +95,31 @@ class TrainConfig:
     lora_alpha: float | None = None  # None: the rank (scaling 1)
     lora_targets: tuple[str, ...] | None = None  # module names / fnmatch patterns; None: default
     lora_dropout: float = 0.0
+    dropout: float | None = None  # the preset's dropout probability (None: the preset's own)
+    moe_statistics: str = ParallelOptions.moe_statistics  # MoE capacity / aux loss: "local"
+    #                                                       per rank, or over the "global" batch
 
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
         policy's ``grad_reduce_dtype``)."""
         return ParallelOptions(attention=self.attention, sequence_parallel=self.sequence_parallel,
                                recompute=self.recompute, activation_cache=self.activation_cache,
-                               overlap=self.overlap_mode, chunks=self.chunks, **more)
+                               overlap=self.overlap_mode, chunks=self.chunks,
+                               moe_statistics=self.moe_statistics, **more)
 
     @property
     def overlap_mode(self) -> str:
-        """``overlap``, except ``auto`` with LoRA: ``none`` (adapters do not combine with chunked
-        collective matmuls; ``--overlap chunked`` with ``--lora-rank`` is refused)."""
-        return "none" if self.lora_rank is not None and self.overlap == "auto" else self.overlap
+        """``overlap`` (kept as a name for earlier readers: LoRA adapters now run inside the
+        chunked collective matmuls, so every mode combines with ``--lora-rank``)."""
+        return self.overlap
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
         changes = {"max_seq_len": max(base.max_seq_len, self.seq)}
         if self.layers is not None:
             changes["n_layers"] = self.layers
+        if self.dropout is not None:
+            changes["dropout"] = self.dropout
         return base.with_(**changes)
 
 
@@ -127,6 +133,13 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be positive, got {cfg.lr}")
     precision_policy(cfg.precision)  # names the valid choices
+    if cfg.dropout is not None and not (isinstance(cfg.dropout, (int, float))
+                                        and 0.0 <= cfg.dropout < 1.0):
+        raise ValueError(f"--dropout must be in [0, 1), got {cfg.dropout!r}")
+    if cfg.dropout and cfg.model:
+        raise ValueError("--dropout sets a reference preset's dropout; a Hugging Face model "
+                         "(--model) keeps its config's (one-device masks for Hugging Face "
+                         "families are not done: docs/composition.md)")
     if cfg.clip_grad is not None and not cfg.clip_grad > 0:
         raise ValueError(f"--clip-grad must be positive, got {cfg.clip_grad}")
     ckpt.check_options(cfg)
@@ -152,9 +165,6 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     except ValueError as exc:  # "chunks must be ..." → "--chunks must be ..."
         name, _, rest = str(exc).partition(" ")
         raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
-    if cfg.lora_rank is not None and cfg.overlap == "chunked":
-        raise ValueError("--overlap chunked does not combine with --lora-rank (LoRA adapters ride "
-                         "on the layers' own matmuls): use --overlap none or auto")
     finetune.check_lora(cfg, model_cfg)
     if cfg.model:
         finetune.check_data(cfg, model_cfg, say=say)

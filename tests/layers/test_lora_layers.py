@@ -78,15 +78,15 @@ def _split(ledger):
     return parts
 
 
-def _run(tp, dropout):
+def _run(tp, dropout, overlap="none"):
     ctx = init_parallel(tp=tp)
     torch.manual_seed(0)
     dense = Net()
     torch.manual_seed(0)
-    base = parallelize(Net(), ctx, PLAN, overlap="none")
+    base = parallelize(Net(), ctx, PLAN, overlap=overlap, chunks=2)
     torch.manual_seed(0)
-    model = lora(parallelize(Net(), ctx, PLAN, overlap="none"), ctx, rank=RANK, alpha=ALPHA, targets=TARGETS,
-                 dropout=dropout)
+    model = lora(parallelize(Net(), ctx, PLAN, overlap=overlap, chunks=2), ctx, rank=RANK,
+                 alpha=ALPHA, targets=TARGETS, dropout=dropout)
     factors = _factors()
     for name, (a, b) in factors.items():
         set_from_dense(model.get_submodule(name).lora_A.weight, a)
@@ -123,6 +123,17 @@ def _run(tp, dropout):
     # the averaging's all-reduce: the gradients and one presence flag per parameter (issue 24:
     # a parameter without a gradient on every rank keeps grad None)
     return ledgers, sum(p.numel() for p in trained) + len(trained)
+
+
+@pytest.mark.parametrize("tp,world,dropout", [(2, 2, 0.0), (2, 2, 0.2), (4, 4, 0.0)])
+def test_lora_inside_chunked_collective_matmuls(run_ranks, tp, world, dropout):
+    """Issue 33: under ``overlap="chunked"`` the adapters run inside the fused ops (a column's
+    adapter on the op's input, its input gradient in the op's chunked all-reduce; a row's split
+    ``A`` as ``rank`` more columns of the exit matmul): the same dense reference, and the forward
+    still moves exactly the base model's collectives."""
+    ledgers, _ = run_ranks(_run, world, tp, dropout, "chunked")[0]
+    assert ledgers["lora"][0] == ledgers["base"][0]
+    assert ledgers["lora"][1].get("activations") == ledgers["base"][1].get("activations")
 
 
 def _replicated_elements():

@@ -231,14 +231,18 @@ def test_moe_cost_equals_the_ledger(run_ranks):
 
 # --- the model: 3 SGD steps against the single-device MoE -------------------------------------
 
-def _train(tp, ep, dp, capacity, clip=None):
+def moe_model(tp, ep, dp, capacity, **options):
+    """``(ctx, model, parallel)``: ``moe-tiny`` (seed 0), parallelised when there are ranks."""
     parallel = int(os.environ["WORLD_SIZE"]) > 1
     ctx = init_parallel(tp=tp, ep=ep, dp=dp) if parallel else init_parallel()
     cfg = preset("moe-tiny", max_seq_len=T, moe_capacity_factor=capacity)
     torch.manual_seed(0)
     model = GPT(cfg)
-    if parallel:
-        model = parallelize(model, ctx)
+    return ctx, (parallelize(model, ctx, **options) if parallel else model), parallel
+
+
+def _train(tp, ep, dp, capacity, clip=None):
+    ctx, model, parallel = moe_model(tp, ep, dp, capacity)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     micro = dp * ep  # without ranks: the reference, fed every micro-batch, gradients averaged
     losses, dropped = [], []

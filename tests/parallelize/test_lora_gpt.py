@@ -204,11 +204,11 @@ def test_parallelize_and_lora_keep_eval_mode(run_ranks):
     assert run_ranks(_eval_mode_kept, 2)[0] == []
 
 
-def _sequence_parallel(mode):
+def _sequence_parallel(mode, overlap="none"):
     ctx = init_parallel(tp=2)
     torch.manual_seed(0)
-    model = lora(parallelize(GPT(CFG), ctx, overlap="none", attention="heads", sequence_parallel=mode), ctx,
-                 rank=RANK)
+    model = lora(parallelize(GPT(CFG), ctx, overlap=overlap, chunks=2, attention="heads",
+                             sequence_parallel=mode), ctx, rank=RANK)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # B non-zero, so that every factor gets a gradient
         for p in model.parameters():
@@ -229,3 +229,82 @@ def test_lora_under_sequence_parallelism_and_regather(run_ranks):
     assert grads.keys() == grads_rg.keys() and len(grads) == 24
     for name in grads:
         assert_rel(grads_rg[name], grads[name], what=name)
+
+
+def _every_overlap():
+    """Loss and adapter gradients under each overlap mode, with and without SP (one launch)."""
+    return {(sp, overlap): _sequence_parallel(sp, overlap)
+            for sp in (False, True) for overlap in ("none", "chunked", "auto")}
+
+
+def test_lora_under_every_overlap_mode(run_ranks):
+    """Issue 33: ``ot.lora`` after the default ``overlap="auto"`` (the LoRA example of
+    docs/finetuning.md) and after ``"chunked"``, with and without sequence parallelism: the
+    adapters run inside the collective matmuls and every gradient is ``overlap="none"``'s."""
+    runs = run_ranks(_every_overlap, 2)[0]
+    for (sp, overlap), (loss, grads) in runs.items():
+        ref_loss, ref_grads = runs[(sp, "none")]
+        assert_rel(loss, ref_loss, what=f"loss sp={sp} overlap={overlap}")
+        assert grads.keys() == ref_grads.keys() and len(grads) == 24
+        for name in grads:
+            assert_rel(grads[name], ref_grads[name], what=f"{name} sp={sp} overlap={overlap}")
+
+
+def _default_overlap_matches_tp1():
+    ctx = init_parallel(tp=int(os.environ["WORLD_SIZE"]))
+    torch.manual_seed(0)
+    model = lora(parallelize(GPT(CFG), ctx), ctx, rank=RANK)  # every default: overlap="auto"
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    losses = []
+    for batch in _batches()[:3]:
+        loss = model(batch[:, :-1], batch[:, 1:])[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return losses, _adapters(model, ctx)
+
+
+def test_lora_after_default_parallelize_equals_tp1(run_ranks):
+    """Issue 33, defect 1: ``ot.lora(ot.parallelize(model, ctx), ctx, rank=…)`` with the defaults
+    used to raise (``overlap='auto'`` installed the fused classes); three SGD steps at tp 2 now
+    equal tp 1."""
+    losses1, adapters1 = run_ranks(_default_overlap_matches_tp1, 1)[0]
+    losses2, adapters2 = run_ranks(_default_overlap_matches_tp1, 2)[0]
+    assert_rel(torch.tensor(losses2), torch.tensor(losses1), what="losses")
+    for name, value in adapters1.items():
+        assert_rel(adapters2[name], value, what=name)
+
+
+def _lora_as_an_option(inside):
+    ctx = init_parallel(tp=2)
+    torch.manual_seed(0)
+    if inside:  # one ordered preparation: the reducers are built once, over the adapters
+        model = parallelize(GPT(CFG), ctx, lora={"rank": RANK, "alpha": ALPHA})
+    else:
+        model = lora(parallelize(GPT(CFG), ctx), ctx, rank=RANK, alpha=ALPHA)
+    dp_params = sum(p.numel() for r in model.parallel_state.reducers if r.name == "dp"
+                    for b in r.buckets for p in b.params)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    rows = slice(ctx.dp_rank * B // ctx.dp_size, (ctx.dp_rank + 1) * B // ctx.dp_size)
+    for batch in _batches()[:2]:
+        model(batch[rows, :-1], batch[rows, 1:])[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return _adapters(model, ctx), model.parallel_state.lora, dp_params, trainable
+
+
+def test_lora_as_a_parallelize_option_equals_ot_lora(run_ranks):
+    """Issue 33: ``parallelize(..., lora={...})`` adds the adapters after the plan and before the
+    gradient reducers, which it builds once over the adapters alone (dp 2 × tp 2); the same
+    adapters as ``ot.lora`` afterwards."""
+    inside = run_ranks(_lora_as_an_option, 4, True)[0]
+    after = run_ranks(_lora_as_an_option, 4, False)[0]
+    assert inside[1] == after[1] and inside[2] == inside[3] == after[2]
+    for name, value in after[0].items():
+        assert_rel(inside[0][name], value, what=name)
+    from ops_transformer import ParallelOptions
+
+    with pytest.raises(ValueError, match="lora: rank must be a positive integer, got 0"):
+        ParallelOptions(lora={"rank": 0})

@@ -133,13 +133,33 @@ def test_other_attention_strategies_say_they_cannot_combine():
 def test_the_plan_is_data():
     plan = sequence_parallel_plan(gpt_plan(CONFIGS["llama"], 2, "heads", vocab="parallel"),
                                   GPT(CONFIGS["llama"]))
-    styles = {k: v["style"] for k, v in plan.rules.items()}
-    assert styles["layers.0"] == "sequence_scatter" and styles["norm"] == "sequence_gather"
-    assert styles["layers.*.attn"] == "sequence_region"  # Q, K, V share one all-gather
-    assert styles["layers.*.mlp.w_in"] == "colwise_sequence"  # its own all-gather
-    assert styles["layers.*.attn.wo"] == styles["layers.*.mlp.w_out"] == "rowwise_sequence"
-    assert styles["layers.*.norm1"] == styles["layers.*.norm2"] == "sequence_partial"
-    assert "sequence parallel" in plan.reason and "sequence_scatter" in plan.to_json()
+    rules = plan.rules
+    assert rules["layers.0"] == {"style": "sequence", "kind": "scatter"}
+    assert rules["norm"] == {"style": "sequence", "kind": "gather"}
+    assert rules["layers.*.attn"] == {"style": "region", "entry": "sequence"}  # one all-gather
+    assert rules["layers.*.mlp.w_in"]["entry"] == "sequence"  # its own all-gather
+    assert rules["layers.*.attn.wo"] == rules["layers.*.mlp.w_out"] == {
+        "style": "rowwise", "exit": "reduce_scatter"}
+    assert rules["layers.*.norm1"] == {"style": "sequence", "kind": "partial"}
+    assert "sequence parallel" in plan.reason and '"kind": "scatter"' in plan.to_json()
+
+
+def test_earlier_style_names_keep_working(caplog):
+    """Issue 33: the renamed variants are options of a few kinds; the earlier names in a user's
+    plan map onto them once, with a deprecation note."""
+    from ops_transformer.parallelize import Plan
+    from ops_transformer.parallelize.styles import LEGACY_STYLES, STYLES, style_options
+
+    assert len(STYLES) <= 16
+    with caplog.at_level("WARNING", logger="ops_transformer"):
+        plan = Plan({"a": "colwise_sequence", "b": {"style": "rowwise_chunked", "chunks": 4},
+                     "c": "sequence_region_regather"})
+    assert plan.rules == {"a": {"style": "colwise", "entry": "sequence"},
+                          "b": {"style": "rowwise", "overlap": "auto", "chunks": 4},
+                          "c": {"style": "region", "entry": "sequence", "regather": True}}
+    assert "plan style 'colwise_sequence' is deprecated" in caplog.text
+    for old, (kind, options) in LEGACY_STYLES.items():
+        assert kind in STYLES and set(options) <= set(style_options(kind)), old
 
 
 def _generate():

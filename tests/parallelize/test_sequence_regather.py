@@ -145,14 +145,17 @@ def test_the_plan_names_the_regathering_styles(run_ranks):
         return out
 
     rules, chunked = run_ranks(plans, 2)[0]
-    assert rules["layers.*.attn"]["style"] == "sequence_region_regather"
-    assert rules["layers.*.attn.wq"]["style"] == "colwise_regather"
-    assert rules["layers.*.attn.wo"]["style"] == "rowwise_sequence"
-    assert rules["layers.*.mlp.w_in"]["style"] == "colwise_sequence_regather"
+    # (issue 33: the re-gathering variants are options of their kinds, not renamed styles)
+    assert rules["layers.*.attn"] == {"style": "region", "entry": "sequence", "regather": True}
+    assert rules["layers.*.attn.wq"] == {"style": "colwise", "regather": True}
+    assert rules["layers.*.attn.wo"] == {"style": "rowwise", "exit": "reduce_scatter"}
+    w_in = rules["layers.*.mlp.w_in"]  # (its gate|up sub-blocks too)
+    assert (w_in["style"], w_in["entry"], w_in["regather"]) == ("colwise", "sequence", True)
     # with overlap (issue 26) the re-gathering entries stay whole, the exits run in chunks
     for name in ("layers.*.attn", "layers.*.attn.wq", "layers.*.mlp.w_in"):
         assert chunked[name] == rules[name]
-    assert chunked["layers.*.attn.wo"]["style"] == "rowwise_sequence_chunked"
+    assert chunked["layers.*.attn.wo"] == {"style": "rowwise", "exit": "reduce_scatter",
+                                           "overlap": "chunked", "chunks": 2}
 
 
 # ---------------------------------------------------------------- Hugging Face models

@@ -92,13 +92,13 @@ def test_the_plan_transform_names_what_each_region_overlaps():
     assert region_columns(plan.rules) == {"layers.*.attn": ["wq", "wk", "wv"]}
     chunked = overlap_plan(plan, "auto", 4)
     rules = chunked.rules
-    assert rules["layers.*.attn"] == {"style": "region_chunked", "columns": ["wq", "wk", "wv"],
+    # (issue 33: overlap sets options on the rules' kinds instead of renaming their styles)
+    assert rules["layers.*.attn"] == {"style": "region", "columns": ["wq", "wk", "wv"],
                                       "overlap": "auto", "chunks": 4}
-    assert rules["layers.*.attn.wq"] == {"style": "colwise_fed"}
-    assert rules["layers.*.attn.wk"] == {"style": "colwise_fed", "kv_heads": 2}
-    assert rules["layers.*.attn.wo"]["style"] == "rowwise_chunked"
-    assert rules["layers.*.mlp.w_in"]["style"] == "colwise_chunked"
-    assert rules["layers.*.mlp.w_out"]["style"] == "rowwise_chunked"
+    assert rules["layers.*.attn.wq"] == {"style": "colwise", "fed": True}
+    assert rules["layers.*.attn.wk"] == {"style": "colwise", "fed": True, "kv_heads": 2}
+    for name in ("layers.*.attn.wo", "layers.*.mlp.w_in", "layers.*.mlp.w_out"):
+        assert (rules[name]["overlap"], rules[name]["chunks"]) == ("auto", 4), name
     assert rules["tok_emb"] == plan.rules["tok_emb"]  # the embedding keeps its rule
     assert "overlap auto: up to 4 chunks" in chunked.reason
     with pytest.raises(ValueError, match="overlap must be 'chunked' or 'auto'"):

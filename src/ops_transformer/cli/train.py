@@ -106,6 +106,12 @@ def add_training_arguments(p) -> None:
                    f"where the cost model says it pays (auto), or never (default {D.overlap})")
     p.add_argument("--chunks", type=int, default=D.chunks,
                    help=f"the chunks of --overlap (at most, for auto; default {D.chunks})")
+    p.add_argument("--dropout", type=float, metavar="P", help="the preset's dropout probability "
+                   "(one-device masks at any dp × tp; default: the preset's own)")
+    p.add_argument("--moe-statistics", default=D.moe_statistics, choices=("local", "global"),
+                   help="MoE capacity and load-balancing loss over each rank's micro-batch "
+                   "(local, Megatron's default) or the global batch (global: one small all-gather "
+                   f"per MoE layer; equals one process) (default {D.moe_statistics})")
     p.add_argument("--zero", type=int, choices=ZERO_STAGES,
                    help="ZeRO stage over the data-parallel ranks: 1 shards the optimizer state, 2 "
                    "also the gradients, 3 also the parameters (FSDP2) "
@@ -217,6 +223,8 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        activation_cache=getattr(args, "activation_cache", D.activation_cache),
                        overlap=getattr(args, "overlap", D.overlap),
                        chunks=getattr(args, "chunks", D.chunks),
+                       dropout=getattr(args, "dropout", D.dropout),
+                       moe_statistics=getattr(args, "moe_statistics", D.moe_statistics),
                        **checkpoint_settings(args), **lora_settings(args))
 
 

@@ -121,6 +121,10 @@ class _GatherMatmul(torch.autograd.Function):
         group, bounds, dtype = ctx.group, ctx.bounds, ctx.compute_dtype
         t, n, h = x_full.shape
         used = [(g, w) for g, w in zip(grad_outs, weights) if g is not None]
+        if not ctx.needs_input_grad[0]:  # nobody needs the input gradient: no reduce-scatter
+            grads = _weight_grads(grad_outs, _flat(x_full).to(dtype), ctx.has_bias,
+                                  ctx.needs_input_grad[4:])
+            return (None, None, None, None, *grads)
         grad_share = x_full.new_empty((n, h))
         handles, inputs = [], []
         for s, m in bounds:
@@ -181,6 +185,9 @@ class _CopyMatmul(torch.autograd.Function):
     def backward(ctx, grad_x_own, *grad_outs):
         x, *weights = ctx.saved_tensors
         used = [(g, w) for g, w in zip(grad_outs, weights) if g is not None]
+        if not ctx.needs_input_grad[0]:  # nobody needs the input gradient: no all-reduce
+            return (None, None, None,
+                    *_weight_grads(grad_outs, x, ctx.has_bias, ctx.needs_input_grad[3:]))
         grad_x, handles = x.new_empty(x.shape), []
         for s, m in ctx.bounds:  # each chunk's all-reduce runs while the next is computed
             g_x = grad_x[s:s + m]

@@ -69,6 +69,7 @@ from ..parallel.sharding import ShardSpec, set_shard_spec, shard_spec
 from .dropout import Layout, dropout, dropout_at
 from .linear import ColumnParallelLinear, RowParallelLinear, dense_weight, to_compute_dtype
 from .linear_variants import without_padding_grad
+from .overlap_regions import _ChunkedEntry
 from .regions import GatherInput, GatherSequenceRegion, Region, RopeGradRegion
 
 SUPPORTED = ("nn.Linear, GPT-2's Conv1D, ColumnParallelLinear and RowParallelLinear (with their "
@@ -196,7 +197,8 @@ _CLASSES: dict[tuple[type, type], type] = {}
 
 def base_class(module: nn.Module) -> type:
     """The layer's own class, under any regions it is wrapped in."""
-    return next(c for c in type(module).__mro__ if not issubclass(c, (Region, LoRA)))
+    return next(c for c in type(module).__mro__
+                if not issubclass(c, (Region, LoRA, _ChunkedEntry)))
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -215,8 +217,9 @@ def adapter_kind(module: nn.Module) -> type[LoRA] | None:
         return None
     regions = [c for c in type(module).__mro__ if Region in c.__bases__]  # the region kinds
     base = base_class(module)
-    if issubclass(base, ColumnParallelLinear):
-        return LoRAColumn if all(r is GatherSequenceRegion for r in regions) else None
+    if issubclass(base, ColumnParallelLinear):  # a chunked entry adds the adapter in its op
+        fused = isinstance(module, _ChunkedEntry)
+        return LoRAColumn if fused or all(r is GatherSequenceRegion for r in regions) else None
     if issubclass(base, RowParallelLinear):
         return LoRARow if not regions else None
     if base is nn.Linear or (base.__name__ == "Conv1D" and hasattr(module, "nf")):

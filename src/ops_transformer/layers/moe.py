@@ -46,7 +46,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.primitives import all_to_all, copy_to_tp_region, reduce_from_tp_region
-from ..models.moe import MoE, RoutingStats, capacity_mask
+from ..models.moe import MoE, RoutingStats
 from ..parallel.sharding import ShardSpec, divide, gather_full, set_shard_spec
 from .moe_overlap import dispatch_combine_chunked, gather_counts
 
@@ -331,8 +331,7 @@ class ParallelMoE(RoutingStats, nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, h): this rank's micro-batch
         probs, weights, index = self.router(x)
-        keep = capacity_mask(index, self.n_experts, self.capacity_factor)
-        self._record(probs, index, keep)
+        keep = self.route(probs, index)  # (capacity and statistics: RoutingStats.route)
         return self.experts(x, index, weights, keep).view(shape)
 
     def extra_repr(self) -> str:

@@ -99,6 +99,27 @@ def _feeding(columns, x, outputs):
                 column.fed = None
 
 
+def _with_adapters(columns, x_region, outputs) -> list:
+    """Each column's output plus its LoRA adapter's (:mod:`.lora`), computed on the tensor the
+    fused op returned for the region's input: the adapter's partial input gradient then joins the
+    op's own all-reduce / reduce-scatter of the input gradient — no collective of its own."""
+    return [y + c.adapter(x_region) if hasattr(c, "adapter") else y
+            for c, y in zip(columns, outputs)]
+
+
+def _exit_operands(layer, x_2d: torch.Tensor, weight: torch.Tensor):
+    """``(x, W)`` of a row layer's exit matmul; with a LoRA adapter (:mod:`.lora`), its split
+    factor's output joins as ``rank`` more input columns, ``[x, s·drop(x) A_rᵀ] [W_r, B]ᵀ`` — so the
+    adapter's partial output rides on the exit's own collective (no collective added)."""
+    if not hasattr(layer, "adapter"):
+        return x_2d, weight
+    h = torch.nn.functional.linear(layer.lora_input(x_2d), layer.lora_A.value())
+    h = h * layer.lora_scaling
+    dtype = _autocast_dtype(x_2d) or weight.dtype
+    return (torch.cat([x_2d.to(dtype), h.to(dtype)], dim=-1),
+            torch.cat([weight.to(dtype), layer.lora_B.value().to(dtype)], dim=-1))
+
+
 class _ChunkedEntry:
     """What both entry regions share: finding their column layers and feeding them. A chunked
     entry is its unchunked region (``replaces``) with the collective done by the fused op."""
@@ -162,9 +183,10 @@ class ChunkedCopyToTPRegion(_ChunkedEntry, CopyToTPRegion):
                   if torch.is_grad_enabled() else 1)  # (its only collective is in backward)
         x_same, outputs = copy_matmul(x.reshape(-1, x.shape[-1]), [c.weight for c in columns],
                                       [c.bias for c in columns], self.region_group, chunks)
-        lead = x.shape[:-1]
-        return self._run(args, kwargs, x_same.view(x.shape), columns,
-                         [y.view(*lead, y.shape[-1]) for y in outputs])
+        lead, x_same = x.shape[:-1], x_same.view(x.shape)
+        return self._run(args, kwargs, x_same, columns,
+                         _with_adapters(columns, x_same, [y.view(*lead, y.shape[-1])
+                                                          for y in outputs]))
 
     def _mine(self) -> str:
         return (f"input: copy_to_tp_region {self._over()} (fwd identity, bwd all-reduce of the "
@@ -190,8 +212,10 @@ class ChunkedGatherSequenceRegion(_ChunkedEntry, GatherSequenceRegion):
         x_full, outputs = gather_matmul(x.reshape(-1, h), [c.weight for c in columns],
                                         [c.bias for c in columns], self.region_group, chunks)
         full = (b, s * t, *x.shape[2:-1])
-        return self._run(args, kwargs, x_full.view(*full, h), columns,
-                         [y.view(*full, y.shape[-1]) for y in outputs])
+        x_full = x_full.view(*full, h)
+        return self._run(args, kwargs, x_full, columns,
+                         _with_adapters(columns, x_full, [y.view(*full, y.shape[-1])
+                                                          for y in outputs]))
 
     def _mine(self) -> str:
         return (f"input: gather_sequence_region {self._over()} (fwd all-gather of the tokens, bwd "
@@ -216,7 +240,8 @@ class ChunkedRowOutput:
         tokens = x.numel() // k
         chunks = self.overlap.chunks_for("tp_exit", tokens, k, out, self.tp_size,
                                          _autocast_dtype(x) or x.dtype)
-        y = matmul_all_reduce(x.reshape(-1, k), self.weight, self.tp_group, chunks)
+        y = matmul_all_reduce(*_exit_operands(self, x.reshape(-1, k), self.weight),
+                              self.tp_group, chunks)
         y = y.view(*x.shape[:-1], out)
         return y + self.bias if self.bias is not None else y
 
@@ -243,7 +268,8 @@ class ChunkedRowScatter:
         tokens = x.numel() // k
         chunks = self.overlap.chunks_for("sp_exit", tokens, k, out, t,
                                          _autocast_dtype(x) or x.dtype)
-        y = matmul_reduce_scatter(x.reshape(-1, k), self.weight, self.tp_group, chunks)
+        y = matmul_reduce_scatter(*_exit_operands(self, x.reshape(-1, k), self.weight),
+                                  self.tp_group, chunks)
         y = y.view(x.shape[0], x.shape[1] // t, *x.shape[2:-1], out)
         return y + self.bias if self.bias is not None else y
 

@@ -235,3 +235,24 @@ class GatherSequenceOutput(Region):
         mine = (f"output: gather_sequence {self._over()} (fwd all-gather of the "
                 f"tokens, bwd keeps this rank's share)")
         return _joined(mine, super().extra_repr())
+
+
+class FullSequenceRegion(Region):
+    """A module that runs on the whole sequence inside the sequence-parallel layout (an MoE layer:
+    its router, capacity and experts see the tokens as without SP, its output replicated over TP
+    by the experts' own all-reduce): its input all-gathered (backward: this rank's share of the
+    gradient, complete on every rank), its output cut back to this rank's share (backward:
+    all-gather). Exact; one all-gather more per direction than a reduce-scatter exit would cost."""
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = _on_first_input(self, args, kwargs, self._gather)
+        return scatter_sequence(super().forward(*args, **kwargs), self.region_group)
+
+    def _gather(self, x):
+        return gather_sequence(x, self.region_group)
+
+    def extra_repr(self) -> str:
+        mine = (f"input: gather_sequence {self._over()} (fwd all-gather of the tokens, bwd keeps "
+                f"this rank's share); output: scatter_sequence (fwd keeps this rank's share, bwd "
+                f"all-gather)")
+        return _joined(mine, super().extra_repr())

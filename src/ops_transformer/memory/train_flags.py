@@ -27,10 +27,6 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
                          f"{cfg.activation_cache!r}")
     if cfg.zero not in ZERO_STAGES:
         raise ValueError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero!r}")
-    if cfg.zero == 3 and getattr(cfg, "lora_rank", None) is not None:
-        raise ValueError(f"--zero 3 with --lora-rank {cfg.lora_rank} is not supported yet (LoRA "
-                         f"adapters on FSDP2-sharded layers are untested): use --zero 0, 1 or 2 "
-                         f"with --lora-rank")
     try:
         sequence_parallel_mode(cfg.sequence_parallel)
     except ValueError:

@@ -74,26 +74,42 @@ def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: fl
     return math.ceil(capacity_factor * tokens * top_k / n_experts)
 
 
-def capacity_mask(index: torch.Tensor, n_experts: int,
-                  capacity_factor: float | None) -> torch.Tensor | None:
+def capacity_mask(index: torch.Tensor, n_experts: int, capacity_factor: float | None, *,
+                  tokens: int | None = None, before: torch.Tensor | None = None
+                  ) -> torch.Tensor | None:
     """``keep (N, k)``: whether each token-slot fits its expert's capacity, earlier tokens first;
     ``None`` when dropless. A token picks distinct experts, so the order of its own slots does
-    not matter."""
+    not matter. ``tokens``: the tokens the capacity is of (default: these ``N``); ``before``
+    ``(E,)``: slots earlier tokens elsewhere already took of each expert (the global batch's rows
+    before these: :mod:`ops_transformer.layers.moe_stats`)."""
     if capacity_factor is None:
         return None
     n, k = index.shape
-    limit = expert_capacity(n, k, n_experts, capacity_factor)
-    one_hot = F.one_hot(index.reshape(-1), n_experts)  # (N·k, E), token-major
+    limit = expert_capacity(n if tokens is None else tokens, k, n_experts, capacity_factor)
+    flat = index.reshape(-1)
+    one_hot = F.one_hot(flat, n_experts)  # (N·k, E), token-major
     position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # this slot's place in its expert's queue
+    if before is not None:
+        position = position + before[flat]
     return (position < limit).view(n, k)
 
 
-def load_balancing_loss(probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``E · Σ_i f_i · P_i`` over this call's tokens (``f_i`` from all routed slots)."""
+def expert_counts(index: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """``(E,)`` float: the routed token-slots of each expert (before any dropping)."""
+    flat = index.reshape(-1)  # on the device (bincount reads its max: a sync)
+    return torch.zeros(n_experts, device=index.device).scatter_add_(
+        0, flat, torch.ones(flat.shape, device=index.device))
+
+
+def load_balancing_loss(probs: torch.Tensor, index: torch.Tensor, *,
+                        counts: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """``E · Σ_i f_i · P_i`` over this call's tokens (``f_i`` from all routed slots). ``counts``
+    ``(E,)``: the slots ``f`` is taken from instead (the global batch's); ``scale`` multiplies
+    ``P`` (see :mod:`ops_transformer.layers.moe_stats`)."""
     n_experts = probs.shape[-1]
-    flat = index.reshape(-1)  # slots per expert, on the device (bincount reads its max: a sync)
-    f = probs.new_zeros(n_experts).scatter_add_(0, flat, probs.new_ones(flat.shape)) / flat.numel()
-    return n_experts * (f * probs.mean(0)).sum()
+    counts = expert_counts(index, n_experts) if counts is None else counts
+    f = (counts / counts.sum()).to(probs.dtype)
+    return n_experts * (f * probs.mean(0) * scale).sum()
 
 
 class RoutingStats:
@@ -104,8 +120,16 @@ class RoutingStats:
     dropped: torch.Tensor | None = None
     slots: int = 0
 
-    def _record(self, probs, index, keep) -> None:
-        self.aux_loss = load_balancing_loss(probs, index)
+    def route(self, probs, index) -> torch.Tensor | None:
+        """The capacity's ``keep`` mask of this call's slots, its statistics recorded: over this
+        call's tokens (a rank's micro-batch). :class:`~ops_transformer.layers.moe_stats.
+        GlobalRouting` takes them over the global batch instead."""
+        keep = capacity_mask(index, self.n_experts, self.capacity_factor)
+        self._record(probs, index, keep)
+        return keep
+
+    def _record(self, probs, index, keep, **aux) -> None:
+        self.aux_loss = load_balancing_loss(probs, index, **aux)
         self.dropped = (index.new_zeros(()) if keep is None else (~keep).sum())
         self.slots = index.numel()
 
@@ -125,8 +149,7 @@ class MoE(RoutingStats, nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, h)
         probs, weights, index = self.router(x)
-        keep = capacity_mask(index, self.n_experts, self.capacity_factor)
-        self._record(probs, index, keep)
+        keep = self.route(probs, index)
         if keep is not None:
             weights = weights * keep
         out = x.new_zeros(x.shape)

@@ -11,6 +11,7 @@ chain for its reduce-scatter, and :func:`no_sync` pauses every reducer in it.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -25,8 +26,25 @@ class GradReducers:
     def __init__(self, reducers=()):
         self._reducers: list[BucketedReducer] = []
         self._queued = False
+        self._model, self._covered, self._adopt = None, set(), None
         for r in reducers:
             self.append(r)
+
+    def watch(self, model: nn.Module, adopt) -> None:
+        """Cover every parameter of ``model`` trainable now; one whose ``requires_grad`` is turned
+        on later (a norm unfrozen after ``ot.lora``: PEFT's ``modules_to_save``) is handed, at the
+        end of the first backward that gives it a gradient, to ``adopt(params) -> [reducers]``:
+        they reduce that gradient at once and join the chain (or ``adopt`` raises, naming it) —
+        never left silently local."""
+        self._model, self._adopt = weakref.ref(model), adopt
+        self._cover()
+
+    def _late(self) -> list:
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return []
+        return [p for p in dict.fromkeys(model.parameters())
+                if p.requires_grad and p.grad is not None and p not in self._covered]
 
     def append(self, reducer: BucketedReducer) -> None:
         reducer.chain = self
@@ -39,6 +57,12 @@ class GradReducers:
         for r in new:
             r.chain = self
         self._reducers[at:at] = new
+        self._cover()  # a preparation step (ZeRO, FSDP2) changed the chain: what trains now
+
+    def _cover(self) -> None:
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            self._covered = {p for p in model.parameters() if p.requires_grad}
 
     def replace(self, old: BucketedReducer, new: list[BucketedReducer]) -> None:
         """Put ``new`` where ``old`` was (``old``'s hooks are removed)."""
@@ -60,8 +84,14 @@ class GradReducers:
 
     def _finish(self) -> None:
         self._queued = False
+        late = self._late()
         for r in list(self._reducers):
             r.finish_backward()
+        if late:
+            self._covered.update(late)
+            for r in self._adopt(late):
+                self.append(r)
+                r.finish()  # this backward's gradients (and any accumulated under no_sync)
 
     def __repr__(self) -> str:
         return f"GradReducers({', '.join(repr(r) for r in self._reducers)})"

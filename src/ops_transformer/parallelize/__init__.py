@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
@@ -9,21 +10,21 @@ import torch
 from torch import nn
 
 from ..layers.loss import vocab_parallel_cross_entropy
-from ..layers.moe import scale_expert_grads, split_expert_params
+from ..layers.moe_stats import use_global_statistics
 from ..memory.apply import apply_memory_options
 from ..models.gpt import GPT
 from ..models.hf import is_hf
-from ..parallel.grad_reduce import GradSums, GradSync
-from ..parallel.state import GradReducers, ParallelState, no_sync
+from ..parallel.state import ParallelState, no_sync
 from ..planner.search import chosen_layout, is_planner_output
-from ..precision.policy import resolve_grad_reduce_dtype
 from .dropout import apply_dropout
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
+from .lora import add_lora
 from .moe_plan import check_expert_parallel
 from .options import ParallelOptions
 from .overlap_plan import overlap_plan
 from .plan import Plan, apply_plan
+from .reducers import gradient_reducers
 from .sequence_plan import check_partial_marked, sequence_parallel_plan
 
 log = logging.getLogger("ops_transformer")
@@ -82,7 +83,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     or its dict, or a planner result (:func:`resolve_plan`). ``options``: a
     :class:`ParallelOptions` (attention, vocabulary split, loss parallelism, sequence parallelism,
     recompute, activation cache, gradient-reduction dtype and bucket size, ``tp_plan``, overlap
-    and its ``chunks``); keyword
+    and its ``chunks``, MoE statistics, LoRA adapters added before the reducers); keyword
     arguments named like its fields build it or change it. Hugging Face models return what the
     unsharded model returns (full logits, so ``generate`` works), unless ``loss_parallel``.
     What was applied is ``model.parallel_state`` (plan, options, gradient reducers);
@@ -112,10 +113,12 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
             check_partial_marked(model)
     elif ctx.ep_size > 1:  # experts only
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items()
-                                if r["style"] in ("moe", "moe_chunked")}), ctx)
+                                if r["style"] == "moe"}), ctx)
     if materialize is not None:
         materialize(model)
-    model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options))
+    adapters = adapt_layers(model, ctx, options)  # MoE statistics, LoRA: before the reducers
+    model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options),
+                                         lora=adapters)
     model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
     apply_dropout(model, ctx, attention=resolved.attention,  # before recompute wraps the core
                   sequence_parallel=bool(options.sequence_parallel) and ctx.tp_size > 1)
@@ -124,6 +127,17 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
              ctx.ep_size, resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model
+
+
+def adapt_layers(model: nn.Module, ctx, options: ParallelOptions):
+    """The changes to the parallel layers that come before the gradient reducers, in order: MoE
+    statistics over the global batch, then the LoRA adapters of ``options.lora`` (their
+    :class:`~.lora.LoRAConfig`, or ``None``)."""
+    if options.moe_statistics == "global":
+        use_global_statistics(model, ctx)
+    if options.lora is None:
+        return None
+    return add_lora(model, ctx, **dataclasses.asdict(options.lora))
 
 
 def check_model_device(model: nn.Module, ctx) -> None:
@@ -139,27 +153,6 @@ def check_model_device(model: nn.Module, ctx) -> None:
         raise ValueError(f"the model's {name} is on {here}, but ctx.device is {want}: move the "
                          f"model there first (model.to(ctx.device)) or build it on 'meta' and "
                          f"pass materialize=")
-
-
-def gradient_reducers(model: nn.Module, ctx, options: ParallelOptions) -> GradReducers:
-    """The model's gradient reductions, in the order they finish: data-parallel averaging of the
-    dense parameters over ``dp × ep`` (EP ranks read different micro-batches, like DP ranks) and of
-    the experts over ``dp``, then the sums of the partial gradients the plan marked. Frozen
-    parameters (``requires_grad=False``: a LoRA model's base) get none."""
-    dtype = resolve_grad_reduce_dtype(model, options.grad_reduce_dtype)
-    buckets, reducers = options.bucket_bytes, GradReducers()
-    if ctx.dp_ep_size > 1:
-        dense, experts = split_expert_params(p for p in model.parameters() if p.requires_grad)
-        scale_expert_grads(experts, ctx.ep_size)
-        group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
-        reducers.append(GradSync(dense, group, bucket_bytes=buckets, reduce_dtype=dtype))
-        if experts and ctx.dp_size > 1:
-            reducers.append(GradSync(experts, ctx.dp_group, bucket_bytes=buckets,
-                                     reduce_dtype=dtype, name="dp_experts"))
-    sums = GradSums.of_module(model, dtype=dtype, bucket_bytes=buckets)
-    if sums is not None:
-        reducers.append(sums)
-    return reducers
 
 
 def _parallel_loss(model: nn.Module, ctx, plan: Plan, loss_parallel: bool) -> None:

@@ -19,12 +19,10 @@ import torch
 from torch import nn
 
 from ..layers.lora import SUPPORTED, adapter_kind, add_adapter, dense_dims, is_conv1d
-from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
-                                      ChunkedRowOutput, ChunkedRowScatter)
 from ..models.hf import is_hf, transformer_layers
 from ..parallel.grad_shard import ReduceScatterGradSync
-from . import gradient_reducers
-from .options import ParallelOptions
+from .reducers import gradient_reducers
+from .options import ParallelOptions, check_lora_args
 
 log = logging.getLogger("ops_transformer")
 _WILDCARDS = "*?["
@@ -81,7 +79,19 @@ def lora(model: nn.Module, ctx, *, rank: int, alpha: float | None = None, target
     if any(isinstance(r, ReduceScatterGradSync) for r in state.reducers):
         raise ValueError("lora must come before zero_optimizer: the optimizer is built over the "
                          "parameters that train, which lora changes")
-    check_not_chunked(model, state)
+    config = add_lora(model, ctx, rank=rank, alpha=alpha, targets=targets, dropout=dropout,
+                      seed=seed, base=base)
+    for reducer in state.reducers:
+        reducer.remove()
+    state.reducers = gradient_reducers(model, ctx, state.options or ParallelOptions())
+    state.lora = config
+    return model
+
+
+def add_lora(model: nn.Module, ctx, *, rank: int, alpha: float | None = None, targets=None,
+             dropout: float = 0.0, seed: int = 0, base: dict | None = None) -> LoRAConfig:
+    """The adapters of :func:`lora`, every other parameter frozen; the gradient reducers are the
+    caller's (``parallelize`` builds them afterwards, :func:`lora` rebuilds them)."""
     alpha = check_lora_args(rank, alpha, dropout)
     names = resolve_targets(model, targets)
     check_rank(model, names, rank)
@@ -93,42 +103,11 @@ def lora(model: nn.Module, ctx, *, rank: int, alpha: float | None = None, target
     fan_in_fan_out = any(is_conv1d(m) for m in modules)
     for module in modules:
         add_adapter(module, ctx, rank=rank, alpha=alpha, dropout=dropout, generator=generator)
-    for reducer in state.reducers:
-        reducer.remove()
-    state.reducers = gradient_reducers(model, ctx, state.options or ParallelOptions())
-    state.lora = LoRAConfig(rank, float(alpha), tuple(names), float(dropout), seed,
-                            fan_in_fan_out, base if base is not None else _base_of(model))
     log.info("lora: rank %d, alpha %g on %d modules, %d trainable parameters on this rank",
              rank, alpha, len(names), sum(p.numel() for p in model.parameters()
                                           if p.requires_grad))
-    return model
-
-
-def check_not_chunked(model: nn.Module, state) -> None:
-    """LoRA adapters ride on the layers' own matmuls; a chunked collective matmul (``overlap``,
-    :mod:`ops_transformer.layers.overlap_regions`) computes the base layers in one fused op that
-    knows nothing of them: refused, with what to do instead."""
-    chunked = (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion, ChunkedRowOutput,
-               ChunkedRowScatter)
-    found = next((n for n, m in model.named_modules() if isinstance(m, chunked)), None)
-    if found is not None:
-        overlap = getattr(state.options, "overlap", "auto")
-        raise ValueError(f"lora: this model was parallelised with overlap={overlap!r}, whose "
-                         f"chunked collective matmuls (e.g. {found}) LoRA adapters do not combine "
-                         f"with: call parallelize(model, ctx, overlap='none') before lora")
-
-
-def check_lora_args(rank, alpha, dropout) -> float:
-    """``rank`` ≥ 1, ``alpha`` > 0, ``0 ≤ dropout < 1``; returns ``alpha`` (``None``: ``rank``)."""
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise ValueError(f"lora: rank must be a positive integer, got {rank!r}")
-    alpha = rank if alpha is None else alpha
-    if not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ValueError(f"lora: alpha must be a positive number (default: the rank), got "
-                         f"{alpha!r}")
-    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"lora: dropout must be in [0, 1), got {dropout!r}")
-    return alpha
+    return LoRAConfig(rank, float(alpha), tuple(names), float(dropout), seed, fan_in_fan_out,
+                      base if base is not None else _base_of(model))
 
 
 def check_rank(model: nn.Module, names: list[str], rank: int) -> None:

@@ -31,7 +31,39 @@ from ..precision.policy import check_grad_reduce_dtype
 from .gpt_plan import ATTENTION_CHOICES
 
 VOCAB_CHOICES = ("auto",) + VOCAB_MODES
+MOE_STATISTICS = ("local", "global")
 log = logging.getLogger("ops_transformer")
+
+
+def check_lora_args(rank, alpha, dropout) -> float:
+    """``rank`` ≥ 1, ``alpha`` > 0, ``0 ≤ dropout < 1``; returns ``alpha`` (``None``: ``rank``)."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"lora: rank must be a positive integer, got {rank!r}")
+    alpha = rank if alpha is None else alpha
+    if not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ValueError(f"lora: alpha must be a positive number (default: the rank), got "
+                         f"{alpha!r}")
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"lora: dropout must be in [0, 1), got {dropout!r}")
+    return alpha
+
+
+@dataclass(frozen=True)
+class LoRAOptions:
+    """The LoRA section of :class:`ParallelOptions` (``parallelize(..., lora={"rank": 8})``): the
+    arguments of :func:`~ops_transformer.lora`, applied inside ``parallelize`` after the plan and
+    before the gradient reducers are built — once, over the adapters."""
+
+    rank: int
+    alpha: float | None = None
+    targets: tuple[str, ...] | str | None = None
+    dropout: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        check_lora_args(self.rank, self.alpha, self.dropout)
+        if isinstance(self.targets, list):
+            object.__setattr__(self, "targets", tuple(self.targets))
 
 
 @dataclass(frozen=True)
@@ -63,6 +95,14 @@ class ParallelOptions:
       model says pays on the agreed profile, often 1) or ``none`` (the plan's collectives as
       they are). The expert all-to-alls too.
     * ``chunks`` — the chunks of ``overlap`` (at most, for ``auto``): an integer >= 1.
+    * ``moe_statistics`` — what the reference MoE layers take their capacity and load-balancing
+      loss over: ``local`` (each rank's micro-batch, Megatron-LM's default: ``dp × ep > 1``
+      differs from one process) or ``global`` (the global batch, from one all-gather of the
+      expert counts per layer over ``dp × ep``: equal to one process;
+      :mod:`ops_transformer.layers.moe_stats`).
+    * ``lora`` — LoRA adapters added inside ``parallelize`` (a :class:`LoRAOptions` or its
+      dict: ``rank``, ``alpha``, ``targets``, ``dropout``, ``seed``), every other weight frozen,
+      before the gradient reducers are built; ``None``: none (``ot.lora`` adds them afterwards).
     * ``tp_plan`` — Hugging Face style names (``{pattern: style}``, as in ``transformers``) merged
       over a Hugging Face model's own plan and translated (``plan="auto"`` only).
     """
@@ -78,6 +118,8 @@ class ParallelOptions:
     tp_plan: Mapping[str, str] | None = None
     overlap: str = "auto"
     chunks: int = 2
+    moe_statistics: str = "local"
+    lora: LoRAOptions | None = None
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -94,6 +136,11 @@ class ParallelOptions:
             raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise ValueError(f"chunks must be an integer >= 1, got {self.chunks!r}")
+        if isinstance(self.lora, Mapping):
+            object.__setattr__(self, "lora", LoRAOptions(**self.lora))
+        if self.lora is not None and not isinstance(self.lora, LoRAOptions):
+            raise ValueError(f"lora must be None, a LoRAOptions or its dict (rank=, alpha=, "
+                             f"targets=, dropout=, seed=), got {type(self.lora).__name__}")
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
             raise ValueError(f"tp_plan must be a {{pattern: style}} dict, got "
                              f"{type(self.tp_plan).__name__}")
@@ -133,4 +180,4 @@ class ParallelOptions:
 CHOICES = {"attention": ATTENTION_CHOICES, "vocab": VOCAB_CHOICES,
            "loss_parallel": (False, True), "sequence_parallel": SEQUENCE_PARALLEL_VALUES,
            "recompute": RECOMPUTE, "activation_cache": ACTIVATION_CACHES,
-           "overlap": OVERLAP_MODES}
+           "overlap": OVERLAP_MODES, "moe_statistics": MOE_STATISTICS}

@@ -5,22 +5,21 @@ if any) rule by rule into its chunked variant — the plan stays data, and print
 overlaps what:
 
 =============================== ========================================================================
-rule                            chunked rule (options ``overlap``, ``chunks``)
+rule                            chunked rule (options ``overlap``, ``chunks`` set on it)
 =============================== ========================================================================
-``region`` with column children ``region_chunked`` (``columns``: the children it computes as one
-(Q/K/V; gate/up)                collective matmul, their input-gradient all-reduce in chunks); each
-                                child ``colwise_fed``
-``colwise`` reducing its own    ``colwise_chunked``: the same, the layer its own region
+``region`` with column children ``region(columns=…)``: the children it computes as one collective
+(Q/K/V; gate/up)                matmul, their input-gradient all-reduce (``entry="sequence"``: the
+                                all-gather, each chunk multiplied while the next arrives) in chunks;
+                                each child ``colwise(fed=True)``
+``colwise`` reducing its own    the same, the layer its own entry (``entry="sequence"`` too)
 input gradient
-``rowwise`` (split input)       ``rowwise_chunked``: the row matmul and its all-reduce in chunks
-``sequence_region`` with column ``sequence_region_chunked``: the all-gather in chunks, each multiplied
-children                        while the next arrives; children ``colwise_fed``
-``colwise_sequence``            ``colwise_sequence_chunked``
-``rowwise_sequence``            ``rowwise_sequence_chunked``: the reduce-scatter in chunks
-``moe``                         ``moe_chunked``: dispatch and combine all-to-alls in chunks
+``rowwise``                     the row matmul and its all-reduce (``exit="reduce_scatter"``: its
+                                reduce-scatter) in chunks
+``moe``                         dispatch and combine all-to-alls in chunks
 =============================== ========================================================================
 
-Everything else (the embedding and head, strategy B, gathered outputs) keeps its rule. With
+A re-gathering entry (``regather=True``) stays unchunked; a rule that sets ``overlap`` itself keeps
+it. Everything else (the embedding and head, strategy B, gathered outputs) keeps its rule. With
 ``overlap="chunked"`` every chunked region runs ``chunks`` chunks; with ``"auto"`` each decides
 at its first call of each size whether chunks pay on the agreed profile
 (:class:`~ops_transformer.layers.overlap_regions.OverlapPolicy`,
@@ -31,22 +30,21 @@ from __future__ import annotations
 
 import dataclasses
 
-ENTRIES = {"region": "region_chunked", "sequence_region": "sequence_region_chunked"}
-SIMPLE = {"rowwise_sequence": "rowwise_sequence_chunked", "moe": "moe_chunked"}
-_FED_DROPS = ("reduce_input_grad", "gather_output")  # colwise options colwise_fed does not take
+_FED_DROPS = ("reduce_input_grad", "gather_output")  # colwise options a fed column does not take
 
 
 def _is_fed_column(rule: dict) -> bool:
     return (rule["style"] == "colwise" and rule.get("reduce_input_grad", True) is False
-            and not rule.get("gather_output"))
+            and not rule.get("gather_output") and rule.get("entry", "copy") == "copy"
+            and not rule.get("regather"))
 
 
 def region_columns(rules: dict) -> dict[str, list[str]]:
     """``{region pattern: [child names]}``: the column children (no input-gradient all-reduce of
-    their own, no gathered output) of each ``region`` / ``sequence_region`` rule."""
+    their own, no gathered output) of each ``region`` rule (a re-gathering one stays unchunked)."""
     out = {}
     for pattern, rule in rules.items():
-        if rule["style"] not in ENTRIES:
+        if rule["style"] != "region" or rule.get("regather"):
             continue
         names = [child[len(pattern) + 1:] for child, r in rules.items()
                  if child.startswith(pattern + ".") and "." not in child[len(pattern) + 1:]
@@ -58,20 +56,16 @@ def region_columns(rules: dict) -> dict[str, list[str]]:
 
 def _chunked_rule(pattern: str, rule: dict, columns: dict, fed: set, extra: dict) -> dict:
     style = rule["style"]
+    if rule.get("regather") or rule.get("fed") or "overlap" in rule or "chunks" in rule:
+        return rule  # re-gathering entries stay unchunked; a rule's own overlap / chunks win
     if pattern in columns:
-        return {**rule, "style": ENTRIES[style], "columns": columns[pattern], **extra}
+        return {**rule, "columns": columns[pattern], **extra}
     if pattern in fed:
-        return {**{k: v for k, v in rule.items() if k not in _FED_DROPS}, "style": "colwise_fed"}
+        return {**{k: v for k, v in rule.items() if k not in _FED_DROPS}, "fed": True}
     if style == "colwise" and rule.get("reduce_input_grad", True) and not rule.get("gather_output"):
-        return {**{k: v for k, v in rule.items() if k not in _FED_DROPS},
-                "style": "colwise_chunked", **extra}
-    if style == "rowwise":
-        return {**rule, "style": "rowwise_chunked", **extra}
-    if style == "colwise_sequence" and not rule.get("gather_output"):
-        options = {k: v for k, v in rule.items() if k != "gather_output"}
-        return {**options, "style": "colwise_sequence_chunked", **extra}
-    if style in SIMPLE:
-        return {**rule, "style": SIMPLE[style], **extra}
+        return {**{k: v for k, v in rule.items() if k not in _FED_DROPS}, **extra}
+    if style in ("rowwise", "moe"):
+        return {**rule, **extra}
     return rule
 
 

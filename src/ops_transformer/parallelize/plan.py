@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .styles import PARAM_STYLES, STYLES, check_rule
+from .styles import PARAM_STYLES, STYLES, check_rule, modern_rule
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Plan:
     vocab: str = "parallel"  # embedding and LM head: "parallel" or "replicated"
 
     def __post_init__(self):
-        self.rules = {k: ({"style": v} if isinstance(v, str) else dict(v))
+        self.rules = {k: modern_rule(k, {"style": v} if isinstance(v, str) else dict(v))
                       for k, v in self.rules.items()}
         for pattern, rule in self.rules.items():
             check_rule(pattern, rule)

@@ -7,15 +7,16 @@ Mistral and Qwen2 — the plans stay data, and the variant prints and serialises
 ================================ ==================================================================
 TP rule inside the layers        sequence-parallel rule
 ================================ ==================================================================
-``region`` (Q/K/V, gate/up share ``sequence_region``: all-gather the sequence on entry (backward:
-one input)                       reduce-scatter), replacing the backward all-reduce
-``colwise`` reducing its own     ``colwise_sequence``: the same column layer behind an all-gather of
+``region`` (Q/K/V, gate/up share ``region(entry="sequence")``: all-gather the sequence on entry
+one input)                       (backward: reduce-scatter), replacing the backward all-reduce
+``colwise`` reducing its own     ``colwise(entry="sequence")``: the column layer behind an all-gather of
 input gradient (GPT-2's c_attn)  the sequence, no input-gradient all-reduce
-``rowwise``                      ``rowwise_sequence``: :class:`SequenceParallelRowLinear`
+``rowwise``                      ``rowwise(exit="reduce_scatter")``: :class:`SequenceParallelRowLinear`
                                  (reduce-scatter instead of all-reduce)
-(added) first layer              ``sequence_scatter``: keep this rank's slice of its input
-(added) norms in each layer      ``sequence_partial``: gradients summed over TP once per step
-(added) final norm               ``sequence_gather``: runs on the slice, output all-gathered for
+``moe``                          ``moe(sequence=True)``: the layer on the gathered sequence
+(added) first layer              ``sequence(kind="scatter")``: keep this rank's slice of its input
+(added) norms in each layer      ``sequence(kind="partial")``: gradients summed over TP once per step
+(added) final norm               ``sequence(kind="gather")``: runs on the slice, output all-gathered for
                                  the LM head
 ================================ ==================================================================
 
@@ -24,10 +25,9 @@ The embedding and LM head keep their TP rules. The styles are in :mod:`.styles`;
 
 ``sequence_parallel="regather"`` is the re-gathering variant
 (:mod:`ops_transformer.layers.sequence_regather`, Megatron-LM's layout): the same plan with
-``sequence_region_regather`` for ``sequence_region`` (the entry keeps only this rank's share),
-``colwise_regather`` for the column layers it feeds (their inputs are not kept: backward
-all-gathers the share again, once per region) and ``colwise_sequence_regather`` for
-``colwise_sequence``.
+``regather=True`` on the sequence entries (the entry keeps only this rank's share) and on the
+column layers they feed (their inputs are not kept: backward all-gathers the share again, once per
+region).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import dataclasses
 
 from torch import nn
 
+from ..layers.regions import FullSequenceRegion
 from ..layers.sequence_parallel import is_partial
 from ..models.hf import DECODER_LAYOUTS, decoder_layout, model_type
 from ..parallel.sharding import shard_spec
@@ -52,29 +53,36 @@ def sequence_parallel_layout(model: nn.Module) -> tuple[str, str]:
     return layout
 
 
-REGATHER_STYLES = ("sequence_region_regather", "colwise_regather", "colwise_sequence_regather")
-
-
 def _transform(pattern: str, rule: dict, regather: bool = False) -> dict:
     # no padded sequence-parallel layers: a width that does not divide by tp is refused by them
     rule = {k: v for k, v in rule.items() if k != "pad"}
-    style, suffix = rule["style"], "_regather" if regather else ""
+    style, again = rule["style"], {"regather": True} if regather else {}
     if style == "region":
-        return {**rule, "style": "sequence_region" + suffix}
+        return {**rule, "entry": "sequence", **again}
     if style == "rowwise":
-        return {**rule, "style": "rowwise_sequence"}
+        return {**rule, "exit": "reduce_scatter"}
     if style == "colwise" and rule.get("gather_output"):
         raise ValueError(f"sequence parallelism cannot combine with the gathered output of plan "
                          f"rule {pattern!r}")
     options = {k: v for k, v in rule.items() if k != "reduce_input_grad"}
     if style == "colwise" and rule.get("reduce_input_grad", True):
-        return {**options, "style": "colwise_sequence" + suffix}
+        return {**options, "entry": "sequence", **again}
     if style == "colwise" and regather:  # fed by a region entry
-        return {**options, "style": "colwise_regather"}
+        return {**options, **again}
+    if style == "moe":  # on the whole sequence (layers.regions.FullSequenceRegion)
+        return {**rule, "sequence": True}
     if style in ("colwise", "attrs"):
         return rule
     raise ValueError(f"sequence parallelism has no variant of style {style!r} (plan rule "
                      f"{pattern!r})")
+
+
+def is_sequence_parallel(plan) -> bool | str:
+    """Whether ``plan`` is sequence-parallel: ``"regather"`` for the re-gathering variant."""
+    rules = plan.rules.values() if plan is not None else ()
+    if not any(r["style"] == "sequence" and r.get("kind") == "scatter" for r in rules):
+        return False
+    return "regather" if any(r.get("regather") for r in plan.rules.values()) else True
 
 
 def sequence_parallel_plan(plan, model: nn.Module, regather: bool = False):
@@ -92,12 +100,16 @@ def sequence_parallel_plan(plan, model: nn.Module, regather: bool = False):
              for pattern, rule in plan.rules.items()}
     parts = [p[len(inside):].split(".", 1) for p in plan.rules if p.startswith(inside)]
     targeted = {rest[1] for rest in parts if len(rest) == 2}  # names inside one layer
+    whole = tuple(p[len(inside):].split(".", 1)[1] + "." for p, r in plan.rules.items()
+                  if p.startswith(inside) and "." in p[len(inside):] and r["style"] == "moe")
     first = model.get_submodule(layers + ".0")
-    rules[layers + ".0"] = {"style": "sequence_scatter"}
+    rules[layers + ".0"] = {"style": "sequence", "kind": "scatter"}
     for name, module in first.named_modules():
+        if whole and name.startswith(whole):  # an MoE layer runs on the whole sequence
+            continue
         if name and name not in targeted and any(True for _ in module.parameters(recurse=False)):
-            rules[f"{layers}.*.{name}"] = {"style": "sequence_partial"}
-    rules[final_norm] = {"style": "sequence_gather"}
+            rules[f"{layers}.*.{name}"] = {"style": "sequence", "kind": "partial"}
+    rules[final_norm] = {"style": "sequence", "kind": "gather"}
     return dataclasses.replace(plan, rules=rules,
                                reason=(plan.reason + "; " if plan.reason else "")
                                + ("sequence parallel (regather)" if regather
@@ -109,8 +121,11 @@ def check_partial_marked(model: nn.Module) -> None:
     the final norm sees only this rank's tokens, so each must be marked for the TP sum (an internal
     invariant: a plan rule missing would silently leave a partial gradient)."""
     layers, final_norm = sequence_parallel_layout(model)
+    whole = tuple(n + "." for n, m in model.named_modules() if isinstance(m, FullSequenceRegion))
     for name, p in model.named_parameters():
         inside = name.startswith(layers + ".") or name.startswith(final_norm + ".")
+        if whole and name.startswith(whole):  # run on every token: a complete gradient
+            continue
         if inside and shard_spec(p) is None and not is_partial(p):
             raise AssertionError(f"sequence parallelism: replicated parameter {name} is used on "
                                  f"a share of the tokens but its gradient is not summed over TP")

@@ -62,27 +62,33 @@ style              effect (communication: forward / backward)
                    module's call and keys — Hugging Face's ``moe_tp_experts``). Fwd: all-to-alls
                    over EP, all-reduce of the experts' output over TP; bwd: all-to-alls, all-reduce
                    of their input gradient
+``sequence``       the sequence-parallel layout's edges (``kind``): ``scatter`` (a
+                   :class:`ScatterSequence` region), ``gather`` (a :class:`GatherSequenceOutput`,
+                   its parameters' gradients summed over TP), ``partial`` (the parameters'
+                   gradients summed over TP)
 ================== =====================================================================
 
-Sequence parallelism (:mod:`.sequence_plan` rewrites a plan into these): ``sequence_scatter`` (a
-:class:`ScatterSequence` region), ``sequence_region`` (a :class:`GatherSequenceRegion`; ``set``),
-``colwise_sequence`` (``colwise`` without the input-gradient all-reduce, behind a
-:class:`GatherSequenceRegion`), ``rowwise_sequence`` (:class:`SequenceParallelRowLinear`),
-``sequence_gather`` (a :class:`GatherSequenceOutput`; its parameters' gradients summed over TP) and
-``sequence_partial`` (the parameters' gradients summed over TP); with
-``sequence_parallel="regather"``, ``sequence_region_regather`` (a :class:`RegatherSequenceRegion`:
-the entry keeps only this rank's share), ``colwise_regather`` (a :class:`RegatherColumnLinear`
-fed by it: no input kept, the share all-gathered again in backward) and
-``colwise_sequence_regather`` (both in one: the column layer behind its own re-gathering entry).
+Sixteen kinds; what were renamed variants are options of the communicating kinds:
 
-Overlap (:mod:`.overlap_plan` rewrites a plan into these; options ``overlap`` — ``"chunked"`` or
-``"auto"`` — and ``chunks``): ``region_chunked`` / ``sequence_region_chunked`` (the region computes
-its ``columns``, ``colwise_fed`` children, as one collective matmul:
-:mod:`ops_transformer.layers.overlap_regions`), ``colwise_chunked`` / ``colwise_sequence_chunked``
-(a column layer that is its own such region), ``rowwise_chunked`` / ``rowwise_sequence_chunked``
-(the row matmul and its all-reduce / reduce-scatter in chunks) and ``moe_chunked`` (dispatch and
-combine in chunks, :mod:`ops_transformer.layers.moe_overlap`): the same collectives, each split
-into chunks pipelined with its matmul.
+* ``colwise(entry="copy"|"sequence", regather=, fed=, overlap=, chunks=)`` — ``entry="sequence"``:
+  behind its own :class:`GatherSequenceRegion` (no input-gradient all-reduce); ``regather=True``:
+  a :class:`RegatherColumnLinear` (no input kept, the share all-gathered again in backward; with
+  ``entry="sequence"`` behind its own :class:`RegatherSequenceRegion`); ``fed=True``: inside a
+  chunked region, its output from the region's collective matmul; ``overlap="chunked"|"auto"``:
+  the layer is its own chunked entry (:mod:`ops_transformer.layers.overlap_regions`).
+* ``rowwise(exit="all_reduce"|"reduce_scatter", overlap=, chunks=)`` — ``reduce_scatter``:
+  :class:`SequenceParallelRowLinear`; ``overlap``: the matmul and its exit collective in chunks.
+* ``region(entry="copy"|"sequence", regather=, columns=, overlap=, chunks=)`` — ``sequence``: a
+  :class:`GatherSequenceRegion` (``regather``: :class:`RegatherSequenceRegion`); ``overlap``:
+  the entry and its ``columns`` children as one collective matmul.
+* ``moe(sequence=, overlap=, chunks=)`` — ``sequence``: on the gathered sequence
+  (:class:`FullSequenceRegion`); ``overlap``: dispatch and combine in chunks
+  (:mod:`ops_transformer.layers.moe_overlap`).
+
+:mod:`.sequence_plan` and :mod:`.overlap_plan` set these options on a plan's rules. The names of
+earlier versions (``colwise_sequence``, ``sequence_region_regather``, ``rowwise_chunked``,
+``sequence_scatter``, … : :data:`LEGACY_STYLES`) keep working in users' plans: mapped once, when
+the plan is built, with a deprecation note in the log.
 
 Hugging Face's styles map onto these in :mod:`.hf_translate` (``colwise_gather_output`` is
 ``colwise`` with ``gather_output``, ``rowwise_split_input`` is ``rowwise`` with
@@ -93,6 +99,7 @@ Hugging Face's styles map onto these in :mod:`.hf_translate` (``colwise_gather_o
 from __future__ import annotations
 
 import inspect
+import logging
 
 from torch import nn
 
@@ -108,7 +115,7 @@ from ..layers.moe import ParallelExperts, to_expert_parallel
 from ..layers.overlap_policy import OverlapPolicy
 from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
                                       ChunkedRowOutput, ChunkedRowScatter, FedColumn, as_variant)
-from ..layers.regions import (CopyToTPRegion, GatherInput, GatherSequenceOutput,
+from ..layers.regions import (CopyToTPRegion, FullSequenceRegion, GatherInput, GatherSequenceOutput,
                               GatherSequenceRegion, ReduceOutput, RegatherSequenceRegion,
                               RopeGradRegion, ScatterSequence)
 from ..layers.sequence_parallel import SequenceParallelRowLinear, mark_partial
@@ -116,6 +123,8 @@ from ..layers.sequence_regather import RegatherColumnLinear
 from ..parallel.sharding import ShardSpec, set_shard_spec
 from ..planner.strategies import kv_replicas
 from .hf_experts import HFExperts
+
+log = logging.getLogger("ops_transformer")
 
 
 def _plain(module: nn.Module, cls: type) -> nn.Module:
@@ -133,8 +142,8 @@ def _linear(module: nn.Module) -> nn.Module:
                      f"{type(module).__name__}, whose forward may differ")
 
 
-def colwise(module, ctx, model, *, sub_blocks=None, kv_heads=None, reduce_input_grad=True,
-            gather_output=False, pad=False):
+def _column_layer(module, ctx, sub_blocks=None, kv_heads=None, reduce_input_grad=True,
+                  gather_output=False, pad=False):
     _linear(module)
     if pad and dense_weight(module)[0].shape[0] % ctx.tp_size:
         if sub_blocks or kv_heads is not None:
@@ -152,15 +161,83 @@ def colwise(module, ctx, model, *, sub_blocks=None, kv_heads=None, reduce_input_
     return layer
 
 
-def rowwise(module, ctx, model, *, input_is_parallel=True, pad=False, sub_blocks=None):
+def _check_choice(style: str, name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{style}: {name} must be one of {choices}, got {value!r}")
+
+
+_ENTRIES = {"copy": "copy", "all_reduce": "copy", "sequence": "sequence", "all_gather": "sequence"}
+
+
+def _entry_of(style: str, entry: str) -> str:
+    """``copy`` (alias ``all_reduce``: its backward collective) or ``sequence`` (alias
+    ``all_gather``: its forward one)."""
+    _check_choice(style, "entry", entry, tuple(_ENTRIES))
+    return _ENTRIES[entry]
+
+
+def _overlap_of(style: str, overlap, chunks) -> str:
+    """The chunking mode: ``overlap`` as given, or (``None``) ``chunked`` when ``chunks > 1``
+    and ``none`` for one chunk — one chunk is the plain layer."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{style}: chunks must be an integer >= 1, got {chunks!r}")
+    if overlap is None:
+        return "chunked" if chunks > 1 else "none"
+    _check_choice(style, "overlap", overlap, ("none", "chunked", "auto"))
+    return overlap
+
+
+def colwise(module, ctx, model, *, sub_blocks=None, kv_heads=None, reduce_input_grad=True,
+            gather_output=False, pad=False, entry="copy", regather=False, fed=False,
+            overlap=None, chunks=1):
+    """``entry``: how the layer's input enters the region — ``copy`` (replicated; backward
+    all-reduce of the input gradient, none with ``reduce_input_grad=False``: a region reduces
+    it) or ``sequence`` (all-gathered from the sequence-parallel layout, backward
+    reduce-scatter); ``regather``: keep no input for backward (all-gather the share again
+    there); ``fed``: the layer's output comes from its region's collective matmul; ``overlap``
+    ``chunked``/``auto``: the layer is its own chunked entry (``chunks``)."""
+    entry, overlap = _entry_of("colwise", entry), _overlap_of("colwise", overlap, chunks)
+    if fed:
+        return as_variant(_column_layer(module, ctx, sub_blocks, kv_heads, False, pad=pad),
+                          FedColumn)
+    own = reduce_input_grad and entry == "copy" and not regather and overlap == "none"
+    layer = _column_layer(module, ctx, sub_blocks, kv_heads, reduce_input_grad=own,
+                          gather_output=gather_output, pad=pad)
+    if regather:
+        layer = RegatherColumnLinear.from_column(layer)
+        return RegatherSequenceRegion.wrap(layer, ctx.tp_group) if entry == "sequence" else layer
+    if overlap != "none" and reduce_input_grad and not gather_output:
+        cls = ChunkedGatherSequenceRegion if entry == "sequence" else ChunkedCopyToTPRegion
+        return _entry(cls, layer, ctx, ("",), overlap, chunks)
+    return GatherSequenceRegion.wrap(layer, ctx.tp_group) if entry == "sequence" else layer
+
+
+def rowwise(module, ctx, model, *, input_is_parallel=True, pad=False, sub_blocks=None,
+            exit="all_reduce", overlap=None, chunks=1):
+    """``exit``: the output's collective, ``all_reduce`` (replicated output) or
+    ``reduce_scatter`` (this rank's share of the sequence: :class:`SequenceParallelRowLinear`);
+    ``overlap`` ``chunked``/``auto``: the matmul and that collective in ``chunks``."""
+    _check_choice("rowwise", "exit", exit, ("all_reduce", "reduce_scatter"))
+    overlap = _overlap_of("rowwise", overlap, chunks)
     _linear(module)
-    if sub_blocks:
+    if exit == "reduce_scatter":
+        layer = SequenceParallelRowLinear.from_dense(module, ctx)
+        mixin = ChunkedRowScatter
+    elif sub_blocks:
         if not input_is_parallel or pad:
             raise ValueError("rowwise: sub_blocks needs input_is_parallel=True and no pad")
-        return PackedRowParallelLinear.from_dense(module, ctx, sub_blocks=tuple(sub_blocks))
-    if pad and dense_weight(module)[0].shape[1] % ctx.tp_size:
-        return PaddedRowParallelLinear.from_dense(module, ctx, input_is_parallel=input_is_parallel)
-    return RowParallelLinear.from_dense(module, ctx, input_is_parallel=input_is_parallel)
+        layer = PackedRowParallelLinear.from_dense(module, ctx, sub_blocks=tuple(sub_blocks))
+        mixin = ChunkedRowOutput
+    elif pad and dense_weight(module)[0].shape[1] % ctx.tp_size:
+        layer = PaddedRowParallelLinear.from_dense(module, ctx,
+                                                   input_is_parallel=input_is_parallel)
+        mixin = ChunkedRowOutput
+    else:
+        layer = RowParallelLinear.from_dense(module, ctx, input_is_parallel=input_is_parallel)
+        mixin = ChunkedRowOutput
+    if overlap == "none":
+        return layer
+    return as_variant(layer, mixin, overlap=_policy(ctx, overlap, chunks))
 
 
 def gather_in(module, ctx, model):
@@ -175,8 +252,23 @@ def attrs(module, ctx, model, *, set=None):
     return module
 
 
-def region(module, ctx, model, *, set=None):
-    return CopyToTPRegion.wrap(attrs(module, ctx, model, set=set), ctx.tp_group)
+def region(module, ctx, model, *, set=None, entry="copy", regather=False, columns=None,
+           overlap=None, chunks=1):
+    """``entry``: ``copy`` (one ``copy_to_tp_region`` on the input: a backward all-reduce for
+    the column children) or ``sequence`` (all-gather of the tokens; backward reduce-scatter;
+    ``regather``: only this rank's share kept); ``overlap`` ``chunked``/``auto``: the entry and
+    its ``columns`` children (``fed`` column layers) as one collective matmul in ``chunks``."""
+    entry, overlap = _entry_of("region", entry), _overlap_of("region", overlap, chunks)
+    module = attrs(module, ctx, model, set=set)
+    if overlap != "none" and not regather:
+        if not columns:
+            raise ValueError("region: overlap needs columns (the column children it computes)")
+        cls = ChunkedGatherSequenceRegion if entry == "sequence" else ChunkedCopyToTPRegion
+        return _entry(cls, module, ctx, columns, overlap, chunks)
+    if entry == "copy":
+        return CopyToTPRegion.wrap(module, ctx.tp_group)
+    cls = RegatherSequenceRegion if regather else GatherSequenceRegion
+    return cls.wrap(module, ctx.tp_group)
 
 
 def vocab(module, ctx, model):
@@ -231,50 +323,28 @@ def shard_param(owner, ctx, model, *, param, dim=0):
     return owner
 
 
-def moe(module, ctx, model, *, hf_experts=False):
-    return HFExperts.from_dense(module, ctx) if hf_experts else to_expert_parallel(module, ctx)
+def moe(module, ctx, model, *, hf_experts=False, sequence=False, overlap=None, chunks=1):
+    """``sequence``: under sequence parallelism the layer runs on the gathered sequence
+    (:class:`FullSequenceRegion`); ``overlap`` ``chunked``/``auto``: dispatch and combine in
+    ``chunks``."""
+    overlap = _overlap_of("moe", overlap, chunks)
+    layer = HFExperts.from_dense(module, ctx) if hf_experts else to_expert_parallel(module, ctx)
+    if overlap != "none":
+        experts = layer if isinstance(layer, ParallelExperts) else layer.experts
+        experts.overlap = _policy(ctx, overlap, chunks)
+    return FullSequenceRegion.wrap(layer, ctx.tp_group) if sequence else layer
 
 
-def sequence_scatter(module, ctx, model):
-    return ScatterSequence.wrap(module, ctx.tp_group)
-
-
-def sequence_region(module, ctx, model, *, set=None):
-    return GatherSequenceRegion.wrap(attrs(module, ctx, model, set=set), ctx.tp_group)
-
-
-def colwise_sequence(module, ctx, model, *, sub_blocks=None, kv_heads=None, gather_output=False):
-    layer = colwise(module, ctx, model, sub_blocks=sub_blocks, kv_heads=kv_heads,
-                    reduce_input_grad=False, gather_output=gather_output)
-    return GatherSequenceRegion.wrap(layer, ctx.tp_group)
-
-
-def sequence_region_regather(module, ctx, model, *, set=None):
-    return RegatherSequenceRegion.wrap(attrs(module, ctx, model, set=set), ctx.tp_group)
-
-
-def colwise_regather(module, ctx, model, *, sub_blocks=None, kv_heads=None):
-    return RegatherColumnLinear.from_column(colwise(module, ctx, model, sub_blocks=sub_blocks,
-                                                    kv_heads=kv_heads, reduce_input_grad=False))
-
-
-def colwise_sequence_regather(module, ctx, model, *, sub_blocks=None, kv_heads=None):
-    layer = colwise_regather(module, ctx, model, sub_blocks=sub_blocks, kv_heads=kv_heads)
-    return RegatherSequenceRegion.wrap(layer, ctx.tp_group)
-
-
-def rowwise_sequence(module, ctx, model):
-    return SequenceParallelRowLinear.from_dense(module, ctx)
-
-
-def sequence_gather(module, ctx, model):
+def sequence(module, ctx, model, *, kind):
+    """The sequence-parallel layout's edges: ``scatter`` (the first layer keeps this rank's share
+    of its input, backward all-gather), ``gather`` (the final norm runs on the share and its
+    output is all-gathered; its parameters' gradients summed over TP), ``partial`` (a module run
+    on the share: its parameters' gradients summed over TP)."""
+    _check_choice("sequence", "kind", kind, ("scatter", "gather", "partial"))
+    if kind == "scatter":
+        return ScatterSequence.wrap(module, ctx.tp_group)
     mark_partial(module, ctx.tp_group)
-    return GatherSequenceOutput.wrap(module, ctx.tp_group)
-
-
-def sequence_partial(module, ctx, model):
-    mark_partial(module, ctx.tp_group)
-    return module
+    return GatherSequenceOutput.wrap(module, ctx.tp_group) if kind == "gather" else module
 
 
 def _policy(ctx, overlap, chunks) -> OverlapPolicy:
@@ -286,63 +356,49 @@ def _entry(cls, module, ctx, columns, overlap, chunks):
                     overlap=_policy(ctx, overlap, chunks))
 
 
-def _column(module, ctx, model, sub_blocks, kv_heads, pad=False):
-    return colwise(module, ctx, model, sub_blocks=sub_blocks, kv_heads=kv_heads,
-                   reduce_input_grad=False, pad=pad)  # (its entry region reduces the gradient)
-
-
-def region_chunked(module, ctx, model, *, columns, set=None, overlap="auto", chunks=2):
-    module = attrs(module, ctx, model, set=set)
-    return _entry(ChunkedCopyToTPRegion, module, ctx, columns, overlap, chunks)
-
-
-def colwise_fed(module, ctx, model, *, sub_blocks=None, kv_heads=None, pad=False):
-    return as_variant(_column(module, ctx, model, sub_blocks, kv_heads, pad), FedColumn)
-
-
-def colwise_chunked(module, ctx, model, *, sub_blocks=None, kv_heads=None, pad=False,
-                    overlap="auto", chunks=2):
-    layer = _column(module, ctx, model, sub_blocks, kv_heads, pad)
-    return _entry(ChunkedCopyToTPRegion, layer, ctx, ("",), overlap, chunks)
-
-
-def rowwise_chunked(module, ctx, model, *, input_is_parallel=True, pad=False, sub_blocks=None,
-                    overlap="auto", chunks=2):
-    layer = rowwise(module, ctx, model, input_is_parallel=input_is_parallel, pad=pad,
-                    sub_blocks=sub_blocks)
-    return as_variant(layer, ChunkedRowOutput, overlap=_policy(ctx, overlap, chunks))
-
-
-def sequence_region_chunked(module, ctx, model, *, columns, set=None, overlap="auto", chunks=2):
-    module = attrs(module, ctx, model, set=set)
-    return _entry(ChunkedGatherSequenceRegion, module, ctx, columns, overlap, chunks)
-
-
-def colwise_sequence_chunked(module, ctx, model, *, sub_blocks=None, kv_heads=None,
-                             overlap="auto", chunks=2):
-    layer = _column(module, ctx, model, sub_blocks, kv_heads)
-    return _entry(ChunkedGatherSequenceRegion, layer, ctx, ("",), overlap, chunks)
-
-
-def rowwise_sequence_chunked(module, ctx, model, *, overlap="auto", chunks=2):
-    return as_variant(rowwise_sequence(module, ctx, model), ChunkedRowScatter,
-                      overlap=_policy(ctx, overlap, chunks))
-
-
-def moe_chunked(module, ctx, model, *, hf_experts=False, overlap="auto", chunks=2):
-    layer = moe(module, ctx, model, hf_experts=hf_experts)
-    experts = layer if isinstance(layer, ParallelExperts) else layer.experts
-    experts.overlap = _policy(ctx, overlap, chunks)
-    return layer
-
-
 STYLES = {style.__name__: style for style in (
     colwise, rowwise, gather_in, region, vocab, vocab_head, vocab_logits, kv_split, attrs,
-    embed_colwise, grad_allreduce, reduce_out, mla_kv_a, shard_param, moe, sequence_scatter,
-    sequence_region, colwise_sequence, rowwise_sequence, sequence_gather, sequence_partial,
-    sequence_region_regather, colwise_regather, colwise_sequence_regather,
-    region_chunked, colwise_fed, colwise_chunked, rowwise_chunked, sequence_region_chunked,
-    colwise_sequence_chunked, rowwise_sequence_chunked, moe_chunked)}
+    embed_colwise, grad_allreduce, reduce_out, mla_kv_a, shard_param, moe, sequence)}
+# The renamed variants of earlier versions, mapped once when a plan is built (a deprecation
+# note in the log): a variant is an option value of its kind.
+_AUTO = {"overlap": "auto", "chunks": 2}  # what the earlier chunked styles defaulted to
+LEGACY_STYLES = {
+    "colwise_sequence": ("colwise", {"entry": "sequence"}),
+    "colwise_regather": ("colwise", {"regather": True}),
+    "colwise_sequence_regather": ("colwise", {"entry": "sequence", "regather": True}),
+    "colwise_fed": ("colwise", {"fed": True}),
+    "colwise_chunked": ("colwise", _AUTO),
+    "colwise_sequence_chunked": ("colwise", {"entry": "sequence", **_AUTO}),
+    "rowwise_sequence": ("rowwise", {"exit": "reduce_scatter"}),
+    "rowwise_chunked": ("rowwise", _AUTO),
+    "rowwise_sequence_chunked": ("rowwise", {"exit": "reduce_scatter", **_AUTO}),
+    "sequence_region": ("region", {"entry": "sequence"}),
+    "sequence_region_regather": ("region", {"entry": "sequence", "regather": True}),
+    "region_chunked": ("region", _AUTO),
+    "sequence_region_chunked": ("region", {"entry": "sequence", **_AUTO}),
+    "moe_chunked": ("moe", _AUTO),
+    "sequence_scatter": ("sequence", {"kind": "scatter"}),
+    "sequence_gather": ("sequence", {"kind": "gather"}),
+    "sequence_partial": ("sequence", {"kind": "partial"}),
+}
+_NOTED: set[str] = set()
+
+
+def modern_rule(pattern: str, rule: dict) -> dict:
+    """``rule`` with an earlier version's style name (:data:`LEGACY_STYLES`) as its kind and
+    options (the rule's own options win: ``colwise_chunked`` with ``overlap="chunked"`` stays
+    chunked); a deprecation note, once per name."""
+    style = rule.get("style")
+    if style not in LEGACY_STYLES:
+        return rule
+    kind, options = LEGACY_STYLES[style]
+    if style not in _NOTED:
+        _NOTED.add(style)
+        log.warning("plan style %r is deprecated: it is %s(%s) (rule %r)", style, kind,
+                    ", ".join(f"{k}={v!r}" for k, v in options.items()), pattern)
+    return {**options, **rule, "style": kind}
+
+
 PARAM_STYLES = ("shard_param",)  # their pattern names a parameter, not a module
 _SET_BY_APPLIER = {"param"}  # shard_param's parameter name comes from the pattern
 

@@ -10,7 +10,7 @@ layout         where (plan style)                           compared as
 ============== ============================================ ==========================================
 ``replicated`` the output of ``rowwise`` (after its          rank 0's own copy, as it is
                all-reduce), ``vocab``, ``embed_colwise``,
-               ``reduce_out``, ``sequence_gather``, gathered
+               ``reduce_out``, ``sequence`` (gather), gathered
                columns; every replicated module (norms,
                residual streams without sequence
                parallelism, routers, rotary tables)
@@ -19,8 +19,8 @@ layout         where (plan style)                           compared as
                as the layer's ``ShardSpec`` says),           ``ShardSpec``; another tensor split along
                vocab-parallel logits, per-head tensors       one dimension: by contiguous rank blocks
                (attention weights, per-head norms)           (a shorter last block: padding)
-``tokens``     sequence parallelism (``sequence_scatter``,   all-gathered over TP along the b·s tokens
-               ``sequence_partial``, ``rowwise_sequence``):  (each rank holds a contiguous share)
+``tokens``     sequence parallelism (``sequence`` scatter/  all-gathered over TP along the b·s tokens
+               partial, ``rowwise`` reduce_scatter exit):    (each rank holds a contiguous share)
                this rank's share of the tokens
 ``partial``    inside a ``reduce_out`` module, a tensor of   as it is and summed over TP: the one
                the dense shape (a partial sum before the     that matches counts

@@ -9,8 +9,9 @@ The sizes that must divide (heads, FFN width, the batch) are the search's
 option                         runs with
 =============================  ===============================================================
 sequence parallelism           ``tp > 1``, ``attention="heads"`` (the one strategy with a
-                               sequence-parallel form), the sequence divisible by ``tp``, a
-                               dense FFN (the expert layers have no sequence-parallel form)
+                               sequence-parallel form), the sequence divisible by ``tp`` (an
+                               MoE layer runs on the gathered sequence:
+                               ``layers.regions.FullSequenceRegion``)
 ZeRO stage 1, 2 or 3           ``dp × ep > 1`` (each parameter sharded over its own
                                data-parallel group: ``dp × ep`` for the dense ones, ``dp`` for
                                the experts; stage 3 through FSDP2)
@@ -48,9 +49,6 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
         return (f"--zero {zero_stage} shards {what}over data-parallel ranks, but dp is 1: run "
                 f"more processes than --tp ({tp}), or drop --zero")
     if sequence_parallel:
-        if experts > 1:
-            return (f"--sequence-parallel is not supported for {model}: its expert layers have "
-                    f"no sequence-parallel form")
         if tp == 1:
             return ("--sequence-parallel splits the sequence over tensor-parallel ranks, but tp "
                     "is 1: set --tp 2 or more, or drop --sequence-parallel")

@@ -9,7 +9,7 @@ from ..comm.ledger import CommLedger
 from ..memory.apply import transformer_layers
 from ..memory.train_flags import partial_numel
 from ..memory.recompute import checkpointed
-from ..parallelize.sequence_plan import REGATHER_STYLES
+from ..parallelize.sequence_plan import is_sequence_parallel
 from ..planner.strategies import model_comm_per_step
 from .profile import gather_objects, profile_step, world_group
 from .watch import BACKWARD, OUTSIDE, StepWatch
@@ -72,11 +72,7 @@ def _paired(rank: dict) -> list[tuple[list, list]] | None:
 def sequence_parallel_of(model) -> bool | str:
     """Whether ``model``'s plan is sequence-parallel (its layers keep a slice of the tokens):
     ``"regather"`` for the re-gathering variant, else ``True`` or ``False``."""
-    plan = getattr(model, "parallel_plan", None)
-    styles = {r.get("style") for r in plan.rules.values()} if plan is not None else set()
-    if "sequence_scatter" not in styles:
-        return False
-    return "regather" if styles & set(REGATHER_STYLES) else True
+    return is_sequence_parallel(getattr(model, "parallel_plan", None))
 
 
 def recompute_of(model) -> str:

@@ -124,13 +124,13 @@ class _GatherFromRegion(torch.autograd.Function):
 
 class _AllGatherAlong(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, group, dim, "all_gather_along.fwd")
+    def forward(ctx, x, group, dim, label):
+        ctx.group, ctx.dim, ctx.label = group, dim, label
+        return _gather(x, group, dim, f"{label}.fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, ctx.dim, "all_gather_along.bwd"), None, None
+        return _reduce_scatter(grad, ctx.group, ctx.dim, f"{ctx.label}.bwd"), None, None, None
 
 
 class _ReduceScatterAlong(torch.autograd.Function):
@@ -194,9 +194,11 @@ def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup | None, dim: int 
     return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group, dim)
 
 
-def all_gather_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
-    """Forward: all-gather along ``dim``. Backward: reduce-scatter along ``dim`` (sequence parallel)."""
-    return x if group_size(group) == 1 else _AllGatherAlong.apply(x, group, dim)
+def all_gather_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0, *,
+                     label: str = "all_gather_along") -> torch.Tensor:
+    """Forward: all-gather along ``dim``. Backward: reduce-scatter along ``dim`` (sequence
+    parallel; context parallelism's K/V). The ledger labels them ``{label}.fwd`` / ``.bwd``."""
+    return x if group_size(group) == 1 else _AllGatherAlong.apply(x, group, dim, label)
 
 
 def reduce_scatter_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:

@@ -255,16 +255,25 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, *, positions=None):
+        """``idx`` ``(B, T)`` tokens; ``positions`` ``(T,)``: where they sit in their sequence
+        (default ``0..T−1``; a context-parallel rank holds two chunks of a longer sequence)."""
         B, T = idx.shape
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len ({self.cfg.max_seq_len})")
+        given = positions is not None
+        if not given:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds max_seq_len "
+                                 f"({self.cfg.max_seq_len})")
+            positions, table_len = torch.arange(T, device=idx.device), T
+        else:
+            table_len = self.cfg.max_seq_len  # the same values at every position, any length
         x = self.tok_emb(idx)  # (B, T, d)
         rope = None
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+            x = x + self.pos_emb(positions)
         else:
-            rope = rope_tables(self.cfg.head_dim, T, self.cfg.rope_theta, idx.device)
+            cos, sin = rope_tables(self.cfg.head_dim, table_len, self.cfg.rope_theta, idx.device)
+            rope = (cos[positions], sin[positions]) if given else (cos, sin)
         x = self.drop(x)
         for block in self.layers:
             x = block(x, rope)

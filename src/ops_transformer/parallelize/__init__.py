@@ -17,6 +17,7 @@ from ..parallel.grad_reduce import GradSums, GradSync
 from ..parallel.state import GradReducers, ParallelState, no_sync
 from ..planner.search import chosen_layout, is_planner_output
 from ..precision.policy import resolve_grad_reduce_dtype
+from .context_plan import apply_context_parallel, check_context_parallel
 from .dropout import apply_dropout
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
@@ -96,7 +97,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     if getattr(getattr(model, "parallel_state", None), "plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_state is set)")
     check_model_device(model, ctx)
-    options = ParallelOptions.of(options, **option_kwargs)
+    options = check_context_parallel(model, ctx, ParallelOptions.of(options, **option_kwargs))
     resolved = resolve_plan(model, ctx, plan, options.plan_attention, options.loss_parallel,
                             options.vocab, options.tp_plan)
     if ctx.ep_size > 1:
@@ -119,6 +120,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
     apply_dropout(model, ctx, attention=resolved.attention,  # before recompute wraps the core
                   sequence_parallel=bool(options.sequence_parallel) and ctx.tp_size > 1)
+    model.parallel_state.context_parallel = apply_context_parallel(model, ctx, options)
     apply_memory_options(model, recompute=options.recompute,
                          activation_cache=options.activation_cache)
     log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
@@ -143,16 +145,16 @@ def check_model_device(model: nn.Module, ctx) -> None:
 
 def gradient_reducers(model: nn.Module, ctx, options: ParallelOptions) -> GradReducers:
     """The model's gradient reductions, in the order they finish: data-parallel averaging of the
-    dense parameters over ``dp × ep`` (EP ranks read different micro-batches, like DP ranks) and of
+    dense parameters over ``dp × ep`` (EP ranks read different micro-batches, like DP ranks; ``× cp``
+    with context parallelism, each ``cp`` rank seeing its part of the tokens) and of
     the experts over ``dp``, then the sums of the partial gradients the plan marked. Frozen
     parameters (``requires_grad=False``: a LoRA model's base) get none."""
     dtype = resolve_grad_reduce_dtype(model, options.grad_reduce_dtype)
     buckets, reducers = options.bucket_bytes, GradReducers()
-    if ctx.dp_ep_size > 1:
+    if ctx.dp_ep_size * getattr(ctx, "cp_size", 1) > 1:
         dense, experts = split_expert_params(p for p in model.parameters() if p.requires_grad)
         scale_expert_grads(experts, ctx.ep_size)
-        group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
-        reducers.append(GradSync(dense, group, bucket_bytes=buckets, reduce_dtype=dtype))
+        reducers.append(GradSync(dense, ctx.grad_group, bucket_bytes=buckets, reduce_dtype=dtype))
         if experts and ctx.dp_size > 1:
             reducers.append(GradSync(experts, ctx.dp_group, bucket_bytes=buckets,
                                      reduce_dtype=dtype, name="dp_experts"))

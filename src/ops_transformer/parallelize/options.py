@@ -25,6 +25,7 @@ from ..comm.bucketing import DEFAULT_BUCKET_BYTES
 from ..layers.sequence_parallel import SEQUENCE_PARALLEL_VALUES
 from ..memory.apply import ACTIVATION_CACHES
 from ..memory.recompute import RECOMPUTE
+from ..planner.context_parallel import CP_CHOICES
 from ..planner.overlap import OVERLAP_MODES
 from ..planner.strategies import VOCAB_MODES
 from ..precision.policy import check_grad_reduce_dtype
@@ -63,6 +64,10 @@ class ParallelOptions:
       model says pays on the agreed profile, often 1) or ``none`` (the plan's collectives as
       they are). The expert all-to-alls too.
     * ``chunks`` — the chunks of ``overlap`` (at most, for ``auto``): an integer >= 1.
+    * ``context_parallel`` — with ``cp > 1`` (``init_parallel(cp=)``), how attention spans the
+      split sequence (SPEC F18): ``ring``, ``allgather_kv`` or ``auto`` (the cost model chooses,
+      the reason recorded in ``model.parallel_state.context_parallel``); ignored at ``cp = 1``.
+      :mod:`ops_transformer.parallelize.context_plan`.
     * ``tp_plan`` — Hugging Face style names (``{pattern: style}``, as in ``transformers``) merged
       over a Hugging Face model's own plan and translated (``plan="auto"`` only).
     """
@@ -78,6 +83,7 @@ class ParallelOptions:
     tp_plan: Mapping[str, str] | None = None
     overlap: str = "auto"
     chunks: int = 2
+    context_parallel: str = "auto"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -133,4 +139,4 @@ class ParallelOptions:
 CHOICES = {"attention": ATTENTION_CHOICES, "vocab": VOCAB_CHOICES,
            "loss_parallel": (False, True), "sequence_parallel": SEQUENCE_PARALLEL_VALUES,
            "recompute": RECOMPUTE, "activation_cache": ACTIVATION_CACHES,
-           "overlap": OVERLAP_MODES}
+           "overlap": OVERLAP_MODES, "context_parallel": CP_CHOICES}

@@ -1,0 +1,170 @@
+"""Context parallelism applied to a model (SPEC F18): the sequence split over ``ctx.cp_group``.
+
+``parallelize(model, ctx, context_parallel="auto" | "ring" | "allgather_kv")`` on a context with
+``cp > 1`` (``init_parallel(cp=...)``) does three things to the reference GPT:
+
+1. **Entry** — every ``cp`` rank is fed the *whole* sequences (the same rows, like the TP ranks);
+   the model becomes a :class:`ContextParallelGPT` (the same parameters and names), whose
+   :class:`SequenceSplit` (``model.sequence_split``) keeps this rank's two chunks of the tokens and targets (head-tail balanced:
+   rank ``r`` holds chunks ``r`` and ``2·cp−1−r`` of ``2·cp``,
+   :func:`~ops_transformer.layers.context_attention.shard_sequence`) and passes their
+   positions to the model (``positions=``, for the learned or rotary position embedding). A
+   sequence that ``2·cp`` does not divide is a ``ValueError`` naming the sizes.
+2. **Attention** — each layer's core (``attn.core``) becomes a
+   :class:`~ops_transformer.layers.context_attention.ContextParallelCore` (``attn.cp_core``:
+   ``print(model)`` names its strategy and collectives), with this rank's TP heads (``attention="heads"``) and its
+   tokens.
+3. **Exit** — the loss is normalised by the *global* token count: each rank's mean over its
+   targets is weighted by its share of the non-ignored targets of the ``cp`` group (one
+   all-reduce of the count, one of the loss, labels ``cp.tokens`` / ``cp.loss``), so the loss every
+   rank returns is the one-device loss. Dense gradients are averaged over ``dp × ep × cp``
+   (:attr:`~ops_transformer.parallel.ParallelContext.grad_group`); as each ``cp`` rank's
+   gradient is a part of a sum, its loss gradient is scaled by ``cp`` (as Megatron-LM does).
+
+The logits a rank returns are those of its own tokens (in the head-tail order of
+:func:`shard_sequence`; :func:`~ops_transformer.layers.context_attention.unshard_sequence` puts
+gathered ones back in order). ``context_parallel="auto"`` asks the cost model
+(:func:`~ops_transformer.planner.context_parallel.choose_strategy`, at ``max_seq_len``) and
+records the reason (``model.parallel_state.context_parallel``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm.primitives import reduce_from_tp_region
+from ..layers.context_attention import (ContextParallelCore, head_tail_chunks, local_positions,
+                                       shard_sequence)
+from ..models.gpt import GPT
+from ..planner.choose import resolve_profile
+from ..planner.context_parallel import CP_CHOICES, check_sequence, choose_strategy
+from .gpt_plan import AUTO_BATCH
+
+log = logging.getLogger("ops_transformer")
+IGNORE_INDEX = -100  # F.cross_entropy's, which the reference GPT's head uses
+
+
+@dataclass(frozen=True)
+class ContextParallelChoice:
+    """The strategy ``parallelize`` applied over ``cp`` ranks, and why."""
+
+    strategy: str
+    reason: str
+    cp: int
+
+
+def check_context_parallel(model: nn.Module, ctx, options):
+    """``options`` for a model split over ``cp`` ranks (``attention="auto"`` becomes
+    ``heads``); a ``ValueError`` naming what does not compose with context parallelism yet."""
+    if options.context_parallel not in CP_CHOICES:
+        raise ValueError(f"context_parallel must be one of {CP_CHOICES}, got "
+                         f"{options.context_parallel!r}")
+    if ctx.cp_size == 1:
+        return options
+    if not isinstance(model, GPT):
+        raise ValueError(f"context parallelism (cp={ctx.cp_size}) supports the reference GPT; "
+                         f"got {type(model).__name__}")
+    cfg = model.cfg
+    unsupported = {"dropout > 0": cfg.dropout > 0, "MoE (n_experts > 0)": cfg.n_experts > 0,
+                   "sequence_parallel": bool(options.sequence_parallel),
+                   "recompute='selective'": options.recompute == "selective"}
+    for what, present in unsupported.items():
+        if present:
+            raise ValueError(f"context parallelism (cp={ctx.cp_size}) does not compose with "
+                             f"{what} yet")
+    if options.attention not in ("auto", "heads"):
+        raise ValueError(f"context parallelism (cp={ctx.cp_size}) splits the tokens of "
+                         f"attention='heads' (each TP rank its heads); got "
+                         f"attention={options.attention!r}")
+    return dataclasses.replace(options, attention="heads")
+
+
+def choose_context_parallel(model: GPT, ctx, requested: str) -> ContextParallelChoice:
+    """``requested`` itself, or for ``auto`` the cost model's choice at ``max_seq_len`` on the
+    agreed profile (every rank decides alike)."""
+    if requested != "auto":
+        return ContextParallelChoice(requested, f"forced (context_parallel={requested!r})",
+                                     ctx.cp_size)
+    cfg, tp = model.cfg, ctx.tp_size
+    profile = resolve_profile(getattr(ctx, "profile", None))
+    kv_heads = max(1, cfg.n_kv_heads // tp)  # replicated KV heads: one per rank
+    strategy, reason = choose_strategy(
+        batch=AUTO_BATCH, seq=cfg.max_seq_len, kv_dim=kv_heads * cfg.head_dim,
+        q_dim=cfg.d_model // tp, cp=ctx.cp_size, alpha_s=profile.alpha_s,
+        bandwidth=profile.bandwidth, matmul_flops=profile.matmul_flops)
+    return ContextParallelChoice(strategy, reason, ctx.cp_size)
+
+
+def apply_context_parallel(model: nn.Module, ctx, options) -> ContextParallelChoice | None:
+    """Split ``model``'s sequences over ``ctx.cp_group`` (entry, attention cores, exit: above);
+    ``None`` at ``cp = 1``."""
+    if ctx.cp_size == 1:
+        return None
+    choice = choose_context_parallel(model, ctx, options.context_parallel)
+    for block in model.layers:
+        # a submodule, so print(model) names it; ``Attention.forward`` calls the instance's
+        # ``core`` (as parallelize/dropout.py replaces it), a class method otherwise
+        block.attn.cp_core = ContextParallelCore(ctx, choice.strategy, choice.reason)
+        block.attn.core = block.attn.cp_core.__call__
+    model.sequence_split = SequenceSplit(ctx, model.cfg.max_seq_len)
+    model.__class__ = ContextParallelGPT  # the same parameters and names; its forward splits
+    log.info("parallelize: cp=%d context_parallel=%s (%s)", ctx.cp_size, choice.strategy,
+             choice.reason)
+    return choice
+
+
+class ContextParallelGPT(GPT):
+    """The reference GPT fed whole sequences, of which this rank computes its part
+    (:class:`SequenceSplit`): ``apply_context_parallel`` gives a parallelised GPT this class."""
+
+    def forward(self, idx, targets=None, *, positions=None):
+        if positions is not None:
+            raise ValueError("a context-parallel model takes whole sequences: it places their "
+                             "positions itself (positions= must be None)")
+        local, targets, positions = self.sequence_split.enter(idx, targets)
+        logits, loss = super().forward(local, targets, positions=positions)
+        return logits, self.sequence_split.exit(loss, targets)
+
+
+class SequenceSplit(nn.Module):
+    """The entry and exit of a model whose sequences are split over ``cp`` ranks: this rank's
+    chunks in, the loss over the whole sequences out."""
+
+    def __init__(self, ctx, max_seq_len: int):
+        super().__init__()
+        self.group, self.cp, self.rank, self.max_seq_len = ctx.cp_group, ctx.cp_size, \
+            ctx.cp_rank, max_seq_len
+
+    def enter(self, idx, targets):
+        """``(idx, targets, positions)`` of this rank's two chunks (head-tail)."""
+        seq = idx.shape[1]
+        check_sequence(seq, self.cp)
+        if seq > self.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len ({self.max_seq_len})")
+        local = shard_sequence(idx, self.rank, self.cp)
+        positions = local_positions(local.shape[1], self.rank, self.cp, idx.device)
+        if targets is not None:
+            targets = shard_sequence(targets, self.rank, self.cp)
+        return local, targets, positions
+
+    def exit(self, loss, targets):
+        """The loss of the whole sequences: each rank's mean weighted by its share of the
+        group's targets; the gradient of each rank's part scaled by ``cp`` (averaged over
+        ``dp × ep × cp`` afterwards)."""
+        if loss is None:
+            return None
+        local = (targets != IGNORE_INDEX).sum().to(loss.dtype)
+        total = reduce_from_tp_region(local.detach().clone(), self.group, label="cp.tokens")
+        share = loss * (local / total)  # this rank's Σ over its tokens ÷ the global count
+        value = reduce_from_tp_region(share.detach(), self.group, label="cp.loss")
+        return value + self.cp * (share - share.detach())
+
+    def extra_repr(self) -> str:
+        return (f"cp={self.cp}, rank={self.rank}: tokens, targets and positions of chunks "
+                f"{head_tail_chunks(self.rank, self.cp)} of {2 * self.cp}; loss over the global "
+                f"token count (all-reduce cp.tokens, cp.loss)")

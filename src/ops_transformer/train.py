@@ -32,11 +32,12 @@ from .memory.train_flags import (check_memory_flags, make_optimizer, measured_st
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
 from .models.moe import moe_stats
-from .parallel.context import check_degrees, init_parallel
+from .parallel.context import check_mesh_degrees, init_parallel
 from .parallel.state import no_sync
 from .parallelize import ParallelOptions, parallelize
 from .parallelize.gpt_plan import gpt_plan
 from .parallelize.moe_plan import n_experts_of
+from .planner.context_parallel import CP_CHOICES, check_sequence
 from .planner.strategies import model_comm_per_step
 from .precision import DynamicLossScaler, optimizer_step, precision_policy
 from .schedule import check_schedule, lr_at, set_lr
@@ -95,13 +96,17 @@ class TrainConfig:
     lora_alpha: float | None = None  # None: the rank (scaling 1)
     lora_targets: tuple[str, ...] | None = None  # module names / fnmatch patterns; None: default
     lora_dropout: float = 0.0
+    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (SPEC F18)
+    cp_strategy: str = ParallelOptions.context_parallel  # "auto", "ring" or "allgather_kv"
 
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
         policy's ``grad_reduce_dtype``)."""
-        return ParallelOptions(attention=self.attention, sequence_parallel=self.sequence_parallel,
+        attention = "heads" if self.cp > 1 and self.attention == "auto" else self.attention
+        return ParallelOptions(attention=attention, sequence_parallel=self.sequence_parallel,
                                recompute=self.recompute, activation_cache=self.activation_cache,
-                               overlap=self.overlap_mode, chunks=self.chunks, **more)
+                               overlap=self.overlap_mode, chunks=self.chunks,
+                               context_parallel=self.cp_strategy, **more)
 
     @property
     def overlap_mode(self) -> str:
@@ -133,7 +138,8 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     check_schedule(cfg.lr_schedule, cfg.warmup, cfg.steps)
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
-    dp, ep, tp = check_degrees(world_size, cfg.tp, cfg.dp, cfg.ep)
+    dp, ep, cp, tp = check_mesh_degrees(world_size, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, cp=cfg.cp)
+    check_train_cp(cfg)
     if cfg.ranks_per_node is not None or cfg.ranks_per_island is not None:
         # divide the number of processes, and the ranks per node
         NodeLayout(world_size, cfg.ranks_per_node or world_size, cfg.ranks_per_island)
@@ -163,6 +169,23 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
         check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
     return dp, tp
+
+
+def check_train_cp(cfg: TrainConfig) -> None:
+    """``--cp``: the reference GPT's sequences (``--seq``) split into ``2·cp`` chunks."""
+    if cfg.cp_strategy not in CP_CHOICES:
+        raise ValueError(f"--cp-strategy must be one of {', '.join(CP_CHOICES)}, got "
+                         f"{cfg.cp_strategy!r}")
+    if cfg.cp == 1:
+        return
+    if cfg.model:
+        raise ValueError(f"--cp {cfg.cp} splits the reference GPT's sequences; --model (a "
+                         f"Hugging Face checkpoint) does not support context parallelism yet")
+    for flag, on in (("--zero", cfg.zero), ("--sequence-parallel", cfg.sequence_parallel),
+                     ("--lora-rank", cfg.lora_rank is not None)):
+        if on:
+            raise ValueError(f"--cp {cfg.cp} does not combine with {flag} yet")
+    check_sequence(cfg.seq, cfg.cp)
 
 
 def check_batch(batch: int, dp: int, ep: int, grad_accum: int) -> None:
@@ -300,7 +323,7 @@ def join(cfg: TrainConfig, profile=None):
     """This rank's :class:`ParallelContext` for ``cfg`` (``with join(cfg) as ctx:`` tears its
     process groups down at the end); ``profile``: see :func:`train_worker`."""
     return init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, ranks_per_node=cfg.ranks_per_node,
-                         profile=profile, ranks_per_island=cfg.ranks_per_island)
+                         profile=profile, ranks_per_island=cfg.ranks_per_island, cp=cfg.cp)
 
 
 def setup_training(cfg: TrainConfig, ctx) -> TrainState:
@@ -421,6 +444,14 @@ def _moe_report(averaged: dict) -> dict:
             "dropped_fraction": averaged["moe_dropped"] / slots if slots else 0.0}
 
 
+def cp_metrics(ctx, model) -> dict:
+    """``{"cp"}``, and with ``cp > 1`` the strategy ``parallelize`` chose and why."""
+    choice = getattr(getattr(model, "parallel_state", None), "context_parallel", None)
+    if choice is None:
+        return {"cp": getattr(ctx, "cp_size", 1)}
+    return {"cp": choice.cp, "cp_strategy": choice.strategy, "cp_reason": choice.reason}
+
+
 def batch_layout(cfg: TrainConfig, ctx) -> dict:
     """How the global batch was split (a checkpoint's manifest records it, :mod:`.rebalance`
     reads it): ``{"global_batch", "micro_batch", "grad_accum"}``."""
@@ -470,7 +501,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
     tp_ranks = tuple(range(ctx.rank, ctx.rank + ctx.tp_size))  # rank 0's TP group
     metrics = {
         "preset": cfg.preset, "tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
-        "steps": cfg.steps, "grad_accum": cfg.grad_accum,
+        **cp_metrics(ctx, model), "steps": cfg.steps, "grad_accum": cfg.grad_accum,
         "micro_batch": micro_batch(cfg, ctx.dp_ep_size),
         "batch": cfg.batch, "seq": cfg.seq, "lr": cfg.lr, "seed": cfg.seed,
         "attention": model.parallel_plan.attention, "vocab": model.parallel_plan.vocab,

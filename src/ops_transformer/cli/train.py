@@ -30,6 +30,7 @@ from ..train import TrainConfig, train_worker, validate
 from ..memory.apply import ACTIVATION_CACHES
 from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
+from ..planner.context_parallel import CP_CHOICES
 from ..planner.overlap import OVERLAP_MODES
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, missing_dirs,
@@ -66,6 +67,13 @@ def add_training_arguments(p) -> None:
     p.add_argument("--ep", type=int, help="expert-parallel degree for MoE models (moe-tiny, "
                    "moe-small, or a --model such as Mixtral): n_experts/ep experts per rank "
                    f"(default {D.ep})")
+    p.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over cp "
+                   "ranks, head-tail balanced (--seq divisible by 2·cp; reference GPT presets; "
+                   f"default {D.cp})")
+    p.add_argument("--cp-strategy", choices=CP_CHOICES, help="how attention spans the split "
+                   "sequence: ring (K/V blocks passed rank to rank, overlapped), allgather_kv "
+                   "(one all-gather of K/V) or auto (the cost model chooses; default "
+                   f"{D.cp_strategy})")
     p.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)} (default {D.preset})")
     p.add_argument("--data", help="a text file, a directory of text files or (with --model) a "
                    ".jsonl file of {\"text\": ...} lines (default: the Python standard library's "
@@ -217,6 +225,8 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        activation_cache=getattr(args, "activation_cache", D.activation_cache),
                        overlap=getattr(args, "overlap", D.overlap),
                        chunks=getattr(args, "chunks", D.chunks),
+                       cp=getattr(args, "cp", None) or D.cp,
+                       cp_strategy=getattr(args, "cp_strategy", None) or D.cp_strategy,
                        **checkpoint_settings(args), **lora_settings(args))
 
 

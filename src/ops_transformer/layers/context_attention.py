@@ -244,13 +244,17 @@ class ContextParallelCore(nn.Module):
     """The attention core (``Attention.core(q, k, v)`` of the reference GPT) over a sequence split
     by the ``cp`` group of ``ctx``: causal, this rank's heads (TP) and its two chunks (CP)."""
 
-    def __init__(self, ctx, strategy: str, reason: str = ""):
+    def __init__(self, ctx, strategy: str, reason: str = "", switch=None):
         super().__init__()
         check_strategy(strategy)
         self.group, self.cp_size, self.strategy, self.reason = ctx.cp_group, ctx.cp_size, \
             strategy, reason
+        self.switch = switch  # ``switch.on`` False: the sequence is whole here (generation)
 
     def forward(self, q, k, v):
+        if self.switch is not None and not self.switch.on:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  enable_gqa=k.shape[1] != q.shape[1])
         return context_parallel_attention(q, k, v, self.group, strategy=self.strategy)
 
     def extra_repr(self) -> str:

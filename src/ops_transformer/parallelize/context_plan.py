@@ -105,13 +105,19 @@ def apply_context_parallel(model: nn.Module, ctx, options) -> ContextParallelCho
     ``None`` at ``cp = 1``."""
     if ctx.cp_size == 1:
         return None
+    plan = model.parallel_state.plan
+    if ctx.tp_size > 1 and plan is not None and plan.attention != "heads":
+        raise ValueError(f"context parallelism (cp={ctx.cp_size}) splits the tokens of "
+                         f"attention='heads'; the plan has attention={plan.attention!r}")
     choice = choose_context_parallel(model, ctx, options.context_parallel)
+    split = SequenceSplit(ctx, model.cfg.max_seq_len)
     for block in model.layers:
         # a submodule, so print(model) names it; ``Attention.forward`` calls the instance's
         # ``core`` (as parallelize/dropout.py replaces it), a class method otherwise
-        block.attn.cp_core = ContextParallelCore(ctx, choice.strategy, choice.reason)
+        block.attn.cp_core = ContextParallelCore(ctx, choice.strategy, choice.reason,
+                                                 switch=split.switch)
         block.attn.core = block.attn.cp_core.__call__
-    model.sequence_split = SequenceSplit(ctx, model.cfg.max_seq_len)
+    model.sequence_split = split
     model.__class__ = ContextParallelGPT  # the same parameters and names; its forward splits
     log.info("parallelize: cp=%d context_parallel=%s (%s)", ctx.cp_size, choice.strategy,
              choice.reason)
@@ -126,9 +132,27 @@ class ContextParallelGPT(GPT):
         if positions is not None:
             raise ValueError("a context-parallel model takes whole sequences: it places their "
                              "positions itself (positions= must be None)")
+        if not self.sequence_split.switch.on:  # generate(): every rank the whole sequence
+            return super().forward(idx, targets)
         local, targets, positions = self.sequence_split.enter(idx, targets)
         logits, loss = super().forward(local, targets, positions=positions)
         return logits, self.sequence_split.exit(loss, targets)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, **kwargs):
+        """Sampling, unsplit: every ``cp`` rank runs the whole (short, growing) sequence with its
+        full copy of the weights (its TP shards under TP) and draws the same tokens."""
+        self.sequence_split.switch.on = False
+        try:
+            return super().generate(idx, max_new_tokens, **kwargs)
+        finally:
+            self.sequence_split.switch.on = True
+
+
+class CoreSwitch:
+    """Whether the sequence is split (the attention cores and the model's entry read it)."""
+
+    on = True
 
 
 class SequenceSplit(nn.Module):
@@ -139,6 +163,7 @@ class SequenceSplit(nn.Module):
         super().__init__()
         self.group, self.cp, self.rank, self.max_seq_len = ctx.cp_group, ctx.cp_size, \
             ctx.cp_rank, max_seq_len
+        self.switch = CoreSwitch()  # off while generate() runs whole sequences
 
     def enter(self, idx, targets):
         """``(idx, targets, positions)`` of this rank's two chunks (head-tail)."""

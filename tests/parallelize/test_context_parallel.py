@@ -117,3 +117,26 @@ def _bad_sequence():
 def test_bad_sequence_and_unsupported_options_are_clear_errors(run_ranks):
     strategy, reason = run_ranks(_bad_sequence, 2)[0]
     assert strategy in cpcost.CP_STRATEGIES and "ring" in reason and "allgather_kv" in reason
+
+
+def _packed_documents(strategy):
+    torch.set_num_threads(1)
+    ctx = init_parallel(cp=2)
+    torch.manual_seed(0)
+    dense = GPT(preset("llama-tiny", max_seq_len=32))
+    model = parallelize(copy.deepcopy(dense), ctx, context_parallel=strategy)
+    batch = _batches(256)[0]
+    ids = torch.tensor([[0] * 3 + [1] * 9 + [2] * 4, [0] * 10 + [1] * 6])  # boundaries anywhere
+    _, ref = dense(batch[:, :-1], batch[:, 1:], document_ids=ids)
+    ref.backward()
+    _, loss = model(batch[:, :-1], batch[:, 1:], document_ids=ids)
+    loss.backward()
+    grads = dict(dense.named_parameters())
+    worst = max(rel_err(p.grad, grads[n].grad) for n, p in model.named_parameters())
+    return float(loss), float(ref), worst
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather_kv"])
+def test_packed_documents_at_cp2_equal_one_device(run_ranks, strategy):
+    for loss, ref, worst in run_ranks(_packed_documents, 2, strategy):
+        assert abs(loss - ref) <= 1e-6 * ref and worst <= 1e-5, (loss, ref, worst)

@@ -45,6 +45,7 @@ from torch import nn
 from ..comm.collectives import group_rank, group_size
 from ..comm.primitives import all_gather_along
 from ..comm.ring import ring_shift
+from ..models.documents import document_mask, document_runs
 from ..planner.context_parallel import CP_STRATEGIES, check_sequence, check_strategy
 
 NEG_INF = float("-inf")
@@ -121,9 +122,33 @@ def _step_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool):
 
 
 def _scores(q5, k, scale, mask):
-    """``(B, nkv, g, Sq, Sk)`` scaled scores of grouped queries against ``(B, nkv, Sk, d)`` keys."""
+    """``(B, nkv, g, Sq, Sk)`` scaled scores of grouped queries against ``(B, nkv, Sk, d)`` keys;
+    ``mask`` ``(Sq, Sk)`` or ``(B, 1, 1, Sq, Sk)``, True where visible."""
     s = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
     return s if mask is None else s.masked_fill(~mask, NEG_INF)
+
+
+def _with_documents(mask, q_runs, k_runs):
+    """``mask`` (causal, or ``None``) and, with documents, the same-document condition:
+    ``(B, 1, 1, Sq, Sk)``; ``q_runs`` ``(B, Sq)``, ``k_runs`` ``(B, Sk)`` document indices."""
+    if q_runs is None:
+        return mask
+    same = (q_runs.unsqueeze(2) == k_runs.unsqueeze(1))  # (B, Sq, Sk)
+    if mask is not None:
+        same = same & mask
+    return same[:, None, None]
+
+
+def _block(q_pos, r, src, p, S, causal, runs, device):
+    """The plan of the step at which rank ``r`` holds rank ``src``'s block, with the document
+    condition: ``(rows, cols, mask)`` or ``None``."""
+    plan = _step_plan(q_pos, local_positions(S, src, p, device), causal)
+    if plan is None or runs is None:
+        return plan
+    rows, cols, mask = plan
+    q_runs = shard_sequence(runs, r, p)[:, rows]
+    k_runs = shard_sequence(runs, src, p)[:, cols]
+    return rows, cols, _with_documents(mask, q_runs, k_runs)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -131,7 +156,7 @@ class _RingAttention(torch.autograd.Function):
     ``(B, nkv, S, d)`` with ``S`` this rank's two chunks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
+    def forward(ctx, q, k, v, group, causal, scale, runs):
         p, r = group_size(group), group_rank(group)
         B, H, S, D = q.shape
         nkv, acc = k.shape[1], _acc_dtype(q.dtype)
@@ -142,7 +167,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])  # (2, B, nkv, S, d): one message a step
         for step in range(p):
             pending = ring_shift(kv, group, label="cp.ring.fwd") if step < p - 1 else None
-            plan = _step_plan(q_pos, local_positions(S, (r - step) % p, p, q.device), causal)
+            plan = _block(q_pos, r, (r - step) % p, p, S, causal, runs, q.device)
             if plan is not None:
                 rows, cols, mask = plan
                 s = _scores(q5[..., rows, :], kv[0][..., cols, :].to(acc), scale, mask)
@@ -159,13 +184,13 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = pending.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.causal, ctx.scale, ctx.runs = group, causal, scale, runs
         return out.reshape(B, H, S, D).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        group, causal, scale, runs = ctx.group, ctx.causal, ctx.scale, ctx.runs
         p, r = group_size(group), group_rank(group)
         B, H, S, D = q.shape
         nkv, acc = k.shape[1], _acc_dtype(q.dtype)
@@ -183,7 +208,7 @@ class _RingAttention(torch.autograd.Function):
             pending_kv = ring_shift(kv, group, label="cp.ring.bwd") if step < p - 1 else None
             if pending_dkv is not None:
                 dkv = pending_dkv.wait()  # the accumulator of this step's block, from the left
-            plan = _step_plan(q_pos, local_positions(S, (r - step) % p, p, q.device), causal)
+            plan = _block(q_pos, r, (r - step) % p, p, S, causal, runs, q.device)
             if plan is not None:
                 rows, cols, mask = plan
                 k_blk, v_blk = kv[0][..., cols, :].to(acc), kv[1][..., cols, :].to(acc)
@@ -200,20 +225,21 @@ class _RingAttention(torch.autograd.Function):
                 kv = pending_kv.wait()
         dkv = pending_dkv.wait()  # our own block's, home after p hops
         return (dq.reshape(B, H, S, D).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None)
+                None, None, None, None)
 
 
-def ring_attention(q, k, v, group, *, causal: bool = True, scale: float | None = None):
+def ring_attention(q, k, v, group, *, causal: bool = True, scale: float | None = None,
+                   document_ids=None):
     """Ring attention of this rank's queries ``(B, nh, S, d)`` against the whole sequence, whose
-    K/V ``(B, nkv, S, d)`` are spread head-tail over ``group``; returns ``(B, nh, S, d)``."""
+    K/V ``(B, nkv, S, d)`` are spread head-tail over ``group``; returns ``(B, nh, S, d)``.
+    ``document_ids``: the *whole* sequences' ``(B, cp·S)`` (every rank has them; none travel)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if group_size(group) == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
-    return _RingAttention.apply(q, k, v, group, causal, scale)
+    runs = None if document_ids is None else document_runs(document_ids)
+    return _RingAttention.apply(q, k, v, group, causal, scale, runs)
 
 
-def allgather_kv_attention(q, k, v, group, *, causal: bool = True, scale: float | None = None):
+def allgather_kv_attention(q, k, v, group, *, causal: bool = True, scale: float | None = None,
+                           document_ids=None):
     """All-gather K/V over ``group``, then this rank's queries against the whole sequence."""
     p, r = group_size(group), group_rank(group)
     S = q.shape[2]
@@ -222,22 +248,36 @@ def allgather_kv_attention(q, k, v, group, *, causal: bool = True, scale: float 
     if causal:
         k_pos = torch.cat([local_positions(S, j, p, q.device) for j in range(p)])
         mask = local_positions(S, r, p, q.device).unsqueeze(1) >= k_pos.unsqueeze(0)
+    if document_ids is not None:
+        runs = document_runs(document_ids)
+        k_runs = torch.cat([shard_sequence(runs, j, p) for j in range(p)], 1)
+        mask = _with_documents(mask, shard_sequence(runs, r, p), k_runs)[:, 0]  # (B, 1, S, pS)
     return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask,
-                                          is_causal=causal and p == 1, scale=scale,
+                                          is_causal=causal and mask is None, scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
 def context_parallel_attention(q, k, v, group, *, strategy: str = "ring", causal: bool = True,
-                               scale: float | None = None):
+                               scale: float | None = None, document_ids=None):
     """Attention over a sequence split head-tail over ``group`` with ``strategy`` (``ring`` or
     ``allgather_kv``): this rank's ``(B, nh, S, d)`` queries, ``(B, nkv, S, d)`` keys and values;
-    ``S`` must be even (two chunks)."""
+    ``S`` must be even (two chunks). ``document_ids`` ``(B, cp·S)``: the whole sequences'
+    documents (:mod:`ops_transformer.models.documents`); a query never sees another document."""
     check_strategy(strategy)
     if q.shape[2] % 2:
         raise ValueError(f"context-parallel attention: this rank's {q.shape[2]} tokens must be "
                          f"two equal chunks (head and tail)")
+    if document_ids is not None and document_ids.shape[1] != q.shape[2] * group_size(group):
+        raise ValueError(f"context-parallel attention takes the whole sequences' document_ids: "
+                         f"{q.shape[2] * group_size(group)} per row, got "
+                         f"{tuple(document_ids.shape)}")
+    if group_size(group) == 1:
+        mask = None if document_ids is None else document_mask(document_ids)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              is_causal=causal and mask is None, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
     fn = ring_attention if strategy == "ring" else allgather_kv_attention
-    return fn(q, k, v, group, causal=causal, scale=scale)
+    return fn(q, k, v, group, causal=causal, scale=scale, document_ids=document_ids)
 
 
 class ContextParallelCore(nn.Module):
@@ -251,11 +291,11 @@ class ContextParallelCore(nn.Module):
             strategy, reason
         self.switch = switch  # ``switch.on`` False: the sequence is whole here (generation)
 
-    def forward(self, q, k, v):
-        if self.switch is not None and not self.switch.on:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                  enable_gqa=k.shape[1] != q.shape[1])
-        return context_parallel_attention(q, k, v, self.group, strategy=self.strategy)
+    def forward(self, q, k, v, document_ids=None):
+        if self.switch is not None and not self.switch.on:  # the whole sequence on every rank
+            return context_parallel_attention(q, k, v, None, document_ids=document_ids)
+        return context_parallel_attention(q, k, v, self.group, strategy=self.strategy,
+                                          document_ids=document_ids)
 
     def extra_repr(self) -> str:
         comm = ("ring send_recv of K/V (fwd), K/V and dK/dV (bwd)" if self.strategy == "ring"

@@ -40,6 +40,7 @@ from torch import nn
 from ..comm.primitives import reduce_from_tp_region
 from ..layers.context_attention import (ContextParallelCore, head_tail_chunks, local_positions,
                                        shard_sequence)
+from ..models.documents import check_document_ids, document_positions, document_targets
 from ..models.gpt import GPT
 from ..planner.choose import resolve_profile
 from ..planner.context_parallel import CP_CHOICES, check_sequence, choose_strategy
@@ -128,14 +129,15 @@ class ContextParallelGPT(GPT):
     """The reference GPT fed whole sequences, of which this rank computes its part
     (:class:`SequenceSplit`): ``apply_context_parallel`` gives a parallelised GPT this class."""
 
-    def forward(self, idx, targets=None, *, positions=None):
+    def forward(self, idx, targets=None, *, positions=None, document_ids=None):
         if positions is not None:
             raise ValueError("a context-parallel model takes whole sequences: it places their "
                              "positions itself (positions= must be None)")
         if not self.sequence_split.switch.on:  # generate(): every rank the whole sequence
-            return super().forward(idx, targets)
-        local, targets, positions = self.sequence_split.enter(idx, targets)
-        logits, loss = super().forward(local, targets, positions=positions)
+            return super().forward(idx, targets, document_ids=document_ids)
+        local, targets, positions = self.sequence_split.enter(idx, targets, document_ids)
+        logits, loss = super().forward(local, targets, positions=positions,
+                                       document_ids=document_ids)  # whole: the cores read them
         return logits, self.sequence_split.exit(loss, targets)
 
     @torch.no_grad()
@@ -165,14 +167,21 @@ class SequenceSplit(nn.Module):
             ctx.cp_rank, max_seq_len
         self.switch = CoreSwitch()  # off while generate() runs whole sequences
 
-    def enter(self, idx, targets):
-        """``(idx, targets, positions)`` of this rank's two chunks (head-tail)."""
+    def enter(self, idx, targets, document_ids=None):
+        """``(idx, targets, positions)`` of this rank's two chunks (head-tail); with packed
+        documents, the positions inside each document and no target across a boundary."""
         seq = idx.shape[1]
         check_sequence(seq, self.cp)
         if seq > self.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len ({self.max_seq_len})")
         local = shard_sequence(idx, self.rank, self.cp)
-        positions = local_positions(local.shape[1], self.rank, self.cp, idx.device)
+        if document_ids is None:
+            positions = local_positions(local.shape[1], self.rank, self.cp, idx.device)
+        else:
+            check_document_ids(document_ids, idx)
+            positions = shard_sequence(document_positions(document_ids), self.rank, self.cp)
+            if targets is not None:
+                targets = document_targets(targets, document_ids)
         if targets is not None:
             targets = shard_sequence(targets, self.rank, self.cp)
         return local, targets, positions

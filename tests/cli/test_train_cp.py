@@ -16,6 +16,8 @@ def test_train_cp2_has_the_one_process_losses(tmp_path, capsys):
     assert main(["train", *RUN, "--out", str(tmp_path / "one")]) == 0
     assert main(["train", "--nproc", "2", "--cp", "2", "--cp-strategy", "ring", *RUN,
                  "--out", str(tmp_path / "cp")]) == 0
+    text = capsys.readouterr().out
+    assert "dp=1 × cp=2 × tp=1" in text and "context parallel        ring (forced" in text
     one = json.loads((tmp_path / "one" / "metrics.json").read_text())
     cp = json.loads((tmp_path / "cp" / "metrics.json").read_text())
     assert (cp["cp"], cp["cp_strategy"]) == (2, "ring") and "forced" in cp["cp_reason"]

@@ -369,8 +369,12 @@ def summary(metrics: dict) -> str:
           if metrics.get("model_dir") else []),
         {"": "layout", "value": f"dp={metrics['dp']} × "
                                 + (f"ep={metrics['ep']} × " if metrics.get("ep", 1) > 1 else "")
+                                + (f"cp={metrics['cp']} × " if metrics.get("cp", 1) > 1 else "")
                                 + f"tp={metrics['tp']}" + _accumulation(metrics)},
         {"": "attention", "value": metrics["attention"]},
+        *([{"": "context parallel", "value": f"{metrics['cp_strategy']} "
+                                             f"({metrics['cp_reason']})"}]
+          if metrics.get("cp", 1) > 1 else []),
         {"": "precision", "value": _precision_line(metrics)},
         {"": "parameters", "value": f"{metrics['params']:,}"},
         {"": "loss first → last", "value": f"{metrics['loss_first']:.4f} → "

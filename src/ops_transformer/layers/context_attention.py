@@ -264,6 +264,11 @@ def context_parallel_attention(q, k, v, group, *, strategy: str = "ring", causal
     ``S`` must be even (two chunks). ``document_ids`` ``(B, cp·S)``: the whole sequences'
     documents (:mod:`ops_transformer.models.documents`); a query never sees another document."""
     check_strategy(strategy)
+    if group_size(group) == 1:  # the whole sequence here
+        mask = None if document_ids is None else document_mask(document_ids)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              is_causal=causal and mask is None, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
     if q.shape[2] % 2:
         raise ValueError(f"context-parallel attention: this rank's {q.shape[2]} tokens must be "
                          f"two equal chunks (head and tail)")
@@ -271,11 +276,6 @@ def context_parallel_attention(q, k, v, group, *, strategy: str = "ring", causal
         raise ValueError(f"context-parallel attention takes the whole sequences' document_ids: "
                          f"{q.shape[2] * group_size(group)} per row, got "
                          f"{tuple(document_ids.shape)}")
-    if group_size(group) == 1:
-        mask = None if document_ids is None else document_mask(document_ids)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                              is_causal=causal and mask is None, scale=scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
     fn = ring_attention if strategy == "ring" else allgather_kv_attention
     return fn(q, k, v, group, causal=causal, scale=scale, document_ids=document_ids)
 

@@ -44,6 +44,7 @@ from ..models.documents import check_document_ids, document_positions, document_
 from ..models.gpt import GPT
 from ..planner.choose import resolve_profile
 from ..planner.context_parallel import CP_CHOICES, check_sequence, choose_strategy
+from .context_hf import CP_FAMILIES, apply_hf_context_parallel, supports_context_parallel
 from .gpt_plan import AUTO_BATCH
 
 log = logging.getLogger("ops_transformer")
@@ -67,11 +68,11 @@ def check_context_parallel(model: nn.Module, ctx, options):
                          f"{options.context_parallel!r}")
     if ctx.cp_size == 1:
         return options
-    if not isinstance(model, GPT):
-        raise ValueError(f"context parallelism (cp={ctx.cp_size}) supports the reference GPT; "
-                         f"got {type(model).__name__}")
-    cfg = model.cfg
-    unsupported = {"dropout > 0": cfg.dropout > 0, "MoE (n_experts > 0)": cfg.n_experts > 0,
+    if not (isinstance(model, GPT) or supports_context_parallel(model)):
+        raise ValueError(f"context parallelism (cp={ctx.cp_size}) supports the reference GPT and "
+                         f"Hugging Face {', '.join(CP_FAMILIES)}; got {type(model).__name__}")
+    dropout, experts = _dropout_and_experts(model)
+    unsupported = {"dropout > 0": dropout > 0, "MoE (n_experts > 0)": experts > 0,
                    "sequence_parallel": bool(options.sequence_parallel),
                    "recompute='selective'": options.recompute == "selective"}
     for what, present in unsupported.items():
@@ -85,18 +86,36 @@ def check_context_parallel(model: nn.Module, ctx, options):
     return dataclasses.replace(options, attention="heads")
 
 
-def choose_context_parallel(model: GPT, ctx, requested: str) -> ContextParallelChoice:
+def _dropout_and_experts(model: nn.Module) -> tuple[float, int]:
+    if isinstance(model, GPT):
+        return model.cfg.dropout, model.cfg.n_experts
+    return float(getattr(model.config, "attention_dropout", 0.0) or 0.0), 0
+
+
+def _shapes(model: nn.Module) -> dict:
+    """``max_seq_len, n_kv_heads, head_dim, d_model`` of the reference GPT or a HF decoder."""
+    if isinstance(model, GPT):
+        cfg = model.cfg
+        return dict(seq=cfg.max_seq_len, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                    d_model=cfg.d_model)
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return dict(seq=c.max_position_embeddings, kv_heads=c.num_key_value_heads,
+                head_dim=head_dim, d_model=c.num_attention_heads * head_dim)
+
+
+def choose_context_parallel(model: nn.Module, ctx, requested: str) -> ContextParallelChoice:
     """``requested`` itself, or for ``auto`` the cost model's choice at ``max_seq_len`` on the
     agreed profile (every rank decides alike)."""
     if requested != "auto":
         return ContextParallelChoice(requested, f"forced (context_parallel={requested!r})",
                                      ctx.cp_size)
-    cfg, tp = model.cfg, ctx.tp_size
+    shapes, tp = _shapes(model), ctx.tp_size
     profile = resolve_profile(getattr(ctx, "profile", None))
-    kv_heads = max(1, cfg.n_kv_heads // tp)  # replicated KV heads: one per rank
+    kv_heads = max(1, shapes["kv_heads"] // tp)  # replicated KV heads: one per rank
     strategy, reason = choose_strategy(
-        batch=AUTO_BATCH, seq=cfg.max_seq_len, kv_dim=kv_heads * cfg.head_dim,
-        q_dim=cfg.d_model // tp, cp=ctx.cp_size, alpha_s=profile.alpha_s,
+        batch=AUTO_BATCH, seq=shapes["seq"], kv_dim=kv_heads * shapes["head_dim"],
+        q_dim=shapes["d_model"] // tp, cp=ctx.cp_size, alpha_s=profile.alpha_s,
         bandwidth=profile.bandwidth, matmul_flops=profile.matmul_flops)
     return ContextParallelChoice(strategy, reason, ctx.cp_size)
 
@@ -111,15 +130,18 @@ def apply_context_parallel(model: nn.Module, ctx, options) -> ContextParallelCho
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) splits the tokens of "
                          f"attention='heads'; the plan has attention={plan.attention!r}")
     choice = choose_context_parallel(model, ctx, options.context_parallel)
-    split = SequenceSplit(ctx, model.cfg.max_seq_len)
-    for block in model.layers:
-        # a submodule, so print(model) names it; ``Attention.forward`` calls the instance's
-        # ``core`` (as parallelize/dropout.py replaces it), a class method otherwise
-        block.attn.cp_core = ContextParallelCore(ctx, choice.strategy, choice.reason,
-                                                 switch=split.switch)
-        block.attn.core = block.attn.cp_core.__call__
-    model.sequence_split = split
-    model.__class__ = ContextParallelGPT  # the same parameters and names; its forward splits
+    split = SequenceSplit(ctx, _shapes(model)["seq"])
+    if isinstance(model, GPT):
+        for block in model.layers:
+            # a submodule, so print(model) names it; ``Attention.forward`` calls the instance's
+            # ``core`` (as parallelize/dropout.py replaces it), a class method otherwise
+            block.attn.cp_core = ContextParallelCore(ctx, choice.strategy, choice.reason,
+                                                     switch=split.switch)
+            block.attn.core = block.attn.cp_core.__call__
+        model.sequence_split = split
+        model.__class__ = ContextParallelGPT  # the same parameters and names; its forward splits
+    else:
+        apply_hf_context_parallel(model, ctx, choice, split)
     log.info("parallelize: cp=%d context_parallel=%s (%s)", ctx.cp_size, choice.strategy,
              choice.reason)
     return choice

@@ -98,6 +98,7 @@ class TrainConfig:
     lora_dropout: float = 0.0
     cp: int = 1  # context-parallel degree: each sequence split over cp ranks (SPEC F18)
     cp_strategy: str = ParallelOptions.context_parallel  # "auto", "ring" or "allgather_kv"
+    pack: str = "docs"  # train --model: "docs" (attention inside each packed document), "naive"
 
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
@@ -171,16 +172,18 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     return dp, tp
 
 
+PACKS = ("docs", "naive")
+
+
 def check_train_cp(cfg: TrainConfig) -> None:
-    """``--cp``: the reference GPT's sequences (``--seq``) split into ``2·cp`` chunks."""
+    """``--cp``: the sequences (``--seq``) split into ``2·cp`` chunks; ``--pack``."""
     if cfg.cp_strategy not in CP_CHOICES:
         raise ValueError(f"--cp-strategy must be one of {', '.join(CP_CHOICES)}, got "
                          f"{cfg.cp_strategy!r}")
+    if cfg.pack not in PACKS:
+        raise ValueError(f"--pack must be one of {', '.join(PACKS)}, got {cfg.pack!r}")
     if cfg.cp == 1:
         return
-    if cfg.model:
-        raise ValueError(f"--cp {cfg.cp} splits the reference GPT's sequences; --model (a "
-                         f"Hugging Face checkpoint) does not support context parallelism yet")
     for flag, on in (("--zero", cfg.zero), ("--sequence-parallel", cfg.sequence_parallel),
                      ("--lora-rank", cfg.lora_rank is not None)):
         if on:
@@ -279,14 +282,20 @@ class TrainState:
             raise ValueError(f"{x.shape[0]} rows do not split into grad_accum ({n}) micro-batches")
         rng = _RandomState(self.ctx.device) if n > 1 else None
         parts = []
+        weights = finetune.micro_batch_weights(self.cfg, self.data, self.ctx, x.chunk(n),
+                                               y.chunk(n)) if self.cfg.model else None
         for i, (x_micro, y_micro) in enumerate(zip(x.chunk(n), y.chunk(n))):
             if i:
                 rng.restore()
             with no_sync(self.model) if i < n - 1 else contextlib.nullcontext(), \
                     micro_batch_masks(self.model, i, n):
                 with self.policy.autocast(self.ctx.device):
-                    loss = (finetune.causal_lm_loss(self.model, x_micro, y_micro, self.ctx)
-                            if self.cfg.model else self.model(x_micro, y_micro)[1])
+                    loss = (finetune.causal_lm_loss(
+                        self.model, x_micro, y_micro, self.ctx,
+                        finetune.pack_document_ids(self.cfg, self.data, x_micro))
+                        if self.cfg.model else self.model(x_micro, y_micro)[1])
+                if weights is not None:  # --pack docs: the mean over the global batch's targets
+                    loss = loss * (weights[i] * n)
                 scaled = loss / n if n > 1 else loss
                 (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
             parts.append({"loss": loss.detach(), **_moe_metrics(self.model, self.cfg)})

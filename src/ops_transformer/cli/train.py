@@ -68,12 +68,17 @@ def add_training_arguments(p) -> None:
                    "moe-small, or a --model such as Mixtral): n_experts/ep experts per rank "
                    f"(default {D.ep})")
     p.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over cp "
-                   "ranks, head-tail balanced (--seq divisible by 2·cp; reference GPT presets; "
+                   "ranks, head-tail balanced (--seq divisible by 2·cp; reference GPT presets and "
+                   "--model Llama / Mistral / Qwen2; "
                    f"default {D.cp})")
     p.add_argument("--cp-strategy", choices=CP_CHOICES, help="how attention spans the split "
                    "sequence: ring (K/V blocks passed rank to rank, overlapped), allgather_kv "
                    "(one all-gather of K/V) or auto (the cost model chooses; default "
                    f"{D.cp_strategy})")
+    p.add_argument("--pack", choices=("docs", "naive"), help="train --model: how documents share "
+                   "a packed row — docs: attention and positions inside each document, no target "
+                   "across a boundary; naive: one stream (attention crosses documents) "
+                   f"(default {D.pack})")
     p.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)} (default {D.preset})")
     p.add_argument("--data", help="a text file, a directory of text files or (with --model) a "
                    ".jsonl file of {\"text\": ...} lines (default: the Python standard library's "
@@ -227,6 +232,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        chunks=getattr(args, "chunks", D.chunks),
                        cp=getattr(args, "cp", None) or D.cp,
                        cp_strategy=getattr(args, "cp_strategy", None) or D.cp_strategy,
+                       pack=getattr(args, "pack", None) or D.pack,
                        **checkpoint_settings(args), **lora_settings(args))
 
 

@@ -77,7 +77,7 @@ class ContextParallelCausalLM:
     """The ``forward`` of a Hugging Face causal LM fed whole sequences split over ``cp`` ranks."""
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None,
-                document_ids=None, **kwargs):
+                document_ids=None, shift_labels=None, **kwargs):
         split = self.sequence_split
         if not split.switch.on:  # generate(): the whole sequence, the model's own attention
             return super().forward(input_ids=input_ids, attention_mask=attention_mask,
@@ -91,17 +91,15 @@ class ContextParallelCausalLM:
         seq = input_ids.shape[1]
         check_sequence(seq, split.cp)
         positions = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
-        shifted = None
-        if labels is not None:
+        shifted = shift_labels  # the next token of each position (given, or from labels)
+        if shifted is None and labels is not None:
             shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
         if document_ids is not None:
             check_document_ids(document_ids, input_ids)
             positions = document_positions(document_ids)
+            kwargs["document_ids"] = document_ids  # to every attention call
             if shifted is not None:
                 shifted = document_targets(shifted, document_ids)
-                kwargs["document_ids"] = document_ids
-            else:
-                kwargs["document_ids"] = document_ids
         local = shard_sequence(input_ids, split.rank, split.cp)
         local_labels = None if shifted is None else shard_sequence(shifted, split.rank, split.cp)
         out = super().forward(input_ids=local, position_ids=shard_sequence(positions, split.rank,

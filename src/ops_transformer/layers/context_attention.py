@@ -99,26 +99,27 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == NEG_INF, 0.0)
 
 
-def _step_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool):
-    """``(rows, cols, mask)`` of one ring step: the local query rows and block key columns that
-    see each other (chunk slices) and the causal mask among them (``None``: all visible);
-    ``None`` when nothing is visible."""
-    s = q_pos.shape[0]
-    full = slice(0, s)
+def _step_plan(r: int, src: int, p: int, S: int, causal: bool, device):
+    """``(rows, cols, mask)`` of the ring step at which rank ``r`` holds rank ``src``'s block: the
+    local query rows and block key columns that see each other (chunk slices) and the causal mask
+    among them (``None``: all visible); ``None`` when nothing is visible. Decided from the chunk
+    numbers on the host (no device sync); a mask is built only for a diagonal chunk pair."""
+    full = slice(0, S)
     if not causal:
         return full, full, None
-    c = s // 2
-    halves = (slice(0, c), slice(c, s))
-    # chunk pair (i, j) is visible unless every key comes after every query
-    seen = [[int(k_pos[kh][0]) <= int(q_pos[qh][-1]) for kh in halves] for qh in halves]
+    c = S // 2
+    q_chunks, k_chunks = head_tail_chunks(r, p), head_tail_chunks(src, p)
+    # chunk pair (i, j) is visible unless the key chunk comes after the query chunk
+    seen = [[kc <= qc for kc in k_chunks] for qc in q_chunks]
     rows = [i for i in (0, 1) if any(seen[i])]
-    cols = [j for j in (0, 1) if any(seen[i][j] for i in (0, 1))]
-    if not rows:
-        return None
+    cols = [j for j in (0, 1) if any(seen[i][j] for i in rows)]
     rows_s = slice(rows[0] * c, (rows[-1] + 1) * c)
     cols_s = slice(cols[0] * c, (cols[-1] + 1) * c)
-    mask = q_pos[rows_s].unsqueeze(1) >= k_pos[cols_s].unsqueeze(0)  # (rows, cols)
-    return rows_s, cols_s, (None if bool(mask.all()) else mask)
+    if all(k_chunks[j] < q_chunks[i] for i in rows for j in cols):
+        return rows_s, cols_s, None
+    q_pos = local_positions(S, r, p, device)[rows_s]
+    k_pos = local_positions(S, src, p, device)[cols_s]
+    return rows_s, cols_s, q_pos.unsqueeze(1) >= k_pos.unsqueeze(0)  # (rows, cols)
 
 
 def _scores(q5, k, scale, mask):
@@ -139,10 +140,10 @@ def _with_documents(mask, q_runs, k_runs):
     return same[:, None, None]
 
 
-def _block(q_pos, r, src, p, S, causal, runs, device):
+def _block(r, src, p, S, causal, runs, device):
     """The plan of the step at which rank ``r`` holds rank ``src``'s block, with the document
     condition: ``(rows, cols, mask)`` or ``None``."""
-    plan = _step_plan(q_pos, local_positions(S, src, p, device), causal)
+    plan = _step_plan(r, src, p, S, causal, device)
     if plan is None or runs is None:
         return plan
     rows, cols, mask = plan
@@ -163,11 +164,10 @@ class _RingAttention(torch.autograd.Function):
         q5 = q.reshape(B, nkv, H // nkv, S, D).to(acc)
         out = q5.new_zeros(q5.shape, dtype=_merge_dtype(q.dtype))
         lse = q5.new_full(q5.shape[:-1], NEG_INF, dtype=out.dtype)
-        q_pos = local_positions(S, r, p, q.device)
         kv = torch.stack([k, v])  # (2, B, nkv, S, d): one message a step
         for step in range(p):
             pending = ring_shift(kv, group, label="cp.ring.fwd") if step < p - 1 else None
-            plan = _block(q_pos, r, (r - step) % p, p, S, causal, runs, q.device)
+            plan = _block(r, (r - step) % p, p, S, causal, runs, q.device)
             if plan is not None:
                 rows, cols, mask = plan
                 s = _scores(q5[..., rows, :], kv[0][..., cols, :].to(acc), scale, mask)
@@ -200,7 +200,6 @@ class _RingAttention(torch.autograd.Function):
         delta = (do5.to(out.dtype) * out).sum(-1).to(acc)
         lse = lse.to(acc)
         dq = torch.zeros_like(q5)
-        q_pos = local_positions(S, r, p, q.device)
         kv = torch.stack([k, v])
         dkv = kv.new_zeros(kv.shape, dtype=acc)  # the accumulator of the block held this step
         pending_dkv = None
@@ -208,7 +207,7 @@ class _RingAttention(torch.autograd.Function):
             pending_kv = ring_shift(kv, group, label="cp.ring.bwd") if step < p - 1 else None
             if pending_dkv is not None:
                 dkv = pending_dkv.wait()  # the accumulator of this step's block, from the left
-            plan = _block(q_pos, r, (r - step) % p, p, S, causal, runs, q.device)
+            plan = _block(r, (r - step) % p, p, S, causal, runs, q.device)
             if plan is not None:
                 rows, cols, mask = plan
                 k_blk, v_blk = kv[0][..., cols, :].to(acc), kv[1][..., cols, :].to(acc)

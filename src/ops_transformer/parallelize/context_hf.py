@@ -102,11 +102,12 @@ class ContextParallelCausalLM:
                 shifted = document_targets(shifted, document_ids)
         local = shard_sequence(input_ids, split.rank, split.cp)
         local_labels = None if shifted is None else shard_sequence(shifted, split.rank, split.cp)
+        total = None if shifted is None else split.targets_in(shifted)
         out = super().forward(input_ids=local, position_ids=shard_sequence(positions, split.rank,
                                                                            split.cp),
                               labels=local_labels, shift_labels=local_labels, **kwargs)
         if out.loss is not None:
-            out.loss = split.exit(out.loss, local_labels)
+            out.loss = split.exit(out.loss, local_labels, total)
         return out
 
     @torch.no_grad()

@@ -15,8 +15,9 @@
    ``print(model)`` names its strategy and collectives), with this rank's TP heads (``attention="heads"``) and its
    tokens.
 3. **Exit** — the loss is normalised by the *global* token count: each rank's mean over its
-   targets is weighted by its share of the non-ignored targets of the ``cp`` group (one
-   all-reduce of the count, one of the loss, labels ``cp.tokens`` / ``cp.loss``), so the loss every
+   targets is weighted by its share of the non-ignored targets of the whole rows (counted on
+   every rank, which has them) and summed over the group (one all-reduce, label ``cp.loss``), so
+   the loss every
    rank returns is the one-device loss. Dense gradients are averaged over ``dp × ep × cp``
    (:attr:`~ops_transformer.parallel.ParallelContext.grad_group`); as each ``cp`` rank's
    gradient is a part of a sum, its loss gradient is scaled by ``cp`` (as Megatron-LM does).
@@ -157,10 +158,11 @@ class ContextParallelGPT(GPT):
                              "positions itself (positions= must be None)")
         if not self.sequence_split.switch.on:  # generate(): every rank the whole sequence
             return super().forward(idx, targets, document_ids=document_ids)
-        local, targets, positions = self.sequence_split.enter(idx, targets, document_ids)
-        logits, loss = super().forward(local, targets, positions=positions,
+        local, local_targets, positions, total = self.sequence_split.enter(idx, targets,
+                                                                           document_ids)
+        logits, loss = super().forward(local, local_targets, positions=positions,
                                        document_ids=document_ids)  # whole: the cores read them
-        return logits, self.sequence_split.exit(loss, targets)
+        return logits, self.sequence_split.exit(loss, local_targets, total)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, **kwargs):
@@ -190,7 +192,8 @@ class SequenceSplit(nn.Module):
         self.switch = CoreSwitch()  # off while generate() runs whole sequences
 
     def enter(self, idx, targets, document_ids=None):
-        """``(idx, targets, positions)`` of this rank's two chunks (head-tail); with packed
+        """``(idx, targets, positions, total)`` of this rank's two chunks (head-tail) and the
+        whole rows' number of targets (every rank has them: no collective); with packed
         documents, the positions inside each document and no target across a boundary."""
         seq = idx.shape[1]
         check_sequence(seq, self.cp)
@@ -204,23 +207,29 @@ class SequenceSplit(nn.Module):
             positions = shard_sequence(document_positions(document_ids), self.rank, self.cp)
             if targets is not None:
                 targets = document_targets(targets, document_ids)
+        total = None
         if targets is not None:
+            total = self.targets_in(targets)
             targets = shard_sequence(targets, self.rank, self.cp)
-        return local, targets, positions
+        return local, targets, positions, total
 
-    def exit(self, loss, targets):
-        """The loss of the whole sequences: each rank's mean weighted by its share of the
-        group's targets; the gradient of each rank's part scaled by ``cp`` (averaged over
-        ``dp × ep × cp`` afterwards)."""
+    @staticmethod
+    def targets_in(targets: torch.Tensor) -> torch.Tensor:
+        """The targets that count (not ``-100``) in the whole rows."""
+        return (targets != IGNORE_INDEX).sum()
+
+    def exit(self, loss, targets, total):
+        """The loss of the whole sequences: each rank's mean over its ``targets`` weighted by
+        its share of the rows' ``total``; the gradient of each rank's part scaled by ``cp``
+        (averaged over ``dp × ep × cp`` afterwards)."""
         if loss is None:
             return None
-        local = (targets != IGNORE_INDEX).sum().to(loss.dtype)
-        total = reduce_from_tp_region(local.detach().clone(), self.group, label="cp.tokens")
-        share = loss * (local / total)  # this rank's Σ over its tokens ÷ the global count
+        local = self.targets_in(targets).to(loss.dtype)
+        share = loss * (local / total.to(loss.dtype))  # Σ over this rank's tokens ÷ the count
         value = reduce_from_tp_region(share.detach(), self.group, label="cp.loss")
         return value + self.cp * (share - share.detach())
 
     def extra_repr(self) -> str:
         return (f"cp={self.cp}, rank={self.rank}: tokens, targets and positions of chunks "
                 f"{head_tail_chunks(self.rank, self.cp)} of {2 * self.cp}; loss over the global "
-                f"token count (all-reduce cp.tokens, cp.loss)")
+                f"token count (all-reduce cp.loss)")

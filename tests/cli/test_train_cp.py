@@ -39,3 +39,14 @@ def test_train_cp_errors_are_one_line(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_train_cp2_clips_the_dense_norm(tmp_path):
+    """The gradient norm counts each parameter once, not once per cp rank."""
+    clip = ["--clip-grad", "0.05"]
+    assert main(["train", *RUN, *clip, "--out", str(tmp_path / "one")]) == 0
+    assert main(["train", "--nproc", "2", "--cp", "2", *RUN, *clip,
+                 "--out", str(tmp_path / "cp")]) == 0
+    one = json.loads((tmp_path / "one" / "metrics.json").read_text())["losses"]
+    cp = json.loads((tmp_path / "cp" / "metrics.json").read_text())["losses"]
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(cp, one)), (cp, one)

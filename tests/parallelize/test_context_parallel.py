@@ -6,7 +6,6 @@ ledger; the errors for what does not compose."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -78,14 +77,14 @@ def _ledger_of_one_step(strategy):
         _, loss = model(batch[:, :-1], batch[:, 1:])
     with CommLedger() as bwd:
         loss.backward()
-    pick = lambda ledger: CommLedger.summary(_only(ledger, "cp.ring", "cp.allgather_kv"))  # noqa
-    return pick(fwd), pick(bwd), [r.label for r in fwd.records]
+    return _attention_traffic(fwd), _attention_traffic(bwd), [r.label for r in fwd.records]
 
 
-def _only(ledger, *prefixes):
+def _attention_traffic(ledger):
+    """The summary of the records labelled ``cp.ring.*`` / ``cp.allgather_kv.*``."""
     kept = CommLedger()
-    kept.records = [r for r in ledger.records if r.label.startswith(prefixes)]
-    return kept
+    kept.records = [r for r in ledger.records if r.label.startswith(("cp.ring", "cp.allgather_kv"))]
+    return kept.summary()
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather_kv"])

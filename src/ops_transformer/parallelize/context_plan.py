@@ -3,24 +3,26 @@
 ``parallelize(model, ctx, context_parallel="auto" | "ring" | "allgather_kv")`` on a context with
 ``cp > 1`` (``init_parallel(cp=...)``) does three things to the reference GPT:
 
-1. **Entry** — every ``cp`` rank is fed the *whole* sequences (the same rows, like the TP ranks);
-   the model becomes a :class:`ContextParallelGPT` (the same parameters and names), whose
-   :class:`SequenceSplit` (``model.sequence_split``) keeps this rank's two chunks of the tokens and targets (head-tail balanced:
-   rank ``r`` holds chunks ``r`` and ``2·cp−1−r`` of ``2·cp``,
-   :func:`~ops_transformer.layers.context_attention.shard_sequence`) and passes their
+1. **Entry** — every ``cp`` rank is fed the *whole* sequences (the same rows, like the TP
+   ranks); the model becomes a :class:`ContextParallelGPT` (the same parameters and names),
+   whose :class:`SequenceSplit` (``model.sequence_split``) keeps this rank's two chunks of the
+   tokens and targets (head-tail balanced: rank ``r`` holds chunks ``r`` and ``2·cp−1−r`` of
+   ``2·cp``, :func:`~ops_transformer.layers.context_attention.shard_sequence`) and passes their
    positions to the model (``positions=``, for the learned or rotary position embedding). A
    sequence that ``2·cp`` does not divide is a ``ValueError`` naming the sizes.
 2. **Attention** — each layer's core (``attn.core``) becomes a
    :class:`~ops_transformer.layers.context_attention.ContextParallelCore` (``attn.cp_core``:
-   ``print(model)`` names its strategy and collectives), with this rank's TP heads (``attention="heads"``) and its
-   tokens.
+   ``print(model)`` names its strategy and collectives), with this rank's TP heads
+   (``attention="heads"``) and its tokens.
 3. **Exit** — the loss is normalised by the *global* token count: each rank's mean over its
    targets is weighted by its share of the non-ignored targets of the whole rows (counted on
    every rank, which has them) and summed over the group (one all-reduce, label ``cp.loss``), so
-   the loss every
-   rank returns is the one-device loss. Dense gradients are averaged over ``dp × ep × cp``
-   (:attr:`~ops_transformer.parallel.ParallelContext.grad_group`); as each ``cp`` rank's
-   gradient is a part of a sum, its loss gradient is scaled by ``cp`` (as Megatron-LM does).
+   the loss every rank returns is the one-device loss. Dense gradients are averaged over
+   ``dp × ep × cp`` (:attr:`~ops_transformer.parallel.ParallelContext.grad_group`); as each
+   ``cp`` rank's gradient is a part of a sum, its loss gradient is scaled by ``cp`` (as
+   Megatron-LM does).
+
+Hugging Face Llama, Mistral and Qwen2 get the same through :mod:`.context_hf`.
 
 The logits a rank returns are those of its own tokens (in the head-tail order of
 :func:`shard_sequence`; :func:`~ops_transformer.layers.context_attention.unshard_sequence` puts

@@ -111,3 +111,15 @@ def test_auto_choice_names_both_figures():
     assert long_seq == "ring" and "ring" in reason and "allgather_kv" in reason
     assert cpcost.choose_strategy(seq=64, **kw)[0] == "allgather_kv"
     assert cpcost.activation_factor(4) == 0.25
+
+
+def test_the_planner_proposes_cp_for_long_sequences():
+    gib = 2**30
+    assert cpcost.propose_cp(activation_bytes=10 * gib, other_bytes=20 * gib, memory_bytes=80 * gib,
+                             seq=8192, ranks=8)[0] == 1
+    cp, reason = cpcost.propose_cp(activation_bytes=200 * gib, other_bytes=20 * gib,
+                                   memory_bytes=80 * gib, seq=131072, ranks=8)
+    assert cp == 4 and "need cp 4" in reason
+    with pytest.raises(ValueError, match="no context-parallel degree up to 2 ranks"):
+        cpcost.propose_cp(activation_bytes=400 * gib, other_bytes=20 * gib, memory_bytes=80 * gib,
+                          seq=131072, ranks=2)

@@ -22,6 +22,7 @@ instead of ``cp−1`` exchanges and holds no block in flight — Llama 3 chose i
 
 Activations inside a layer scale with the local tokens, ``1/cp`` (:func:`activation_factor`);
 ``allgather_kv`` also keeps the gathered K/V for backward (:func:`saved_kv_elements`).
+:func:`propose_cp` is the smallest degree at which a rank's memory holds a long sequence.
 """
 
 from __future__ import annotations
@@ -131,3 +132,26 @@ def choose_strategy(*, batch: int, seq: int, kv_dim: int, q_dim: int, cp: int, a
               f"kv_dim={kv_dim}: ring {times['ring'] * 1e3:.3g} ms, allgather_kv "
               f"{times['allgather_kv'] * 1e3:.3g} ms")
     return best, reason
+
+
+def propose_cp(*, activation_bytes: float, other_bytes: float, memory_bytes: float,
+               seq: int, ranks: int) -> tuple[int, str]:
+    """``(cp, reason)``: the smallest context-parallel degree (a power of two dividing ``ranks``
+    and with ``2·cp`` dividing ``seq``) at which one rank's activations at ``cp = 1``
+    (``activation_bytes``), scaled by :func:`activation_factor`, plus everything else it holds
+    (``other_bytes``: weights, gradients, optimizer state) fit in ``memory_bytes``; ``1`` when
+    they fit unsplit. A ``ValueError`` names the sizes when no degree fits — long sequences are
+    where the planner proposes CP."""
+    cp, tried = 1, []
+    while cp <= ranks:
+        if ranks % cp == 0 and seq % (2 * cp if cp > 1 else 1) == 0:
+            need = other_bytes + activation_bytes * activation_factor(cp)
+            tried.append(f"cp {cp}: {need / 2**30:.3g} GiB")
+            if need <= memory_bytes:
+                reason = ("fits unsplit" if cp == 1 else
+                          f"activations at s={seq} need cp {cp} to fit "
+                          f"{memory_bytes / 2**30:.3g} GiB per rank")
+                return cp, f"{reason} ({'; '.join(tried)})"
+        cp *= 2
+    raise ValueError(f"no context-parallel degree up to {ranks} ranks fits a sequence of {seq} "
+                     f"tokens in {memory_bytes / 2**30:.3g} GiB per rank: {'; '.join(tried)}")

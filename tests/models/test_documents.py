@@ -54,7 +54,7 @@ def test_packed_row_equals_its_documents_alone_and_naive_packing_does_not(name):
     model.zero_grad()
     _, loss = model(x, y, document_ids=ids)
     loss.backward()
-    assert abs(float(loss) - ref_loss) <= 1e-6 * ref_loss
+    assert abs(loss.item() - ref_loss) <= 1e-6 * ref_loss
     for n, g in _grads(model).items():
         assert rel_err(g, ref_grads[n]) <= 1e-5, n
 
@@ -63,7 +63,7 @@ def test_packed_row_equals_its_documents_alone_and_naive_packing_does_not(name):
     naive.backward()
     worst = max(rel_err(g, ref_grads[n]) for n, g in _grads(model).items())
     # (a random tiny model attends almost uniformly, so the loss moves little; the gradients do)
-    assert abs(float(naive) - ref_loss) > 1e-4 * ref_loss and worst > 1e-2, (float(naive), worst)
+    assert abs(naive.item() - ref_loss) > 1e-4 * ref_loss and worst > 1e-2, (naive.item(), worst)
 
 
 def test_positions_mask_and_targets_follow_the_ids():

@@ -99,6 +99,7 @@ class PackedTokens:
 
     tokens: torch.Tensor  # (n,) int32
     seq: int
+    eos: int | None = None  # the separator of the documents (None: one document)
     _perm: dict = field(default_factory=dict, repr=False)  # (epoch, seed) → its order
 
     def __post_init__(self):
@@ -130,10 +131,18 @@ class PackedTokens:
         window = torch.stack(rows).long()  # (batch, seq + 1)
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
+    def document_ids(self, x: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq)``: each token's document in its row, from the EOS tokens (an EOS
+        belongs to the document it ends; :mod:`ops_transformer.models.documents`)."""
+        if self.eos is None:
+            return torch.zeros_like(x)
+        ends = x == self.eos
+        return ends.long().cumsum(1) - ends.long()
+
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "tokenizer.model")
-_TOKENS: dict[tuple, torch.Tensor] = {}  # (data, model_dir) → tokens, for this process
+_TOKENS: dict[tuple, tuple] = {}  # (data, model_dir) → (tokens, eos), for this process
 
 
 def packed_corpus(data: str | None, model_dir: str, seq: int, vocab: int,
@@ -155,8 +164,9 @@ def packed_corpus(data: str | None, model_dir: str, seq: int, vocab: int,
             raise ValueError(f"the tokenizer of --model {str(model_dir)!r} makes token id "
                              f"{int(tokens.max())}, outside the model's vocabulary of {vocab}")
         _TOKENS.clear()
-        _TOKENS[key] = tokens
-    return PackedTokens(_TOKENS[key], seq)
+        _TOKENS[key] = tokens, eos
+    tokens, eos = _TOKENS[key]
+    return PackedTokens(tokens, seq, eos)
 
 
 def model_tokenizer(root: Path):

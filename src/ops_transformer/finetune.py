@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .comm import collectives as C
 from .corpus import packed_corpus
+from .models.documents import document_positions, document_targets
 from .layers.loss import vocab_parallel_cross_entropy
 from .loading import from_pretrained
 from .models.gpt import GPT
@@ -80,13 +82,46 @@ def build(cfg, ctx, policy):
     return model.train(), data
 
 
-def causal_lm_loss(model, x: torch.Tensor, y: torch.Tensor, ctx) -> torch.Tensor:
-    """The mean cross-entropy of the next tokens ``y`` after ``x`` (this rank's rows)."""
-    logits = model(input_ids=x, use_cache=False).logits.float()  # (b, s, V) or (b, s, V_pad/tp)
+def causal_lm_loss(model, x: torch.Tensor, y: torch.Tensor, ctx,
+                   document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean cross-entropy of the next tokens ``y`` after ``x`` (this rank's rows). With
+    ``document_ids`` (``--pack docs``) attention stays inside each packed document (positions
+    restart in each, which ``transformers`` turns into its packed-sequence mask) and a document's
+    last token predicts nothing. A context-parallel model (``--cp``) computes the loss of its
+    whole sequences itself."""
+    if getattr(model, "sequence_split", None) is not None:  # cp > 1
+        return model(input_ids=x, shift_labels=y, document_ids=document_ids).loss
+    kwargs = {}
+    if document_ids is not None:
+        kwargs["position_ids"] = document_positions(document_ids)
+        y = document_targets(y, document_ids)
+    logits = model(input_ids=x, use_cache=False, **kwargs).logits.float()  # (b, s, V[_pad/tp])
     vocab = model.config.get_text_config().vocab_size
     if ctx.tp_size > 1 and model.parallel_plan.vocab == "parallel":  # loss_parallel: sharded
         return vocab_parallel_cross_entropy(logits, y, ctx, vocab_size=vocab)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def micro_batch_weights(cfg, data, ctx, xs, ys) -> list[float] | None:
+    """``--pack docs``: the weight of each micro-batch's mean loss so that the step's gradient is
+    that of the mean over every target of the global batch. A document's last token has no
+    target, so rows hold different numbers of them; weighting by ``count · readers / total``
+    (``total`` all-reduced over the ``dp × ep`` ranks that read different rows, which average
+    their gradients) keeps the loss and gradients those of one process. ``None``: every target
+    counts (``--pack naive``), the plain ``1 / grad_accum``."""
+    if cfg.pack != "docs":
+        return None
+    counts = torch.stack([(document_targets(y, data.document_ids(x)) != -100).sum()
+                          for x, y in zip(xs, ys)]).double()
+    total = counts.sum().clone()
+    C.all_reduce(total, ctx.dp_ep_group if ctx.dp_ep_size > 1 else None, label="pack.tokens")
+    return (counts * ctx.dp_ep_size / total).tolist()
+
+
+def pack_document_ids(cfg, data, x: torch.Tensor) -> torch.Tensor | None:
+    """``--pack docs``: the document of each token of ``x`` (from the data's EOS tokens);
+    ``--pack naive``: ``None`` (attention runs across the packed documents)."""
+    return data.document_ids(x) if cfg.pack == "docs" else None
 
 
 def describe(model) -> dict:

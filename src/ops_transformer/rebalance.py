@@ -58,7 +58,7 @@ class Rebalanced:
         if not self.changed:
             return ""
         s, c = self.saved, self.cfg
-        dp = self.world_size // (c.tp * c.ep)
+        dp = self.world_size // (c.tp * c.ep * c.cp)
         text = (f"resuming step {s['step']} of {c.ckpt_dir} on {self.world_size} ranks (saved on "
                 f"{s['world_size']}): layout {layout_text(s['dp'], s['ep'], s['tp'])} → "
                 f"{layout_text(dp, c.ep, c.tp)}, accumulation {s['grad_accum']} → "
@@ -96,6 +96,11 @@ def rebalance(cfg: TrainConfig, world_size: int, *, stated=None, cluster=None) -
     saved = saved_split(cfg.ckpt_dir, cfg.batch)
     if saved is None:
         return Rebalanced(cfg, world_size)
+    if cfg.cp > 1 or saved.get("cp", 1) > 1:  # the tensors are dense: any layout reads them
+        note = (f"context parallelism (saved at cp {saved.get('cp', 1)}, resumed at cp "
+                f"{cfg.cp}): the layout runs as given, not re-planned")
+        return Rebalanced(cfg, world_size, saved, (note,),
+                          changed=(saved.get("cp", 1), saved["tp"]) != (cfg.cp, cfg.tp))
     micro = saved["micro_batch"]
     if cfg.batch % micro:
         raise ValueError(f"--batch {cfg.batch} is not a multiple of the micro-batch of the "

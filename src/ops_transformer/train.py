@@ -32,11 +32,12 @@ from .memory.train_flags import (check_memory_flags, make_optimizer, measured_st
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from .models.gpt import GPT, GPTConfig, preset
 from .models.moe import moe_stats
-from .parallel.context import check_degrees, init_parallel
+from .parallel.context import check_mesh_degrees, init_parallel
 from .parallel.state import no_sync
 from .parallelize import ParallelOptions, parallelize
 from .parallelize.gpt_plan import gpt_plan
 from .parallelize.moe_plan import n_experts_of
+from .planner.context_parallel import CP_CHOICES, check_sequence
 from .planner.strategies import model_comm_per_step
 from .precision import DynamicLossScaler, optimizer_step, precision_policy
 from .schedule import check_schedule, lr_at, set_lr
@@ -98,14 +99,19 @@ class TrainConfig:
     dropout: float | None = None  # the preset's dropout probability (None: the preset's own)
     moe_statistics: str = ParallelOptions.moe_statistics  # MoE capacity / aux loss: "local"
     #                                                       per rank, or over the "global" batch
+    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (SPEC F18)
+    cp_strategy: str = ParallelOptions.context_parallel  # "auto", "ring" or "allgather_kv"
+    pack: str = "docs"  # train --model: "docs" (attention inside each packed document), "naive"
 
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
         policy's ``grad_reduce_dtype``)."""
-        return ParallelOptions(attention=self.attention, sequence_parallel=self.sequence_parallel,
+        attention = "heads" if self.cp > 1 and self.attention == "auto" else self.attention
+        return ParallelOptions(attention=attention, sequence_parallel=self.sequence_parallel,
                                recompute=self.recompute, activation_cache=self.activation_cache,
                                overlap=self.overlap_mode, chunks=self.chunks,
-                               moe_statistics=self.moe_statistics, **more)
+                               moe_statistics=self.moe_statistics,
+                               context_parallel=self.cp_strategy, **more)
 
     @property
     def overlap_mode(self) -> str:
@@ -146,7 +152,8 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     check_schedule(cfg.lr_schedule, cfg.warmup, cfg.steps)
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
-    dp, ep, tp = check_degrees(world_size, cfg.tp, cfg.dp, cfg.ep)
+    dp, ep, cp, tp = check_mesh_degrees(world_size, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, cp=cfg.cp)
+    check_train_cp(cfg)
     if cfg.ranks_per_node is not None or cfg.ranks_per_island is not None:
         # divide the number of processes, and the ranks per node
         NodeLayout(world_size, cfg.ranks_per_node or world_size, cfg.ranks_per_island)
@@ -173,6 +180,25 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
         check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
     return dp, tp
+
+
+PACKS = ("docs", "naive")
+
+
+def check_train_cp(cfg: TrainConfig) -> None:
+    """``--cp``: the sequences (``--seq``) split into ``2·cp`` chunks; ``--pack``."""
+    if cfg.cp_strategy not in CP_CHOICES:
+        raise ValueError(f"--cp-strategy must be one of {', '.join(CP_CHOICES)}, got "
+                         f"{cfg.cp_strategy!r}")
+    if cfg.pack not in PACKS:
+        raise ValueError(f"--pack must be one of {', '.join(PACKS)}, got {cfg.pack!r}")
+    if cfg.cp == 1:
+        return
+    for flag, on in (("--zero", cfg.zero), ("--sequence-parallel", cfg.sequence_parallel),
+                     ("--lora-rank", cfg.lora_rank is not None)):
+        if on:
+            raise ValueError(f"--cp {cfg.cp} does not combine with {flag} yet")
+    check_sequence(cfg.seq, cfg.cp)
 
 
 def check_batch(batch: int, dp: int, ep: int, grad_accum: int) -> None:
@@ -266,14 +292,20 @@ class TrainState:
             raise ValueError(f"{x.shape[0]} rows do not split into grad_accum ({n}) micro-batches")
         rng = _RandomState(self.ctx.device) if n > 1 else None
         parts = []
+        weights = finetune.micro_batch_weights(self.cfg, self.data, self.ctx, x.chunk(n),
+                                               y.chunk(n)) if self.cfg.model else None
         for i, (x_micro, y_micro) in enumerate(zip(x.chunk(n), y.chunk(n))):
             if i:
                 rng.restore()
             with no_sync(self.model) if i < n - 1 else contextlib.nullcontext(), \
                     micro_batch_masks(self.model, i, n):
                 with self.policy.autocast(self.ctx.device):
-                    loss = (finetune.causal_lm_loss(self.model, x_micro, y_micro, self.ctx)
-                            if self.cfg.model else self.model(x_micro, y_micro)[1])
+                    loss = (finetune.causal_lm_loss(
+                        self.model, x_micro, y_micro, self.ctx,
+                        finetune.pack_document_ids(self.cfg, self.data, x_micro))
+                        if self.cfg.model else self.model(x_micro, y_micro)[1])
+                if weights is not None:  # --pack docs: the mean over the global batch's targets
+                    loss = loss * (weights[i] * n)
                 scaled = loss / n if n > 1 else loss
                 (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
             parts.append({"loss": loss.detach(), **_moe_metrics(self.model, self.cfg)})
@@ -310,7 +342,7 @@ def join(cfg: TrainConfig, profile=None):
     """This rank's :class:`ParallelContext` for ``cfg`` (``with join(cfg) as ctx:`` tears its
     process groups down at the end); ``profile``: see :func:`train_worker`."""
     return init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, ranks_per_node=cfg.ranks_per_node,
-                         profile=profile, ranks_per_island=cfg.ranks_per_island)
+                         profile=profile, ranks_per_island=cfg.ranks_per_island, cp=cfg.cp)
 
 
 def setup_training(cfg: TrainConfig, ctx) -> TrainState:
@@ -431,6 +463,14 @@ def _moe_report(averaged: dict) -> dict:
             "dropped_fraction": averaged["moe_dropped"] / slots if slots else 0.0}
 
 
+def cp_metrics(ctx, model) -> dict:
+    """``{"cp"}``, and with ``cp > 1`` the strategy ``parallelize`` chose and why."""
+    choice = getattr(getattr(model, "parallel_state", None), "context_parallel", None)
+    if choice is None:
+        return {"cp": getattr(ctx, "cp_size", 1)}
+    return {"cp": choice.cp, "cp_strategy": choice.strategy, "cp_reason": choice.reason}
+
+
 def batch_layout(cfg: TrainConfig, ctx) -> dict:
     """How the global batch was split (a checkpoint's manifest records it, :mod:`.rebalance`
     reads it): ``{"global_batch", "micro_batch", "grad_accum"}``."""
@@ -480,7 +520,7 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
     tp_ranks = tuple(range(ctx.rank, ctx.rank + ctx.tp_size))  # rank 0's TP group
     metrics = {
         "preset": cfg.preset, "tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
-        "steps": cfg.steps, "grad_accum": cfg.grad_accum,
+        **cp_metrics(ctx, model), "steps": cfg.steps, "grad_accum": cfg.grad_accum,
         "micro_batch": micro_batch(cfg, ctx.dp_ep_size),
         "batch": cfg.batch, "seq": cfg.seq, "lr": cfg.lr, "seed": cfg.seed,
         "attention": model.parallel_plan.attention, "vocab": model.parallel_plan.vocab,

@@ -95,3 +95,26 @@ def _reuse_default_group():
 
 def test_reuses_initialised_default_group(run_ranks):
     assert run_ranks(_reuse_default_group, 2) == [(2, 2.0), (2, 2.0)]
+
+
+def _cp_grid(tp, cp):
+    ctx = init_parallel(tp=tp, cp=cp)
+    return (ctx.cp_rank, ctx.cp_size, ctx.tp_rank, ctx.dp_size, tuple(ctx.mesh.mesh_dim_names),
+            ctx.cp_group.size(), ctx.grad_group.size())
+
+
+def test_grid_cp2_tp2_places_cp_between_dp_and_tp(run_ranks):
+    for rank, (cp_rank, cp, tp_rank, dp, names, cp_group, grad) in enumerate(
+            run_ranks(_cp_grid, 4, 2, 2)):
+        assert (cp_rank, cp, tp_rank, dp) == (rank // 2, 2, rank % 2, 1)
+        assert names == ("dp", "ep", "cp", "tp") and cp_group == 2 and grad == 2
+
+
+def test_check_mesh_degrees_names_every_factor():
+    from ops_transformer.parallel.context import check_mesh_degrees
+    assert check_mesh_degrees(8, tp=2, dp=None, ep=1, cp=2) == (2, 1, 2, 2)
+    with pytest.raises(ValueError, match=r"dp \(2\) × ep \(1\) × cp \(2\) × tp \(2\) = 8 must "
+                                         r"equal the world size \(4\)"):
+        check_mesh_degrees(4, tp=2, dp=2, ep=1, cp=2)
+    with pytest.raises(ValueError, match="cp must be a positive integer, got 0"):
+        check_mesh_degrees(4, tp=2, dp=None, ep=1, cp=0)

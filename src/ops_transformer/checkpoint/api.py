@@ -67,7 +67,11 @@ def agree(error: BaseException | None, ctx, what: str, cls=RuntimeError) -> None
 
 
 def job_layout(ctx) -> dict:
-    return {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "ep": ctx.ep_size}
+    """The degrees a checkpoint records (``cp`` only when the sequence was split: the tensors
+    are in dense coordinates, so any layout reads them)."""
+    cp = getattr(ctx, "cp_size", 1)
+    return {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "ep": ctx.ep_size,
+            **({"cp": cp} if cp > 1 else {})}
 
 
 def read_failure(path: Path, exc: BaseException) -> CheckpointError:

@@ -150,7 +150,8 @@ def save(ckpt_dir, model, optimizer, ctx, step: int, data_position: dict, *, kee
 def saved_split(ckpt_dir, batch: int) -> dict | None:
     """The layout and batch split (``meta``, ``train.batch_layout``) of the newest checkpoint in
     ``ckpt_dir`` whose manifest reads:
-    ``{"step", "world_size", "dp", "ep", "tp", "global_batch", "micro_batch", "grad_accum"}``;
+    ``{"step", "world_size", "dp", "ep", "tp", "global_batch", "micro_batch", "grad_accum"}``
+    (and ``"cp"`` when the sequence was split);
     ``None`` when there is none. A checkpoint saved without ``meta`` ran each rank's rows in one
     micro-batch of ``batch`` (the run's global batch) over its ``dp × ep``."""
     for step in reversed(list_steps(ckpt_dir)):
@@ -164,5 +165,6 @@ def saved_split(ckpt_dir, batch: int) -> dict | None:
                  **{k: v for k, v in (manifest.get("meta") or {}).items()
                     if k in ("global_batch", "micro_batch", "grad_accum")}}
         return {"step": manifest["step"], "world_size": layout["world_size"],
-                "dp": layout["dp"], "ep": layout.get("ep", 1), "tp": layout["tp"], **split}
+                "dp": layout["dp"], "ep": layout.get("ep", 1), "tp": layout["tp"],
+                **({"cp": layout["cp"]} if layout.get("cp", 1) > 1 else {}), **split}
     return None

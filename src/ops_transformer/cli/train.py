@@ -30,6 +30,7 @@ from ..train import TrainConfig, train_worker, validate
 from ..memory.apply import ACTIVATION_CACHES
 from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
+from ..planner.context_parallel import CP_CHOICES
 from ..planner.overlap import OVERLAP_MODES
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, missing_dirs,
@@ -66,6 +67,18 @@ def add_training_arguments(p) -> None:
     p.add_argument("--ep", type=int, help="expert-parallel degree for MoE models (moe-tiny, "
                    "moe-small, or a --model such as Mixtral): n_experts/ep experts per rank "
                    f"(default {D.ep})")
+    p.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over cp "
+                   "ranks, head-tail balanced (--seq divisible by 2·cp; reference GPT presets and "
+                   "--model Llama / Mistral / Qwen2; "
+                   f"default {D.cp})")
+    p.add_argument("--cp-strategy", choices=CP_CHOICES, help="how attention spans the split "
+                   "sequence: ring (K/V blocks passed rank to rank, overlapped), allgather_kv "
+                   "(one all-gather of K/V) or auto (the cost model chooses; default "
+                   f"{D.cp_strategy})")
+    p.add_argument("--pack", choices=("docs", "naive"), help="train --model: how documents share "
+                   "a packed row — docs: attention and positions inside each document, no target "
+                   "across a boundary; naive: one stream (attention crosses documents) "
+                   f"(default {D.pack})")
     p.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)} (default {D.preset})")
     p.add_argument("--data", help="a text file, a directory of text files or (with --model) a "
                    ".jsonl file of {\"text\": ...} lines (default: the Python standard library's "
@@ -225,6 +238,9 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        chunks=getattr(args, "chunks", D.chunks),
                        dropout=getattr(args, "dropout", D.dropout),
                        moe_statistics=getattr(args, "moe_statistics", D.moe_statistics),
+                       cp=getattr(args, "cp", None) or D.cp,
+                       cp_strategy=getattr(args, "cp_strategy", None) or D.cp_strategy,
+                       pack=getattr(args, "pack", None) or D.pack,
                        **checkpoint_settings(args), **lora_settings(args))
 
 
@@ -367,8 +383,12 @@ def summary(metrics: dict) -> str:
           if metrics.get("model_dir") else []),
         {"": "layout", "value": f"dp={metrics['dp']} × "
                                 + (f"ep={metrics['ep']} × " if metrics.get("ep", 1) > 1 else "")
+                                + (f"cp={metrics['cp']} × " if metrics.get("cp", 1) > 1 else "")
                                 + f"tp={metrics['tp']}" + _accumulation(metrics)},
         {"": "attention", "value": metrics["attention"]},
+        *([{"": "context parallel", "value": f"{metrics['cp_strategy']} "
+                                             f"({metrics['cp_reason']})"}]
+          if metrics.get("cp", 1) > 1 else []),
         {"": "precision", "value": _precision_line(metrics)},
         {"": "parameters", "value": f"{metrics['params']:,}"},
         {"": "loss first → last", "value": f"{metrics['loss_first']:.4f} → "

@@ -209,6 +209,40 @@ def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None, *, label: s
         return _handle(dist.irecv(tensor, src=src, group=group), "recv")
 
 
+def send_recv(send: torch.Tensor, recv: torch.Tensor, dst: int, src: int,
+              group: ProcessGroup | None, *, label: str = ""):
+    """Post a send of ``send`` to global rank ``dst`` and a receive into ``recv`` from global rank
+    ``src`` as one batch (``batch_isend_irecv``, so two ranks that both send first cannot
+    deadlock on NCCL); returns a handle whose ``wait()`` waits for both. Recorded once, as a
+    ``send_recv`` of the elements sent (as many arrive). The step of a ring
+    (:mod:`.ring`)."""
+    if group_size(group) == 1:
+        recv.copy_(send)
+        return None
+    with _recorded("send_recv", send, send.numel(), group, label):
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, dst, group),
+                                        dist.P2POp(dist.irecv, recv, src, group)])
+        return _handle(_Works(works), "send_recv")
+
+
+class _Works:
+    """Several work handles waited on as one."""
+
+    def __init__(self, works):
+        self._works = works
+
+    def wait(self, *args, **kwargs):
+        for work in self._works:
+            work.wait(*args, **kwargs)
+        return True
+
+
+def ring_neighbours(group: ProcessGroup) -> tuple[int, int]:
+    """``(next, previous)``: the global ranks after and before this one in ``group``'s ring."""
+    ranks, me = _ranks(group), group_rank(group)
+    return ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
+
+
 def broadcast_object(obj, src: int, group: ProcessGroup | None, *, label: str = ""):
     """``obj`` of global rank ``src`` on every rank of the group (pickled). Every rank passes
     something (ignored except on ``src``). Not recorded: a set-up exchange of Python objects (the

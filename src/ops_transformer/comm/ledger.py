@@ -16,6 +16,8 @@ reduce_scatter the unscattered input (``group_size`` × this rank's output shard
 all_to_all     the elements this rank sends
 broadcast      the tensor broadcast
 send / recv    the tensor sent / received
+send_recv      the tensor sent to the next rank of a ring (as many elements arrive from the
+               previous one): one step of context parallelism's ring (labels ``cp.*``)
 ============== ==========================================================================
 
 With this convention a sequence-parallel reduce-scatter + all-gather pair reports the same volume as
@@ -47,7 +49,8 @@ import torch
 
 from ..planner.cost import wire_elements  # the ring volumes: a cost-model formula
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv",
+         "send_recv")
 
 _open_ledgers: list[CommLedger] = []
 _lock = threading.Lock()

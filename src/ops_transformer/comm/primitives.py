@@ -80,12 +80,12 @@ class _CopyToRegion(torch.autograd.Function):
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce_copy(x, group, "reduce_from_tp_region.fwd")
+    def forward(ctx, x, group, label="reduce_from_tp_region"):
+        return _all_reduce_copy(x, group, f"{label}.fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ReduceFromRegionInplace(torch.autograd.Function):
@@ -124,13 +124,13 @@ class _GatherFromRegion(torch.autograd.Function):
 
 class _AllGatherAlong(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, group, dim, "all_gather_along.fwd")
+    def forward(ctx, x, group, dim, label):
+        ctx.group, ctx.dim, ctx.label = group, dim, label
+        return _gather(x, group, dim, f"{label}.fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, ctx.dim, "all_gather_along.bwd"), None, None
+        return _reduce_scatter(grad, ctx.group, ctx.dim, f"{ctx.label}.bwd"), None, None, None
 
 
 class _ReduceScatterAlong(torch.autograd.Function):
@@ -171,7 +171,8 @@ def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tens
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup | None, *,
-                          inplace: bool = False) -> torch.Tensor:
+                          inplace: bool = False, label: str = "reduce_from_tp_region"
+                          ) -> torch.Tensor:
     """Forward: all-reduce (sum) of partial results. Backward: identity.
 
     ``inplace=True`` reduces into ``x`` itself (no copy); use it only on a fresh intermediate that no
@@ -181,7 +182,7 @@ def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup | None, *,
         return x
     if inplace and x.is_contiguous():
         return _ReduceFromRegionInplace.apply(x, group)
-    return _ReduceFromRegion.apply(x, group)
+    return _ReduceFromRegion.apply(x, group, label)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
@@ -194,9 +195,11 @@ def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup | None, dim: int 
     return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group, dim)
 
 
-def all_gather_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
-    """Forward: all-gather along ``dim``. Backward: reduce-scatter along ``dim`` (sequence parallel)."""
-    return x if group_size(group) == 1 else _AllGatherAlong.apply(x, group, dim)
+def all_gather_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0, *,
+                     label: str = "all_gather_along") -> torch.Tensor:
+    """Forward: all-gather along ``dim``. Backward: reduce-scatter along ``dim`` (sequence
+    parallel; context parallelism's K/V). The ledger labels them ``{label}.fwd`` / ``.bwd``."""
+    return x if group_size(group) == 1 else _AllGatherAlong.apply(x, group, dim, label)
 
 
 def reduce_scatter_along(x: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:

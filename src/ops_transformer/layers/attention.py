@@ -82,7 +82,10 @@ class FeatureSplitAttention(nn.Module):
                           for s in (0, half)])  # made on the device: no copy per layer per step
         return cos.index_select(-1, cols), sin.index_select(-1, cols)
 
-    def forward(self, x, rope=None):
+    def forward(self, x, rope=None, document_ids=None):
+        if document_ids is not None:
+            raise ValueError("attention='kv_split' has no document mask yet: packed documents "
+                             "(document_ids) need attention='heads', 'heads_allgather' or 'naive'")
         B, T, _ = x.shape
         p = self.tp_size
         if T % p:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .documents import check_document_ids, document_mask, document_positions, document_targets
 from .moe import MoE, check_moe_config, init_routers, moe_aux_loss
 
 
@@ -159,23 +160,25 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
-    def forward(self, x, rope=None):
+    def forward(self, x, rope=None, document_ids=None):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh·hd)
-        return self.wo(y)
+        y = self.core(q, k, v) if document_ids is None else self.core(q, k, v, document_ids)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, nh·hd)
 
-    def core(self, q, k, v):
+    def core(self, q, k, v, document_ids=None):
         """The attention core: scores, softmax, dropout, weighted sum (what selective recompute
-        replays). ``(B, nh, T, hd)`` queries, ``(B, nkv, T, hd)`` keys and values."""
+        replays). ``(B, nh, T, hd)`` queries, ``(B, nkv, T, hd)`` keys and values; with
+        ``document_ids`` ``(B, T)`` a query sees the earlier keys of its own document only."""
         if k.shape[1] != q.shape[1]:  # GQA: each KV head serves a group of query heads
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        mask = None if document_ids is None else document_mask(document_ids)  # (B, 1, T, T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               dropout_p=self.dropout if self.training else 0.0)
 
 
@@ -206,8 +209,10 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, MLP) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, rope=None):
-        x = x + self.drop(self.attn(self.norm1(x), rope))
+    def forward(self, x, rope=None, document_ids=None):
+        h = self.norm1(x)
+        h = self.attn(h, rope) if document_ids is None else self.attn(h, rope, document_ids)
+        x = x + self.drop(h)
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -255,19 +260,38 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, *, positions=None, document_ids=None):
+        """``idx`` ``(B, T)`` tokens; ``positions`` ``(T,)`` or ``(B, T)``: where they sit in
+        their sequence (default ``0..T−1``, or each token's place in its document); with
+        ``document_ids`` ``(B, T)`` (packed documents, :mod:`.documents`) attention never crosses
+        a document, and a document's last token has no target. (A context-parallel rank passes the positions of its two chunks and the whole
+        sequences' ``document_ids``, which its attention cores read.)"""
         B, T = idx.shape
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len ({self.cfg.max_seq_len})")
+        if document_ids is not None and positions is None:
+            check_document_ids(document_ids, idx)
+            positions = document_positions(document_ids)
+            if targets is not None:  # a document's last token does not predict the next one's
+                targets = document_targets(targets, document_ids)
+        given = positions is not None
+        if not given:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds max_seq_len "
+                                 f"({self.cfg.max_seq_len})")
+            positions, table_len = torch.arange(T, device=idx.device), T
+        else:
+            table_len = self.cfg.max_seq_len  # the same values at every position, any length
         x = self.tok_emb(idx)  # (B, T, d)
         rope = None
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+            x = x + self.pos_emb(positions)
         else:
-            rope = rope_tables(self.cfg.head_dim, T, self.cfg.rope_theta, idx.device)
+            cos, sin = rope_tables(self.cfg.head_dim, table_len, self.cfg.rope_theta, idx.device)
+            rope = (cos[positions], sin[positions]) if given else (cos, sin)
+            if positions.dim() == 2:  # per row: (B, 1, T, hd) against (B, nh, T, hd)
+                rope = (rope[0].unsqueeze(1), rope[1].unsqueeze(1))
         x = self.drop(x)
         for block in self.layers:
-            x = block(x, rope)
+            x = block(x, rope) if document_ids is None else block(x, rope, document_ids)
         logits, loss = self.lm_head(self.norm(x), targets)
         if loss is not None and self.cfg.n_experts:  # each MoE layer's load-balancing loss
             loss = loss + self.cfg.moe_aux_loss_coef * moe_aux_loss(self)

@@ -1,4 +1,4 @@
-"""The rank grid: a frozen :class:`ParallelContext` over a ``DeviceMesh`` with axes ``dp, ep, tp``.
+"""The rank grid: a frozen :class:`ParallelContext` over a ``DeviceMesh`` with axes ``dp, ep, cp, tp``.
 
 Ranks are laid out ``tp``-fastest: ranks ``0..tp-1`` form the first tensor-parallel group, so TP
 groups stay inside a node whenever ``tp`` divides the ranks per node (as in Megatron-LM and
@@ -26,12 +26,17 @@ from .rendezvous import job_store
 from .teardown import DEFAULT_TEARDOWN_TIMEOUT_S, destroy_process_groups
 
 MESH_AXES = ("dp", "ep", "tp")
+CP_MESH_AXES = ("dp", "ep", "cp", "tp")  # with context parallelism (cp > 1)
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 @dataclass(frozen=True, eq=False)
 class ParallelContext:
-    """Where this rank sits in the ``dp × ep × tp`` grid, and the groups along each axis.
+    """Where this rank sits in the ``dp × ep × cp × tp`` grid, and the groups along each axis.
+
+    ``cp`` (context parallelism, :mod:`ops_transformer.layers.context_attention`) splits every
+    sequence: the ranks of a ``cp`` group read the same rows of the batch, each a part of every
+    sequence; dense gradients are averaged over ``dp × ep × cp`` (:attr:`grad_group`).
 
     A group of ``None`` stands for a group of one rank: every primitive is then the identity, so a
     single process needs no ``torch.distributed`` at all (see :meth:`single`).
@@ -57,6 +62,11 @@ class ParallelContext:
     ranks_per_node: int | None = None  # None: every rank on one node
     ranks_per_island: int | None = None  # PCIe islands inside a node; None: one per node
     profile: object | None = field(default=None, repr=False)  # the agreed HardwareProfile
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    # dp × ep × cp flattened (None unless cp > 1): where dense gradients average with cp
+    dp_ep_cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     _kv_replica_groups: dict = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
@@ -86,14 +96,28 @@ class ParallelContext:
         tp_size, tp_rank, tp_group = axis("tp")
         dp_size, dp_rank, dp_group = axis("dp")
         ep_size, ep_rank, ep_group = axis("ep")
+        cp_size, cp_rank, cp_group = axis("cp")
         dp_ep_group = dp_group if ep_size == 1 else ep_group if dp_size == 1 else \
             mesh["dp", "ep"]._flatten("dp_ep").get_group()
+        dp_ep_cp_group = None
+        if cp_size > 1:
+            dp_ep_cp_group = cp_group if dp_size * ep_size == 1 else \
+                mesh["dp", "ep", "cp"]._flatten("dp_ep_cp").get_group()
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
                    tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank,
                    ep_size=ep_size, ep_rank=ep_rank, tp_group=tp_group, dp_group=dp_group,
                    ep_group=ep_group, mesh=mesh, device=device, backend=backend,
                    dp_ep_group=dp_ep_group, ranks_per_node=ranks_per_node, profile=profile,
-                   ranks_per_island=ranks_per_island)
+                   ranks_per_island=ranks_per_island, cp_size=cp_size, cp_rank=cp_rank,
+                   cp_group=cp_group, dp_ep_cp_group=dp_ep_cp_group)
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup | None:
+        """Where dense gradients are averaged: ``dp × ep`` (:attr:`dp_ep_group`), times ``cp``
+        when the sequence is split (each ``cp`` rank's gradient covers its part of the tokens)."""
+        if self.cp_size > 1:
+            return self.dp_ep_cp_group
+        return self.dp_ep_group if self.ep_size > 1 else self.dp_group
 
     @property
     def dp_ep_size(self) -> int:
@@ -154,7 +178,8 @@ class ParallelContext:
 
     def __str__(self) -> str:
         return (f"rank {self.rank}/{self.world_size} (dp {self.dp_rank}/{self.dp_size}, "
-                f"ep {self.ep_rank}/{self.ep_size}, tp {self.tp_rank}/{self.tp_size}) "
+                f"ep {self.ep_rank}/{self.ep_size}, cp {self.cp_rank}/{self.cp_size}, "
+                f"tp {self.tp_rank}/{self.tp_size}) "
                 f"on {self.device}")
 
     def close(self, timeout: float = DEFAULT_TEARDOWN_TIMEOUT_S) -> None:
@@ -176,21 +201,32 @@ class ParallelContext:
 
 def check_degrees(world_size: int, tp: int, dp: int | None, ep: int) -> tuple[int, int, int]:
     """Validate the parallel degrees against the world size; returns ``(dp, ep, tp)``."""
-    for name, value in (("tp", tp), ("ep", ep), ("dp", dp)):
+    dp, ep, _, tp = check_mesh_degrees(world_size, tp=tp, dp=dp, ep=ep, cp=1)
+    return dp, ep, tp
+
+
+def check_mesh_degrees(world_size: int, *, tp: int, dp: int | None, ep: int,
+                       cp: int) -> tuple[int, int, int, int]:
+    """Validate every degree of the ``dp × ep × cp × tp`` grid against the world size, naming
+    each factor in the error; returns ``(dp, ep, cp, tp)`` (``dp=None``: the rest of the ranks)."""
+    for name, value in (("tp", tp), ("cp", cp), ("ep", ep), ("dp", dp)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                   or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    fixed = tp * ep * cp
+    named = f"tp ({tp}) × ep ({ep})" + (f" × cp ({cp})" if cp > 1 else "")
     if dp is None:
-        if world_size % (tp * ep) != 0:
+        if world_size % fixed != 0:
             raise ValueError(
-                f"world size {world_size} is not divisible by tp ({tp}) × ep ({ep}) = {tp * ep}, "
-                f"so dp cannot be inferred; choose tp and ep whose product divides {world_size}")
-        dp = world_size // (tp * ep)
-    if dp * ep * tp != world_size:
+                f"world size {world_size} is not divisible by {named} = {fixed}, so dp cannot be "
+                f"inferred; choose degrees whose product divides {world_size}")
+        dp = world_size // fixed
+    if dp * fixed != world_size:
+        cp_part = f" × cp ({cp})" if cp > 1 else ""
         raise ValueError(
-            f"dp ({dp}) × ep ({ep}) × tp ({tp}) = {dp * ep * tp} must equal the world size "
-            f"({world_size})")
-    return dp, ep, tp
+            f"dp ({dp}) × ep ({ep}){cp_part} × tp ({tp}) = {dp * fixed} must equal the world "
+            f"size ({world_size})")
+    return dp, ep, cp, tp
 
 
 def _env_int(name: str) -> int | None:
@@ -200,13 +236,16 @@ def _env_int(name: str) -> int | None:
 
 def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str | None = None,
                   timeout: timedelta | float = DEFAULT_TIMEOUT, ranks_per_node: int | None = None,
-                  profile=None, ranks_per_island: int | None = None) -> ParallelContext:
-    """Set up the ``dp × ep × tp`` rank grid and return this rank's :class:`ParallelContext`.
+                  profile=None, ranks_per_island: int | None = None,
+                  cp: int = 1) -> ParallelContext:
+    """Set up the ``dp × ep × cp × tp`` rank grid and return this rank's :class:`ParallelContext`.
 
     Reuses an initialised default process group, or initialises one from the ``torchrun``
     environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
     Without either, a single process gets :meth:`ParallelContext.single`. ``backend`` defaults to
-    ``nccl`` when CUDA is available, else ``gloo``. ``dp=None`` means ``world_size // (tp*ep)``.
+    ``nccl`` when CUDA is available, else ``gloo``. ``dp=None`` means ``world_size // (tp·ep·cp)``;
+    ``cp``: the context-parallel degree (each sequence split over ``cp`` ranks, laid out between
+    ``ep`` and ``tp``, so a ``cp`` group holds ranks ``tp`` apart).
     ``timeout`` (a ``timedelta`` or seconds) bounds every collective, so a dead peer ends in an
     error instead of a hang.
 
@@ -231,10 +270,11 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
     else:
         world_size = _env_int("WORLD_SIZE")
         if world_size is None:
-            if tp * (dp or 1) * ep != 1:
-                check_degrees(tp * (dp or 1) * ep, tp, dp, ep)  # bad values: name them
+            if tp * (dp or 1) * ep * cp != 1:
+                need = tp * (dp or 1) * ep * cp
+                check_mesh_degrees(need, tp=tp, dp=dp, ep=ep, cp=cp)  # bad values: name them
                 raise ValueError(
-                    f"tp ({tp}) × dp ({dp or 1}) × ep ({ep}) needs {tp * (dp or 1) * ep} "
+                    f"tp ({tp}) × dp ({dp or 1}) × ep ({ep}) × cp ({cp}) needs {need} "
                     f"processes, but this is a single process with no torchrun environment: start "
                     f"it with `torchrun --nproc-per-node N` or `ops_transformer.launch(fn, N)`")
             backend = backend or _default_backend()
@@ -248,7 +288,8 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
             raise ValueError("WORLD_SIZE is set but RANK is not: start the job with torchrun or "
                              "ops_transformer.launch")
         backend = backend or _default_backend()
-        dp, ep, tp = check_degrees(world_size, tp, dp, ep)  # fail before any rendezvous
+        # fail before any rendezvous
+        dp, ep, cp, tp = check_mesh_degrees(world_size, tp=tp, dp=dp, ep=ep, cp=cp)
         device_id = None
         if backend == "nccl":
             device_id = torch.device("cuda", _local_rank(rank))
@@ -257,7 +298,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device_id,
                                 **({} if store is None else {"store": store}))
-    dp, ep, tp = check_degrees(world_size, tp, dp, ep)
+    dp, ep, cp, tp = check_mesh_degrees(world_size, tp=tp, dp=dp, ep=ep, cp=cp)
     rank = dist.get_rank()
     declared = ranks_per_node is not None
     if not declared:
@@ -275,7 +316,10 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
               else torch.device("cpu"))
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (dp, ep, tp), mesh_dim_names=MESH_AXES)
+    if cp > 1:  # at cp 1 the mesh keeps its three axes, as before context parallelism
+        mesh = init_device_mesh(device.type, (dp, ep, cp, tp), mesh_dim_names=CP_MESH_AXES)
+    else:
+        mesh = init_device_mesh(device.type, (dp, ep, tp), mesh_dim_names=MESH_AXES)
     # from_mesh may create more (flattened) groups, build_engine the engine's sub-groups
     ctx = ParallelContext.from_mesh(mesh, device, backend, ranks_per_node=layout.ranks_per_node,
                                     profile=agreed, ranks_per_island=layout.ranks_per_island)

@@ -125,6 +125,7 @@ class ParallelState:
     reducers: GradReducers = field(default_factory=GradReducers)
     sharding: DataSharding | None = None
     lora: object = None
+    context_parallel: object = None  # the ContextParallelChoice at cp > 1 (strategy, reason)
 
 
 def parallel_state_of(model: nn.Module, *, create: bool = False) -> ParallelState | None:

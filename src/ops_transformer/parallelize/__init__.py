@@ -16,6 +16,7 @@ from ..models.gpt import GPT
 from ..models.hf import is_hf
 from ..parallel.state import ParallelState, no_sync
 from ..planner.search import chosen_layout, is_planner_output
+from .context_plan import apply_context_parallel, check_context_parallel
 from .dropout import apply_dropout
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
@@ -97,7 +98,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     if getattr(getattr(model, "parallel_state", None), "plan", None) is not None:
         raise ValueError("this model is already parallelised (model.parallel_state is set)")
     check_model_device(model, ctx)
-    options = ParallelOptions.of(options, **option_kwargs)
+    options = check_context_parallel(model, ctx, ParallelOptions.of(options, **option_kwargs))
     resolved = resolve_plan(model, ctx, plan, options.plan_attention, options.loss_parallel,
                             options.vocab, options.tp_plan)
     if ctx.ep_size > 1:
@@ -122,6 +123,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
     apply_dropout(model, ctx, attention=resolved.attention,  # before recompute wraps the core
                   sequence_parallel=bool(options.sequence_parallel) and ctx.tp_size > 1)
+    model.parallel_state.context_parallel = apply_context_parallel(model, ctx, options)
     apply_memory_options(model, recompute=options.recompute,
                          activation_cache=options.activation_cache)
     log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,

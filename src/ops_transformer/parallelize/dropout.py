@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.dropout import Layout, ParallelDropout, dropout
+from ..models.documents import document_mask
 from ..models.gpt import GPT, Attention
 
 
@@ -42,9 +43,9 @@ def _core_with_dropout(attn: Attention):
     (SDPA) without dropout."""
     fused = attn.core
 
-    def core(q, k, v):  # (B, nh, T, hd), (B, nkv, T, hd)
+    def core(q, k, v, document_ids=None):  # (B, nh, T, hd), (B, nkv, T, hd)
         if not attn.training or attn.dropout == 0.0:
-            return fused(q, k, v)
+            return fused(q, k, v) if document_ids is None else fused(q, k, v, document_ids)
         if k.shape[1] != q.shape[1]:  # GQA: each KV head serves a group of query heads
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -52,6 +53,8 @@ def _core_with_dropout(attn: Attention):
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, nh, T, T)
         # an additive -inf bias above the diagonal (an addition keeps nothing for backward)
         causal = torch.full((T, T), float("-inf"), dtype=scores.dtype, device=q.device).triu(1)
+        if document_ids is not None:  # and never across a packed document: (B, 1, T, T)
+            causal = causal.masked_fill(~document_mask(document_ids), float("-inf"))
         probs = F.softmax(scores + causal, dim=-1)
         return dropout(probs, attn.dropout, attn.dropout_layout) @ v  # (B, nh, T, hd)
 

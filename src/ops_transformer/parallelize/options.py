@@ -25,6 +25,7 @@ from ..comm.bucketing import DEFAULT_BUCKET_BYTES
 from ..layers.sequence_parallel import SEQUENCE_PARALLEL_VALUES
 from ..memory.apply import ACTIVATION_CACHES
 from ..memory.recompute import RECOMPUTE
+from ..planner.context_parallel import CP_CHOICES
 from ..planner.overlap import OVERLAP_MODES
 from ..planner.strategies import VOCAB_MODES
 from ..precision.policy import check_grad_reduce_dtype
@@ -103,6 +104,10 @@ class ParallelOptions:
     * ``lora`` — LoRA adapters added inside ``parallelize`` (a :class:`LoRAOptions` or its
       dict: ``rank``, ``alpha``, ``targets``, ``dropout``, ``seed``), every other weight frozen,
       before the gradient reducers are built; ``None``: none (``ot.lora`` adds them afterwards).
+    * ``context_parallel`` — with ``cp > 1`` (``init_parallel(cp=)``), how attention spans the
+      split sequence (SPEC F18): ``ring``, ``allgather_kv`` or ``auto`` (the cost model chooses,
+      the reason recorded in ``model.parallel_state.context_parallel``); ignored at ``cp = 1``.
+      :mod:`ops_transformer.parallelize.context_plan`.
     * ``tp_plan`` — Hugging Face style names (``{pattern: style}``, as in ``transformers``) merged
       over a Hugging Face model's own plan and translated (``plan="auto"`` only).
     """
@@ -120,6 +125,7 @@ class ParallelOptions:
     chunks: int = 2
     moe_statistics: str = "local"
     lora: LoRAOptions | None = None
+    context_parallel: str = "auto"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -180,4 +186,5 @@ class ParallelOptions:
 CHOICES = {"attention": ATTENTION_CHOICES, "vocab": VOCAB_CHOICES,
            "loss_parallel": (False, True), "sequence_parallel": SEQUENCE_PARALLEL_VALUES,
            "recompute": RECOMPUTE, "activation_cache": ACTIVATION_CACHES,
-           "overlap": OVERLAP_MODES, "moe_statistics": MOE_STATISTICS}
+           "overlap": OVERLAP_MODES, "moe_statistics": MOE_STATISTICS,
+           "context_parallel": CP_CHOICES}

@@ -18,21 +18,21 @@ from .options import ParallelOptions
 def gradient_reducers(model: nn.Module, ctx, options: ParallelOptions,
                       params=None) -> GradReducers:
     """The model's gradient reductions, in the order they finish: data-parallel averaging of the
-    dense parameters over ``dp × ep`` (EP ranks read different micro-batches, like DP ranks) and of
-    the experts over ``dp``, then the sums of the partial gradients the plan marked. Frozen
+    dense parameters over ``dp × ep`` (EP ranks read different micro-batches, like DP ranks; ``× cp``
+    with context parallelism, each ``cp`` rank seeing its part of the tokens) and of the experts
+    over ``dp``, then the sums of the partial gradients the plan marked. Frozen
     parameters (``requires_grad=False``: a LoRA model's base) get none; one unfrozen later is
     reduced from its first backward on (:meth:`GradReducers.watch`). ``params``: only these."""
     dtype = resolve_grad_reduce_dtype(model, options.grad_reduce_dtype)
     buckets, reducers = options.bucket_bytes, GradReducers()
     chosen = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
-    if ctx.dp_ep_size > 1:
+    if ctx.dp_ep_size * getattr(ctx, "cp_size", 1) > 1:
         dense, experts = split_expert_params(chosen)
         scale_expert_grads(experts, ctx.ep_size)
         if params is not None and ctx.ep_size > 1:  # adopted late: this backward's, unscaled
             for p in experts:
                 p.grad.div_(ctx.ep_size)
-        group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
-        reducers.append(GradSync(dense, group, bucket_bytes=buckets, reduce_dtype=dtype))
+        reducers.append(GradSync(dense, ctx.grad_group, bucket_bytes=buckets, reduce_dtype=dtype))
         if experts and ctx.dp_size > 1:
             reducers.append(GradSync(experts, ctx.dp_group, bucket_bytes=buckets,
                                      reduce_dtype=dtype, name="dp_experts"))

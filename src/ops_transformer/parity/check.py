@@ -53,6 +53,11 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
     plan style (:mod:`.attribute`). An exception inside the parallel forward or backward is a
     mismatch at the module that raised; ``parallelize`` refusing the plan raises as usual.
     """
+    if getattr(ctx, "cp_size", 1) > 1:
+        raise ValueError(f"check_parity compares every module in dense coordinates; with cp "
+                         f"({ctx.cp_size}) > 1 each rank holds a part of every sequence, which it "
+                         f"does not gather yet: check at cp 1 (CP itself is tested against one "
+                         f"device: docs/context_parallel.md)")
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
     if not lr > 0:

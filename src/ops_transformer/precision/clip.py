@@ -50,7 +50,8 @@ def _counted_here(param: torch.Tensor, ctx) -> bool:
     if local_tensor(param) is not param:  # sharded over data-parallel ranks: own rows
         return counted_on_tp_rank(param, ctx)
     expert = getattr(param, "expert_shard", None) is not None  # differs across EP ranks
-    return counted_on_tp_rank(param, ctx) and ctx.dp_rank == 0 and (expert or ctx.ep_rank == 0)
+    return (counted_on_tp_rank(param, ctx) and ctx.dp_rank == 0 and (expert or ctx.ep_rank == 0)
+            and getattr(ctx, "cp_rank", 0) == 0)  # replicated over cp, like over dp
 
 
 def _real_rows(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -12,15 +12,18 @@ holds at least one KV head):
 * ``allgather_kv``: forward one all-gather of K and V (``2·b·s·h_kv`` gathered elements),
   backward one reduce-scatter of dK and dV (the same); not overlapped.
 
-This module is the planner's pricing; ``planner/context_parallel.py`` (issue #36) holds the
-runtime's exact formulas, which these volumes must equal.
+The volumes are :func:`.context_parallel.layer_comm`'s (the runtime's exact formula, equal to
+the ledger): this module adds the planner's view — the KV width a rank holds under tensor
+parallelism and the part of the exchange attention does not hide. The ring's backward counts
+``2·cp − 1`` exchanges: ``cp − 1`` of K/V and ``cp`` of dK/dV travelling back to their owner.
 """
 
 from __future__ import annotations
 
+from .context_parallel import CP_STRATEGIES, check_strategy, layer_comm
 from .cost import Comm
 
-CP_STRATEGIES = ("ring", "allgather_kv")
+__all__ = ["CP_STRATEGIES", "kv_width", "cp_layer_comm", "exposed_cp_time"]
 
 
 def kv_width(kv_heads: int, head_dim: int, tp: int) -> int:
@@ -31,20 +34,12 @@ def kv_width(kv_heads: int, head_dim: int, tp: int) -> int:
 def cp_layer_comm(strategy: str, micro_batch: int, seq: int, kv_heads: int, head_dim: int,
                   cp: int, tp: int = 1) -> dict[str, Comm]:
     """``{"forward": Comm, "backward": Comm}`` of one layer on one rank of the CP group."""
-    if strategy not in CP_STRATEGIES:
-        raise ValueError(f"cp strategy must be one of {CP_STRATEGIES}, got {strategy!r}")
-    if cp == 1:
-        return {"forward": Comm(), "backward": Comm()}
-    if seq % cp:
+    check_strategy(strategy)
+    if cp > 1 and seq % cp:
         raise ValueError(f"cp ({cp}) must divide the sequence length ({seq})")
-    h_kv = kv_width(kv_heads, head_dim, tp)
-    block = 2 * micro_batch * (seq // cp) * h_kv
-    if strategy == "ring":
-        return {"forward": Comm().add("send_recv", block * (cp - 1), cp - 1),
-                "backward": Comm().add("send_recv", 2 * block * (cp - 1), 2 * (cp - 1))}
-    gathered = 2 * micro_batch * seq * h_kv
-    return {"forward": Comm().add("all_gather", gathered),
-            "backward": Comm().add("reduce_scatter", gathered)}
+    comm = layer_comm(strategy, batch=micro_batch, seq=seq,
+                      kv_dim=kv_width(kv_heads, head_dim, tp), cp=cp)
+    return {"forward": comm["fwd"], "backward": comm["bwd"]}
 
 
 def exposed_cp_time(strategy: str, comm_s: float, attention_s: float) -> float:

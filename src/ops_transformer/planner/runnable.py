@@ -19,8 +19,9 @@ ZeRO stage 1, 2 or 3           ``dp × ep > 1`` (each parameter sharded over its
                                core communicates)
 ``pp > 1``                     not yet: pipeline parallelism is priced and searched by the
                                planner but not implemented in ``train`` (SPEC F19)
-``cp > 1``                     not yet: context parallelism is being built (issue #36); the
-                               planner prices it, ``train`` does not run it
+``cp > 1``                     ``train --cp`` (SPEC F18), not yet with ZeRO, sequence
+                               parallelism, MoE or ``recompute="selective"``; ``train --plan``
+                               does not take a context-parallel layout yet
 =============================  ===============================================================
 
 Messages name the command-line flags, which ``train`` and ``plan`` share.
@@ -41,7 +42,11 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
     if pp > 1:
         return f"--pp {pp}: pipeline parallelism is not implemented in train yet"
     if cp > 1:
-        return f"--cp {cp}: context parallelism is not implemented in train yet"
+        for flag, on in (("--zero", zero_stage), ("--sequence-parallel", sequence_parallel),
+                         ("an MoE model", experts > 1),
+                         ("--recompute selective", recompute == "selective")):
+            if on:
+                return f"--cp {cp} does not combine with {flag} yet"
     if zero_stage not in ZERO_STAGES:
         return f"--zero must be 0, 1, 2 or 3, got {zero_stage!r}"
     if zero_stage and dp * ep == 1:

@@ -340,8 +340,9 @@ def chosen_layout(data) -> dict:
     """The one reader of a planner result: the layout it chose (its ``best``, or the row itself)
     as ``{"tp", "dp", "ep", "attention", "sequence_parallel", "recompute", "zero_stage", "pp",
     "cp"}``. ``ValueError`` when nothing fits (``best`` is null), ``data`` is not a planner
-    result, or the layout has pipeline or context parallelism, which the runtime does not run
-    yet (:func:`.runnable.runtime_problem`'s one-line reason)."""
+    result, or the layout has pipeline parallelism, which the runtime does not run yet
+    (:func:`.runnable.runtime_problem`'s one-line reason), or context parallelism, which ``train
+    --plan`` does not take yet (``train --cp`` runs it)."""
     if isinstance(data, dict) and "best" in data:
         if data["best"] is None:
             raise ValueError("the planner found no layout that fits (its 'best' is null)")
@@ -350,8 +351,11 @@ def chosen_layout(data) -> dict:
         raise ValueError("not a planner result: it has neither a 'best' layout nor 'tp', 'dp' "
                          "and 'attention'")
     pp, cp = int(data.get("pp", 1)), int(data.get("cp", 1))
-    if pp > 1 or cp > 1:
+    if pp > 1:
         raise ValueError(runtime_problem(tp=data["tp"], dp=data["dp"], pp=pp, cp=cp))
+    if cp > 1:
+        raise ValueError(f"--cp {cp}: train --plan does not take a context-parallel layout yet; "
+                         f"run train --cp {cp} with the plan's other degrees")
     return {"tp": data["tp"], "dp": data["dp"], "ep": data.get("ep", 1),
             "attention": data["attention"],
             "sequence_parallel": bool(data.get("sequence_parallel", False)),

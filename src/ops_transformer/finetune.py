@@ -23,6 +23,7 @@ from .corpus import packed_corpus
 from .layers.loss import vocab_parallel_cross_entropy
 from .loading import from_pretrained
 from .models.gpt import GPT
+from .models.hf import own_class
 from .parallelize.hf_plans import hf_plan
 from .parallelize.lora import check_lora_args, check_rank, lora, resolve_targets
 from .parallelize.moe_plan import check_expert_parallel, n_experts_of
@@ -92,10 +93,10 @@ def causal_lm_loss(model, x: torch.Tensor, y: torch.Tensor, ctx) -> torch.Tensor
 def describe(model) -> dict:
     """What ``train``'s metrics say about the model: the dense parameter count, its config."""
     with torch.device("meta"):
-        dense = type(model)(model.config)
+        dense = own_class(model)(model.config)
     params = sum(p.numel() for p in dict.fromkeys(dense.parameters()))
     return {"params": params, "model": json.loads(model.config.to_json_string()),
-            "model_class": type(model).__name__}
+            "model_class": own_class(model).__name__}
 
 
 def local_param_bytes(model) -> int:

@@ -59,3 +59,49 @@ def test_zero3_checkpoint_exports_as_the_zero0_run(zero3, capsys):
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.allclose(ours[name], theirs[name], rtol=0, atol=1e-6), name
+
+
+def _files(root) -> dict:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+# 2 — an export over a base model deleted its shards and left a stale index: refused, or
+# replaced whole with --overwrite; a failure midway leaves the old directory as it was
+def test_export_never_destroys_what_is_at_out(zero3, tmp_path_factory, tmp_path, capsys,
+                                              monkeypatch):
+    import shutil
+
+    from ops_transformer.checkpoint import export as ex
+
+    base = tmp_path / "base"  # a base model in several files with an index
+    shutil.copytree(hf_tiny.checkpoint(tmp_path_factory, "llama_sharded"), base)
+    before = _files(base)
+    assert "model.safetensors.index.json" in before
+    ckpt = str(zero3["0"] / "ckpt")
+    capsys.readouterr()
+    assert main(["checkpoint", "export", ckpt, "--out", str(base)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--overwrite" in err and "not empty" in err, err
+    assert _files(base) == before
+
+    def broken(state, manifest, out):  # writes part of the directory, then fails
+        (out / "config.json").write_text("{}")
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ex, "export_huggingface", broken)
+        with pytest.raises(OSError):
+            main(["checkpoint", "export", ckpt, "--out", str(base), "--overwrite"])
+    assert _files(base) == before and sorted(p.name for p in tmp_path.iterdir()) == ["base"]
+
+    assert main(["checkpoint", "export", ckpt, "--out", str(base), "--overwrite"]) == 0
+    assert "model.safetensors.index.json" not in _files(base)  # nothing stale, nothing mixed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
+    tr.AutoModelForCausalLM.from_pretrained(base)  # loads
+    single = tmp_path / "m.safetensors"  # a file: refused too, then replaced atomically
+    single.write_bytes(b"keep")
+    assert main(["checkpoint", "export", ckpt, "--out", str(single)]) == 2
+    assert single.read_bytes() == b"keep"
+    assert main(["checkpoint", "export", ckpt, "--out", str(single), "--overwrite"]) == 0
+    assert single.stat().st_size > 1000

@@ -105,3 +105,20 @@ def test_export_never_destroys_what_is_at_out(zero3, tmp_path_factory, tmp_path,
     assert single.read_bytes() == b"keep"
     assert main(["checkpoint", "export", ckpt, "--out", str(single), "--overwrite"]) == 0
     assert single.stat().st_size > 1000
+
+
+# 3 — a mistyped --ckpt-dir with --resume started over silently
+def test_resume_that_finds_nothing_says_so_and_strict_refuses(tmp_path, capsys):
+    missing = tmp_path / "chekpoints"  # a typo: nothing there
+    argv = ["train", "--steps", "1", "--batch", "2", "--seq", "16", "--no-progress",
+            "--ckpt-dir", str(missing), "--out", str(tmp_path / "run"), "--resume"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"no checkpoint in {missing}: starting from step 0" in err, err
+    assert (missing / "latest").exists()  # the run's own checkpoint
+    other = tmp_path / "ckpt-typo"
+    argv[argv.index(str(missing))] = str(other)
+    assert main([*argv, "strict", "--out", str(tmp_path / "strict")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--resume strict" in err and str(other) in err, err
+    assert not (tmp_path / "strict").exists() and not other.exists()

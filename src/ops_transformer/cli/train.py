@@ -262,7 +262,8 @@ def run_training(cfg: TrainConfig, nproc: int | None,
                              "use torchrun --nnodes MIN:MAX, whose restarts train rebalances")
         check_elastic(nproc, cfg.ranks_per_node)
     planned = rebalanced(cfg, world_size() if nproc is None else nproc, stated)
-    check_resume(planned)
+    if check_resume(planned):
+        status(f"ops-transformer train: no checkpoint in {planned.ckpt_dir}: starting from step 0")
     profile = command_profile("--attention auto" if planned.attention == "auto" else None)
     created = [missing_dirs(planned.out), missing_dirs(planned.ckpt_dir)]
     try:

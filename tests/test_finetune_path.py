@@ -122,3 +122,86 @@ def test_resume_that_finds_nothing_says_so_and_strict_refuses(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--resume strict" in err and str(other) in err, err
     assert not (tmp_path / "strict").exists() and not other.exists()
+
+
+# 4 — SIGTERM of the launcher ended with -15 and no word; Ctrl-C with "interrupted" glued to the
+# progress bar; neither kept the metrics
+TINY = ["--batch", "2", "--seq", "16", "--no-progress"]
+
+
+def test_sigterm_of_the_launcher_keeps_the_metrics_and_says_how_to_resume(tmp_path):
+    import os
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
+    argv = ["train", "--nproc", "2", "--tp", "2", "--steps", "100000", *TINY,
+            "--ckpt-dir", "ckpt", "--save-every", "2", "--out", "run"]
+    job = subprocess.Popen([sys.executable, "-m", "ops_transformer", *argv], cwd=tmp_path,
+                           env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "ckpt" / "step-00000004").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    err = job.communicate(timeout=60)[1]
+    assert job.returncode == 143, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["interrupted"] == "SIGTERM" and len(metrics["losses"]) >= 4
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 0
+    last = metrics["last_checkpoint"]
+    assert last in err and (tmp_path / last / "checkpoint.json").is_file()
+    command = err.split("resume with: ")[1].strip()
+    assert command == metrics["resume_command"] and command.endswith("--resume")
+    saved = int(last.rsplit("-", 1)[1])
+    resumed = shlex.split(command)[1:] + ["--steps", str(saved + 1), "--json", "--nproc", "1"]
+    done = subprocess.run([sys.executable, "-m", "ops_transformer", *resumed], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout[done.stdout.index("{"):])["resumed_from"] == saved
+
+
+def test_ctrl_c_writes_what_ran_and_exits_130(tmp_path, monkeypatch, capsys):
+    from ops_transformer.train import TrainState
+
+    step = TrainState.step
+
+    def interrupted_at_the_fourth(self, x, y):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 4:
+            raise KeyboardInterrupt
+        return step(self, x, y)
+
+    monkeypatch.setattr(TrainState, "step", interrupted_at_the_fourth)
+    argv = ["train", "--steps", "50", *TINY, "--ckpt-dir", str(tmp_path / "ckpt"),
+            "--save-every", "2", "--out", str(tmp_path / "run")]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted (SIGINT) after step 3 of 50" in err, err
+    assert f"last checkpoint {tmp_path / 'ckpt' / 'step-00000002'}" in err
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert len(metrics["losses"]) == 3 and metrics["steps_done"] == 3
+
+
+def test_an_interrupt_before_the_first_step_leaves_no_empty_out(tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+    import time
+
+    import ops_transformer.train as train
+
+    def terminated(cfg, ctx):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises in here
+
+    monkeypatch.setattr(train, "setup_training", terminated)
+    argv = ["train", "--steps", "5", *TINY, "--ckpt-dir", str(tmp_path / "ckpt"),
+            "--out", str(tmp_path / "run")]
+    assert main(argv) == 143
+    err = capsys.readouterr().err
+    assert "interrupted (SIGTERM) after step 0 of 5" in err and "no checkpoint" in err, err
+    assert sorted(os.listdir(tmp_path)) == []

@@ -286,14 +286,28 @@ class _RandomState:
             torch.cuda.set_rng_state(self.gpu, self.device)
 
 
-def train_worker(cfg: TrainConfig, profile=None) -> dict | None:
+def train_worker(cfg: TrainConfig, profile=None, journal=None) -> dict | None:
     """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere. The process
     groups it starts are torn down before it returns.
 
     ``profile``: the hardware profile (or its path) for the automatic choices and the collective
-    algorithms; rank 0's is used by every rank (``init_parallel``). ``None``: the built-in one."""
+    algorithms; rank 0's is used by every rank (``init_parallel``). ``None``: the built-in one.
+    ``journal``: where rank 0 reports its progress as it goes (anything with ``send(dict)``, e.g.
+    a pipe to the launcher): ``{"start": step, "losses": [...]}`` once (the losses a resume
+    carries), then ``{"loss": value}`` after each step — what an interrupted run can still
+    write (``train`` does)."""
     with join(cfg, profile) as ctx:
-        return _train(cfg, ctx)
+        return _train(cfg, ctx, journal)
+
+
+def _tell(journal, message: dict) -> None:
+    """Send ``message`` to the journal; a launcher that is gone is no reason to stop training."""
+    if journal is None:
+        return
+    try:
+        journal.send(message)
+    except (OSError, EOFError):
+        pass
 
 
 def join(cfg: TrainConfig, profile=None):
@@ -328,7 +342,7 @@ def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
     return TrainState(cfg, ctx, model, opt, data, policy, scaler)
 
 
-def _train(cfg: TrainConfig, ctx) -> dict | None:
+def _train(cfg: TrainConfig, ctx, journal=None) -> dict | None:
     state = setup_training(cfg, ctx)
     model, opt, scaler = state.model, state.opt, state.scaler
     moe = bool(_n_experts(model))
@@ -343,6 +357,8 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
     step_times, last, report = [], None, None
     bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)
     board = ScalarLog(cfg.tensorboard if lead else None)
+    journal = journal if lead else None
+    _tell(journal, {"start": first, "losses": list(losses)})
     if first:
         bar.write(f"resumed from step {first} of {cfg.ckpt_dir}")
         bar.update(first)
@@ -354,6 +370,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
         report, ledger = state.step(x, y)
         step_times.append(time.perf_counter() - start)
         losses.append(report.metrics["loss"])
+        _tell(journal, {"loss": losses[-1]})
         last = ledger
         if not math.isfinite(losses[-1]) and (scaler is None
                                               or scaler.scale_value <= scaler.min_scale):

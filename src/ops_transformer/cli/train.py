@@ -4,7 +4,12 @@ fine-tuned), with ``dp × ep × tp`` parallelism on local ranks or under ``torch
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
+import functools
+import inspect
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,6 +40,7 @@ from ..utils.progress import format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, missing_dirs,
                       print_json, remove_if_empty, status, under_torchrun, world_size)
 from ._calibrated import command_profile
+from ._interrupt import Interrupted, Journal, report_interrupt, terminate_as_interrupt
 from ._hf import check_causal_lm, check_model_dir
 from .checkpoint import add_checkpoint_arguments, checkpoint_settings
 
@@ -42,6 +48,7 @@ HELP = "train the reference GPT, or fine-tune a Hugging Face model, with tensor 
        "parallelism"
 ATTENTION = ATTENTION_CHOICES
 D = TrainConfig()  # every default of train, defined once (the dataclass)
+JOURNAL = contextvars.ContextVar("journal", default=None)  # train's, while it runs
 
 
 def add_parser(p) -> None:
@@ -242,14 +249,19 @@ def rebalanced(cfg: TrainConfig, ranks: int, stated=None) -> TrainConfig:
 
 def run_training(cfg: TrainConfig, nproc: int | None,
                  timeout: float = DEFAULT_LAUNCH_TIMEOUT, worker=None,
-                 args: tuple = (), stated=None) -> dict | None:
+                 args: tuple = (), stated=None, journal=None) -> dict | None:
     """Validate (the output directory included), then run ``worker(cfg, *args)`` (training by
     default) on ``nproc`` local ranks, on the ranks of this torchrun job, or in this one process
     (with the launcher's thread policy), with the calibrated profile if there is one (needed for
     ``--attention auto``) as its ``profile=``. A ``--resume`` is first re-planned for the ranks
     it has (:func:`rebalanced`; ``stated``: the layout flags given, see :func:`stated_layout`),
-    again after an ``--elastic`` restart lost a node (the metrics then record ``rebalanced``)."""
+    again after an ``--elastic`` restart lost a node (the metrics then record ``rebalanced``).
+    ``journal``: a :class:`~ops_transformer.cli._interrupt.Journal` that rank 0 reports its
+    progress to (``train_worker``'s; default: the one ``train`` set in :data:`JOURNAL`)."""
     worker = worker or train_worker
+    journal = journal or JOURNAL.get()
+    if journal is not None and not _takes_journal(worker):
+        journal = None
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     if nproc is not None:
@@ -268,15 +280,22 @@ def run_training(cfg: TrainConfig, nproc: int | None,
     created = [missing_dirs(planned.out), missing_dirs(planned.ckpt_dir)]
     try:
         return _checked_run(planned, nproc, timeout, worker, args, profile,
-                            lambda n: (rebalanced(cfg, n, stated), *args))
+                            lambda n: (rebalanced(cfg, n, stated), *args), journal)
     except BaseException:
         for dirs in created:  # a run that failed before writing leaves no empty directory
             remove_if_empty(dirs)
         raise
 
 
+def _takes_journal(worker) -> bool:
+    try:
+        return "journal" in inspect.signature(worker).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _checked_run(cfg: TrainConfig, nproc: int | None, timeout: float, worker, args: tuple,
-                 profile, resize=None) -> dict | None:
+                 profile, resize=None, journal=None) -> dict | None:
     """``cfg`` (validated, re-planned) run; ``resize(n)``: its arguments on ``n`` ranks after an
     ``--elastic`` restart lost a node."""
     if cfg.out:
@@ -294,10 +313,15 @@ def _checked_run(cfg: TrainConfig, nproc: int | None, timeout: float, worker, ar
             status(f"ops-transformer train: warning: {exc}")
     extra = {} if profile is None else {"profile": profile}  # none: the built-in profile
     if nproc is not None:
-        return launch_with_restarts(worker, nproc, cfg, *args, max_restarts=cfg.max_restarts,
-                                    launcher=launch, elastic=cfg.elastic,
-                                    ranks_per_node=cfg.ranks_per_node, resize=resize,
-                                    timeout=timeout, **extra)[0]
+        with contextlib.nullcontext() if journal is None else journal.pipe() as channel:
+            if channel is not None:  # rank 0 reports to this process through it
+                worker = functools.partial(worker, journal=channel)
+            return launch_with_restarts(worker, nproc, cfg, *args,
+                                        max_restarts=cfg.max_restarts, launcher=launch,
+                                        elastic=cfg.elastic, ranks_per_node=cfg.ranks_per_node,
+                                        resize=resize, timeout=timeout, **extra)[0]
+    if journal is not None:
+        worker = functools.partial(worker, journal=journal)
     if cfg.max_restarts:
         raise ValueError("--max-restarts restarts local ranks (--nproc); under torchrun use "
                          "torchrun's own --max-restarts")
@@ -420,7 +444,20 @@ def run(args) -> int:
                "; nothing was run", place=f"--out {cfg.out}")
     nproc = launch_size(args, cfg)
     resumed = {"stated": stated_layout(args)} if cfg.resume and cfg.rebalance == "auto" else {}
-    metrics = run_training(cfg, nproc, launch_timeout(args), **resumed)
+    journal = Journal()
+    try:
+        with terminate_as_interrupt():
+            token = JOURNAL.set(journal)
+            try:
+                metrics = run_training(cfg, nproc, launch_timeout(args), **resumed)
+            finally:
+                JOURNAL.reset(token)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        if under_torchrun():  # torchrun's agent stops every rank: no report from one of them
+            raise
+        signum = getattr(exc, "signum", signal.SIGINT)
+        return report_interrupt(cfg, signum, journal, getattr(args, "argv", ["train"]),
+                                nproc or 1, cfg.progress)
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if getattr(args, "plan", None):

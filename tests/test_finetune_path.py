@@ -205,3 +205,29 @@ def test_an_interrupt_before_the_first_step_leaves_no_empty_out(tmp_path, monkey
     err = capsys.readouterr().err
     assert "interrupted (SIGTERM) after step 0 of 5" in err and "no checkpoint" in err, err
     assert sorted(os.listdir(tmp_path)) == []
+
+
+# 5 — a resume without --batch silently changed the global batch 4 → 8 (and said both "kept"
+# and "changed"); the checkpoint's batch, sequence, schedule and LoRA settings are the run's
+def test_resume_keeps_the_runs_settings_unless_overridden(tmp_path, capsys):
+    first = ["train", "--steps", "3", "--batch", "4", "--seq", "24", "--lr", "2e-3",
+             "--lr-schedule", "cosine", "--warmup", "1", "--lora-rank", "4", "--no-progress",
+             "--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "a")]
+    assert main(first) == 0
+    capsys.readouterr()
+    again = ["train", "--steps", "5", "--no-progress", "--json", "--resume",
+             "--ckpt-dir", str(tmp_path / "ckpt")]
+    assert main([*again, "--out", str(tmp_path / "b")]) == 0
+    captured = capsys.readouterr()
+    metrics = json.loads(captured.out[captured.out.index("{"):])
+    config = metrics["config"]
+    assert (config["batch"], config["seq"], config["lr"], config["lr_schedule"],
+            config["warmup"], config["lora_rank"]) == (4, 24, 2e-3, "cosine", 1, 4)
+    assert metrics["resumed_from"] == 3
+    said = [line for line in captured.err.splitlines() if "--resume from step 3" in line]
+    assert len(said) == 1 and "batch 4" in said[0] and "seq 24" in said[0], captured.err
+    assert "data stream" not in captured.err and "→" not in captured.err, captured.err
+    assert main([*again, "--steps", "6", "--seq", "16", "--out", str(tmp_path / "c")]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out[captured.out.index("{"):])["config"]["seq"] == 16
+    assert "as given: --seq 16 (the checkpoint's: 24)" in captured.err, captured.err

@@ -440,9 +440,17 @@ def _moe_report(averaged: dict) -> dict:
 
 def batch_layout(cfg: TrainConfig, ctx) -> dict:
     """How the global batch was split (a checkpoint's manifest records it, :mod:`.rebalance`
-    reads it): ``{"global_batch", "micro_batch", "grad_accum"}``."""
+    reads it): ``{"global_batch", "micro_batch", "grad_accum", "settings"}`` (``settings``: the
+    :data:`RESUMED_SETTINGS` of the run)."""
     return {"global_batch": cfg.batch, "micro_batch": micro_batch(cfg, ctx.dp_ep_size),
-            "grad_accum": cfg.grad_accum}
+            "grad_accum": cfg.grad_accum,
+            "settings": {k: getattr(cfg, k) for k in RESUMED_SETTINGS}}
+
+
+# What a resume takes from its checkpoint unless the command line sets it (the LoRA settings
+# too, from the manifest's adapters): ``train --resume`` keeps the run's batch, sequence and
+# schedule (:func:`ops_transformer.rebalance.resumed_settings`).
+RESUMED_SETTINGS = ("batch", "seq", "lr", "lr_schedule", "warmup")
 
 
 def rebalanced_from(cfg: TrainConfig, ctx) -> dict | None:

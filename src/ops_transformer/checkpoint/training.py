@@ -175,3 +175,20 @@ def saved_split(ckpt_dir, batch: int) -> dict | None:
         return {"step": manifest["step"], "world_size": layout["world_size"],
                 "dp": layout["dp"], "ep": layout.get("ep", 1), "tp": layout["tp"], **split}
     return None
+
+
+def saved_settings(ckpt_dir) -> dict | None:
+    """What the newest checkpoint in ``ckpt_dir`` whose manifest reads says about its run:
+    ``{"step", "settings", "global_batch", "lora"}`` (``settings``: ``train``'s record of its
+    batch, sequence and schedule, ``{}`` in older checkpoints; ``lora``: the adapters' config or
+    ``None``); ``None`` without a checkpoint."""
+    for step in reversed(list_steps(ckpt_dir)):
+        try:
+            manifest = read_manifest(Path(ckpt_dir) / step_dirname(step))
+        except CheckpointError:
+            continue
+        meta = manifest.get("meta") or {}
+        return {"step": manifest["step"], "settings": dict(meta.get("settings") or {}),
+                "global_batch": meta.get("global_batch"),
+                "lora": (manifest.get("model") or {}).get("lora")}
+    return None

@@ -29,9 +29,9 @@ from ..precision import PRECISIONS
 from ..parallelize.gpt_plan import ATTENTION_CHOICES
 from ..planner.local import local_cluster
 from ..planner.search import chosen_layout
-from ..rebalance import LAYOUT_FIELDS, layout_text, rebalance
+from ..rebalance import LAYOUT_FIELDS, LORA_SETTINGS, layout_text, rebalance, resumed_settings
 from ..schedule import LR_SCHEDULES
-from ..train import TrainConfig, train_worker, validate
+from ..train import RESUMED_SETTINGS, TrainConfig, train_worker, validate
 from ..memory.apply import ACTIVATION_CACHES
 from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
@@ -438,8 +438,27 @@ def _precision_line(metrics: dict) -> str:
     return line
 
 
+def given_settings(args) -> set[str]:
+    """The :data:`~ops_transformer.rebalance.RESUMED_SETTINGS` and LoRA fields the command line
+    set (its own words, ``args.argv``; without them: the values that are not the defaults)."""
+    names = (*RESUMED_SETTINGS, *LORA_SETTINGS)
+    flags = {n: "--" + n.replace("_", "-") for n in names}
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        cfg = config_from_args(args, "train")
+        return {n for n in names if getattr(cfg, n) != getattr(D, n)}
+    words = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    exact = set(flags.values())
+    return {n for n, f in flags.items()
+            if f in words or any(f.startswith(w) and w not in exact and len(w) > 3
+                                 for w in words)}
+
+
 def run(args) -> int:
     cfg = config_from_args(args, "train")
+    cfg, kept = resumed_settings(cfg, given_settings(args))
+    if kept:
+        status(f"ops-transformer train: {kept}")
     check_free(cfg.out, output_bytes(cfg), "writing metrics.json and loss.png",
                "; nothing was run", place=f"--out {cfg.out}")
     nproc = launch_size(args, cfg)

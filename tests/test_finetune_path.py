@@ -231,3 +231,21 @@ def test_resume_keeps_the_runs_settings_unless_overridden(tmp_path, capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out[captured.out.index("{"):])["config"]["seq"] == 16
     assert "as given: --seq 16 (the checkpoint's: 24)" in captured.err, captured.err
+
+
+# 8 — the end-of-run summary was ~500 columns wide ("overlap (auto)" alone ~480) and said "MB"
+# for 2^20 bytes
+def test_the_end_of_run_summary_fits_100_columns(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # short paths: a path the user gives is printed whole
+    argv = ["train", "--nproc", "2", "--tp", "2", "--steps", "2", *TINY, "--overlap", "auto",
+            "--ckpt-dir", "ckpt", "--out", "run"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    for label in ("checkpoints", "trainable parameters", "wall time"):
+        assert any(line.startswith(label) for line in lines), (label, out)
+    assert "checkpoints             ckpt" in out and " MiB" in out and " MB" not in out
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert len(metrics["overlap_reason"]) > 100  # the long reason kept whole
+    assert metrics["wall_s"] > 0 and metrics["trainable_params"] == metrics["params"]

@@ -343,6 +343,7 @@ def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
 
 
 def _train(cfg: TrainConfig, ctx, journal=None) -> dict | None:
+    started = time.perf_counter()
     state = setup_training(cfg, ctx)
     model, opt, scaler = state.model, state.opt, state.scaler
     moe = bool(_n_experts(model))
@@ -384,7 +385,7 @@ def _train(cfg: TrainConfig, ctx, journal=None) -> dict | None:
                       keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
                       on_error=cfg.on_save_error, meta=batch_layout(cfg, ctx))
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
-                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"},
+                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MiB/step"},
                    **_precision_stats(report, scaler),
                    **({"aux": moe_history[-1]["aux_loss"],
                        "dropped": f"{moe_history[-1]['dropped_fraction']:.1%}"}
@@ -408,11 +409,25 @@ def _train(cfg: TrainConfig, ctx, journal=None) -> dict | None:
                      **({"rebalanced": moved} if first and moved else {}),
                      "model_state_bytes_per_rank": state.state_bytes,
                      "lora": finetune.lora_report(model, opt, state.state_bytes),
+                     "trainable_params": trainable_params(model) if cfg.lora_rank else None,
+                     "wall_s": time.perf_counter() - started,
                      **({} if scaler is None else {"loss_scale": scaler.scale_value,
                                                    "skipped_steps": scaler.skipped_steps}),
                      **({"moe": {k: [m[k] for m in moe_history]
                                  for k in ("aux_loss", "dropped_fraction")}}
                         if moe_history else {})})
+
+
+def trainable_params(model) -> int:
+    """The parameters that train, counted in the dense model (a sharded one at its full shape,
+    ``shard_spec``): with LoRA, the adapters (and what was unfrozen); ``_metrics`` falls back
+    to ``params`` without it (all train)."""
+    total = 0
+    for p in dict.fromkeys(model.parameters()):
+        if p.requires_grad:
+            spec = getattr(p, "shard_spec", None)
+            total += math.prod(spec.full_shape) if spec is not None else p.numel()
+    return total
 
 
 def _n_experts(model) -> int:
@@ -515,6 +530,8 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
                          warmup=cfg.warmup),
         "plan": model.parallel_plan.to_dict(), **(extra or {}),
     }
+    if metrics.get("trainable_params", 0) is None:
+        metrics["trainable_params"] = metrics["params"]
     if cfg.out:
         try:
             write_outputs(Path(cfg.out), metrics)

@@ -36,7 +36,7 @@ from ..memory.apply import ACTIVATION_CACHES
 from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..planner.overlap import OVERLAP_MODES
-from ..utils.progress import format_table
+from ..utils.progress import format_duration, format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, missing_dirs,
                       print_json, remove_if_empty, status, under_torchrun, world_size)
 from ._calibrated import command_profile
@@ -378,7 +378,13 @@ def _add_prediction(metrics: dict, cfg: TrainConfig, nproc: int) -> None:
                                                  vocab=metrics["vocab"])
 
 
+SUMMARY_COLUMNS = 100  # the end-of-run summary fits a terminal; the long reasons are in metrics.json
+
+
 def summary(metrics: dict) -> str:
+    """The end-of-run table, at most :data:`SUMMARY_COLUMNS` wide: a value too long for it is cut
+    (``…``; not a path the user gave), and what it would have said is in ``metrics.json`` (the overlap decisions under
+    ``overlap_reason``, the attention choice under ``attention_reason``)."""
     rows = [
         *([{"": "model", "value": f"{metrics['model_class']} ({metrics['model_dir']})"}]
           if metrics.get("model_dir") else []),
@@ -388,16 +394,22 @@ def summary(metrics: dict) -> str:
         {"": "attention", "value": metrics["attention"]},
         {"": "precision", "value": _precision_line(metrics)},
         {"": "parameters", "value": f"{metrics['params']:,}"},
+        *([{"": "trainable parameters", "value": _trainable_line(metrics)}]
+          if metrics.get("trainable_params") is not None else []),
         {"": "loss first → last", "value": f"{metrics['loss_first']:.4f} → "
                                            f"{metrics['loss_last']:.4f}"},
         {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s'] or 0:,.0f}"},
         *([{"": "step ms measured / predicted", "value": _predicted_line(metrics)}]
           if "predicted_step_s" in metrics else []),
-        {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
+        {"": "communication / step",
+         "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MiB"},
     ]
     if metrics["config"].get("overlap", "none") != "none":
+        reason = metrics.get("overlap_reason") or ""
+        head = reason.split(";")[0].strip()
         rows.append({"": f"overlap ({metrics['config']['overlap']})",
-                     "value": metrics.get("overlap_reason", "")})
+                     "value": head + (" (why: overlap_reason in metrics.json)"
+                                      if head != reason.strip() else "")})
     memory = memory_summary(metrics["config"])
     if memory:
         rows.insert(2, {"": "memory", "value": memory})
@@ -405,7 +417,25 @@ def summary(metrics: dict) -> str:
         rows.append({"": "MoE aux loss / dropped (last)",
                      "value": f"{metrics['moe']['aux_loss'][-1]:.4f} / "
                               f"{metrics['moe']['dropped_fraction'][-1]:.1%} of token-slots"})
+    if metrics["config"].get("ckpt_dir"):
+        rows.append({"": "checkpoints", "value": metrics["config"]["ckpt_dir"]})
+    if metrics.get("wall_s") is not None:
+        rows.append({"": "wall time", "value": format_duration(metrics["wall_s"])})
+    label = max(len(r[""]) for r in rows)
+    room = SUMMARY_COLUMNS - label - 2
+    for row in rows:  # (paths are the user's own: never cut)
+        if len(row["value"]) > room and row[""] not in ("model", "checkpoints"):
+            row["value"] = row["value"][:room - 1] + "…"
     return format_table(rows)
+
+
+def _trainable_line(metrics: dict) -> str:
+    """``"12,288 (9.9% of 124,544; LoRA rank 8 on 8 modules)"``."""
+    n, total, lora = metrics["trainable_params"], metrics["params"], metrics.get("lora")
+    text = f"{n:,}" + (f" ({n / total:.2%} of {total:,}" if total else " (")
+    if lora:
+        text += f"; LoRA rank {lora['rank']} on {lora['modules']} modules"
+    return text + ")"
 
 
 def _accumulation(metrics: dict) -> str:
@@ -485,8 +515,10 @@ def run(args) -> int:
         print_json(metrics)
     else:
         print(summary(metrics))
-        if metrics["sample"] is not None:
-            print(f"\nsample: {metrics['sample']!r}")
+        if metrics["sample"] is not None:  # its start; the whole of it is in metrics.json
+            sample = f"sample: {metrics['sample']!r}"
+            print("\n" + (sample if len(sample) <= SUMMARY_COLUMNS
+                          else sample[:SUMMARY_COLUMNS - 1] + "…"))
     lost = metrics.get("outputs_not_written")
     if lost:  # the run is done; its results are what was printed
         print(f"ops-transformer train: error: metrics.json and loss.png could not be written to "
@@ -495,5 +527,5 @@ def run(args) -> int:
               file=sys.stderr)
         return 1
     if not args.json:
-        print(f"\nwrote {Path(cfg.out) / 'metrics.json'} and {Path(cfg.out) / 'loss.png'}")
+        print(f"\nwrote metrics.json and loss.png in {cfg.out}")
     return 0

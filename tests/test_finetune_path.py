@@ -249,3 +249,28 @@ def test_the_end_of_run_summary_fits_100_columns(tmp_path, capsys, monkeypatch):
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert len(metrics["overlap_reason"]) > 100  # the long reason kept whole
     assert metrics["wall_s"] > 0 and metrics["trainable_params"] == metrics["params"]
+
+
+# 9 — --seq beyond max_position_embeddings trained with no word; a LoRA rank other than the
+# checkpoint's was found only after the ranks had loaded the model
+def test_checks_that_need_no_rank_come_before_the_ranks(llama, data, tmp_path, capsys,
+                                                        monkeypatch):
+    import ops_transformer.cli.train as cli_train
+
+    monkeypatch.setattr(cli_train, "launch", lambda *a, **k: pytest.fail("ranks started"))
+    long = ["train", "--model", str(llama), "--data", str(data), "--nproc", "2", "--seq", "512",
+            "--out", str(tmp_path / "run")]
+    assert main(long) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--seq 512" in err and "128 positions" in err, err
+    assert not (tmp_path / "run").exists()
+    lora = ["train", "--steps", "2", *TINY, "--lora-rank", "4", "--ckpt-dir",
+            str(tmp_path / "ckpt"), "--out", str(tmp_path / "a")]
+    monkeypatch.undo()
+    assert main(lora) == 0
+    monkeypatch.setattr(cli_train, "launch", lambda *a, **k: pytest.fail("ranks started"))
+    capsys.readouterr()
+    again = [*lora, "--steps", "4", "--resume", "--lora-rank", "8", "--nproc", "2"]
+    assert main(again) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--lora-rank 8" in err and "rank 4" in err, err

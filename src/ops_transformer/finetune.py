@@ -61,7 +61,20 @@ def check_model(cfg, tp: int, ep: int):
                          f"expert layers have no sequence-parallel form")
     if cfg.sequence_parallel:
         sequence_parallel_plan(plan, model)
+    check_positions(cfg.seq, model.config, cfg.model)
     return model.config
+
+
+def check_positions(seq: int, config, model_dir: str) -> None:
+    """``--seq`` within the positions the model was built for (``max_position_embeddings``, or
+    GPT-2's ``n_positions``): beyond them a learned table has no row and rotary positions were
+    never trained."""
+    text = config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if limit and seq > limit:
+        raise ValueError(f"--seq {seq} is beyond the {limit} positions of the model in "
+                         f"{model_dir} (max_position_embeddings in its config.json): pass "
+                         f"--seq {limit} or less")
 
 
 def check_data(cfg, config, say=None) -> None:

@@ -274,3 +274,44 @@ def test_checks_that_need_no_rank_come_before_the_ranks(llama, data, tmp_path, c
     assert main(again) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--lora-rank 8" in err and "rank 4" in err, err
+
+
+# 11 — the smaller items: the loss plot of a rebalanced resume named one layout for both parts;
+# embed's table lost its alignment on negative similarities
+def test_loss_plot_of_a_rebalanced_resume_names_both_layouts(tmp_path, capsys):
+    from ops_transformer.train import loss_series
+
+    base = ["train", *TINY, "--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "run")]
+    assert main([*base, "--steps", "2", "--nproc", "2", "--tp", "2"]) == 0
+    assert main([*base, "--steps", "4", "--nproc", "1", "--resume"]) == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    series = loss_series(metrics)
+    assert list(series) == ["steps 0-1: tp=2 dp=1", "steps 2-3: tp=1 dp=1 (rebalanced)"]
+    assert series["steps 0-1: tp=2 dp=1"] == metrics["losses"][:2]
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 0
+
+
+def test_embed_table_aligns_negative_similarities(monkeypatch, capsys):
+    import ops_transformer.cli.embed as embed
+
+    result = {"tp": 1, "texts": ["a", "b"], "dim": 4,
+              "similarity": [[1.0, -0.0123], [-0.0123, 1.0]], "embeddings": []}
+    monkeypatch.setattr(embed, "check_model_dir", lambda path, command: (path, None))
+    monkeypatch.setattr(embed, "check_split", lambda *a: None)
+    monkeypatch.setattr(embed, "run_on_ranks", lambda *a, **k: result)
+    assert main(["embed", "--model", "m", "--text", "a", "--text", "b"]) == 0
+    import re
+
+    rows = capsys.readouterr().out.splitlines()[1:]
+    ends = [[m.end() for m in re.finditer(r"-?\d\.\d{4}", row)] for row in rows]
+    assert len(ends[0]) == 2 and ends[0] == ends[1], rows  # each column ends in one place
+
+
+def test_finetuning_docs_list_every_zero_stage_train_takes():
+    from pathlib import Path
+
+    from ops_transformer.memory.train_flags import ZERO_STAGES
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "finetuning.md").read_text()
+    stages = ",".join(str(s) for s in ZERO_STAGES if s)
+    assert f"`--zero {{{stages}}}`" in docs, stages

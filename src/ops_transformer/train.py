@@ -572,7 +572,23 @@ def write_outputs(out: Path, metrics: dict) -> None:
         partial.replace(out / "metrics.json")
     finally:
         partial.unlink(missing_ok=True)
-    write_line_plot_png(out / "loss.png", {f"tp={metrics['tp']} dp={metrics['dp']}":
-                                           metrics["losses"]},
+    write_line_plot_png(out / "loss.png", loss_series(metrics),
                         title=f"{metrics['preset'] or Path(metrics['model_dir']).name} "
                               f"training loss")
+
+
+def loss_series(metrics: dict) -> dict[str, list[float]]:
+    """The loss plot's lines, named by the layout each ran on: one, or after a resume that was
+    rebalanced onto another layout the steps before it (the checkpoint's layout) and after."""
+    losses, moved = metrics["losses"], metrics.get("rebalanced")
+    now = f"tp={metrics['tp']} dp={metrics['dp']}" + (
+        f" ep={metrics['ep']}" if metrics.get("ep", 1) > 1 else "")
+    first = metrics.get("resumed_from") or 0
+    if not moved or not 0 < first < len(losses):
+        return {now: losses}
+    old = moved["from"]
+    before = f"tp={old['tp']} dp={old['dp']}" + (f" ep={old['ep']}" if old.get("ep", 1) > 1
+                                                  else "")
+    return {f"steps 0-{first - 1}: {before}": losses[:first],
+            f"steps {first}-{len(losses) - 1}: {now} (rebalanced)":
+                [math.nan] * first + losses[first:]}

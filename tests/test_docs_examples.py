@@ -1,0 +1,141 @@
+"""Issue 35.7: the examples of ``docs/*.md`` run as written (``tests/test_readme.py`` does this for
+the README). Fast: every Python example compiles and guards its ``launch`` with ``__main__``,
+every ``ops-transformer`` command line of the docs parses (placeholders such as ``DIR`` filled
+in), and the ``from_pretrained`` example of ``docs/finetuning.md`` runs on a tiny Llama of the
+name it uses. Slow: every Python example runs as a script, and the worked example of
+``docs/finetuning.md`` runs command by command as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hf_tiny
+from ops_transformer.cli.main import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", flags=re.S | re.M)
+# what the docs write for "your value here", and a stand-in that parses
+PLACEHOLDERS = {"DIR": "some-dir", "FILE": "some.json", "CKPT": "ckpt", "OUT": "out",
+                "STEPS": "4", "P": "0.1", "S": "64", "N": "2", "R": "8"}
+
+
+def blocks(doc: Path, kind: str) -> list[str]:
+    """The fenced blocks of ``doc``: ``python`` (labelled, or an unlabelled block that opens
+    with ``# name.py``) or ``shell`` (unlabelled blocks of ``ops-transformer``/``python``
+    command lines)."""
+    found = []
+    for label, body in FENCE.findall(doc.read_text()):
+        first = body.lstrip().splitlines()[0] if body.strip() else ""
+        if kind == "python" and (label == "python" or (not label and re.match(r"# \S+\.py", first))):
+            found.append(body)
+        if kind == "shell" and not label and re.match(r"(\$ )?(ops-transformer|python) ", first) \
+                and not re.match(r"ops-transformer \w+: ", first):
+            found.append(body)
+    return found
+
+
+def command_lines(body: str) -> list[str]:
+    """The ``ops-transformer …`` commands of a shell block (continuations joined; output lines,
+    comments and ``; echo $?`` left out)."""
+    text = re.sub(r"\\\n\s*", " ", body)
+    commands = []
+    for line in (part for whole in text.splitlines() for part in whole.split(" && ")):
+        line = line.removeprefix("$ ").split("  #")[0].split(" # ")[0].split("; echo")[0].strip()
+        if line.startswith("ops-transformer ") and not re.match(r"ops-transformer \w+: ", line):
+            commands.append(line)
+    return commands
+
+
+def _filled(command: str) -> list[str]:
+    command = re.sub(r"\[(-[^\]]*)\]", r"\1", command)  # an optional flag, given
+    command = re.sub(r" \[[^\]]*\]", "", command)  # an optional value, left out
+    return [PLACEHOLDERS.get(w, w) for w in shlex.split(command)[1:] if w not in ("...", "…")]
+
+
+COMMANDS = [(doc.name, c) for doc in DOCS for b in blocks(doc, "shell") for c in command_lines(b)]
+PYTHON = [(doc.name, i, b) for doc in DOCS for i, b in enumerate(blocks(doc, "python"))]
+
+
+def test_the_docs_have_examples_to_check():
+    assert len(COMMANDS) > 20 and len(PYTHON) > 10
+
+
+@pytest.mark.parametrize("doc,command", COMMANDS, ids=[f"{d}:{c[:60]}" for d, c in COMMANDS])
+def test_every_docs_command_line_parses(doc, command, capsys):
+    try:
+        build_parser().parse_args(_filled(command))
+    except SystemExit as exc:
+        pytest.fail(f"{doc}: `{command}` does not parse ({capsys.readouterr().err.strip()})"
+                    if exc.code else f"{doc}: {command}")
+
+
+@pytest.mark.parametrize("doc,index,code", PYTHON, ids=[f"{d}#{i}" for d, i, _ in PYTHON])
+def test_every_docs_python_example_compiles_and_guards_its_launch(doc, index, code):
+    compile(code, f"{doc}#{index}", "exec")
+    if re.search(r"^\S.*\blaunch\(", code, flags=re.M):  # a launch at the top level
+        assert 'if __name__ == "__main__":' in code, f"{doc} example {index}: launch unguarded"
+
+
+def _run(code: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
+    (cwd / "example.py").write_text(code)
+    return subprocess.run([sys.executable, "example.py"], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def test_finetuning_from_pretrained_example_runs(tmp_path_factory, tmp_path):
+    """The example names ``llama-small``: a tiny Llama of that name stands in for it."""
+    import shutil
+
+    code = next(b for b in blocks(ROOT / "docs" / "finetuning.md", "python")
+                if "from_pretrained" in b)
+    shutil.copytree(hf_tiny.checkpoint(tmp_path_factory, "llama", tokenizer=True),
+                    tmp_path / "llama-small")
+    done = _run(code, tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert "tensor(" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc,index,code", PYTHON, ids=[f"{d}#{i}" for d, i, _ in PYTHON])
+def test_every_docs_python_example_runs(doc, index, code, tmp_path_factory, tmp_path):
+    import shutil
+
+    shutil.copytree(hf_tiny.checkpoint(tmp_path_factory, "llama", tokenizer=True),
+                    tmp_path / "llama-small")
+    done = _run(code, tmp_path)
+    assert done.returncode == 0, f"{doc} example {index}:\n{done.stderr[-3000:]}"
+
+
+@pytest.mark.slow
+def test_finetuning_worked_example_runs_as_written(tmp_path):
+    """``make_example.py``, the data, ``train``, ``checkpoint inspect`` and ``export`` of
+    docs/finetuning.md, in order, in one directory (minutes: a 28 M-parameter Llama)."""
+    doc = ROOT / "docs" / "finetuning.md"
+    text = doc.read_text()
+    worked = text[text.index("## A worked example"):text.index("## `ot.from_pretrained")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for label, body in FENCE.findall(worked):
+        first = body.lstrip().splitlines()[0]
+        if re.match(r"# (\S+\.py)", first):
+            name = re.match(r"# (\S+\.py)", first).group(1)
+            (tmp_path / name).write_text(body)
+            script = [sys.executable, name]
+        elif re.match(r"(ops-transformer|python) ", first):
+            script = ["bash", "-c", body.replace("ops-transformer ",
+                                                 f"{sys.executable} -m ops_transformer ")
+                      .replace("python ", f"{sys.executable} ")]
+        else:
+            continue  # output shown
+        done = subprocess.run(script, cwd=tmp_path, env=env, text=True, capture_output=True,
+                              timeout=1800)
+        assert done.returncode == 0, f"{first}:\n{done.stderr[-3000:]}"

@@ -315,3 +315,24 @@ def test_finetuning_docs_list_every_zero_stage_train_takes():
     docs = (Path(__file__).resolve().parent.parent / "docs" / "finetuning.md").read_text()
     stages = ",".join(str(s) for s in ZERO_STAGES if s)
     assert f"`--zero {{{stages}}}`" in docs, stages
+
+
+# 6 — profile, diagnose and sweep took --model as an alias of --preset ("unknown preset" for a
+# directory); check took it already
+def test_measuring_commands_take_a_model_directory(llama, data, tmp_path, capsys):
+    model = ["--model", str(llama), "--data", str(data), "--batch", "2", "--seq", "16"]
+    assert main(["profile", *model, "--nproc", "2", "--tp", "2", "--steps", "1", "--warmup", "0",
+                 "--json", "--out", str(tmp_path / "p")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["config"]["model"] == str(llama) and summary["tp"] == 2
+    assert main(["diagnose", *model, "--tp", "2", "--static", "--json"]) in (0, 1)
+    assert "diagnostics" in json.loads(capsys.readouterr().out)
+    assert main(["sweep", *model, "--tp", "2", "--steps", "1", "--warmup", "0", "--json",
+                 "--no-progress", "--out", str(tmp_path / "s")]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["status"] for r in rows] == ["ok"], rows
+    assert main(["check", "--model", str(llama), "--tp", "2", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["profile", "--model", "tiny", "--nproc", "1", "--steps", "1", "--warmup", "0",
+                 "--batch", "2", "--seq", "16", "--json", "--out", str(tmp_path / "t")]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["preset"] == "tiny"  # the old alias

@@ -63,6 +63,22 @@ def add_parser(p) -> None:
                         f"{D.warmup})")
 
 
+def add_model_argument(p, command: str) -> None:
+    """``--model DIR`` of a command that measures train's step (``profile``, ``diagnose``): a
+    Hugging Face directory as ``train --model`` takes it; a preset's name still works (the alias
+    it was)."""
+    p.add_argument("--model", metavar="DIR", help=f"{command} this Hugging Face causal LM (a "
+                   f"local save_pretrained directory, as train --model) instead of a preset; a "
+                   f"preset's name is taken as --preset")
+
+
+def model_or_preset(args) -> None:
+    """``--model NAME`` that is no directory but a preset: ``--preset NAME`` (in ``args``)."""
+    model = getattr(args, "model", None)
+    if model and not Path(model).exists() and model in PRESETS and not args.preset:
+        args.preset, args.model = model, None
+
+
 def add_training_arguments(p) -> None:
     """The options of a training run, shared by ``train``, ``profile``, ``diagnose``."""
     p.add_argument("--nproc", type=int, help="launch this many local ranks (gloo on a CPU "

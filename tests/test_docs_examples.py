@@ -104,14 +104,44 @@ def test_finetuning_from_pretrained_example_runs(tmp_path_factory, tmp_path):
     assert "tensor(" in done.stdout
 
 
+def _program(doc: str, index: int) -> str:
+    """Example ``index`` of ``doc`` as a program: a block without imports continues the one
+    before it (the docs build on it), so that one comes first; the docs' placeholder model path
+    is the tiny Llama's."""
+    own = [b for d, _, b in PYTHON if d == doc]
+    start = index
+    while start > 0 and not re.search(r"^(import|from) ", own[start], flags=re.M):
+        start -= 1
+    return "\n".join(own[start:index + 1]).replace("path/to/llama", "llama-small")
+
+
+def _ranks(code: str) -> int | None:
+    """Ranks a per-rank example (``init_parallel`` without ``launch``) is written for: the
+    product of the degrees it names; ``None`` for a program that starts its own."""
+    if "init_parallel" not in code or re.search(r"\blaunch\(", code):
+        return None
+    degrees = {k: int(v) for k, v in re.findall(r"\b(tp|dp|ep)=(\d+)", code)}
+    return max(1, degrees.get("tp", 1) * degrees.get("dp", 1) * degrees.get("ep", 1))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("doc,index,code", PYTHON, ids=[f"{d}#{i}" for d, i, _ in PYTHON])
 def test_every_docs_python_example_runs(doc, index, code, tmp_path_factory, tmp_path):
+    """As a script, or under torchrun where it is written for each rank."""
     import shutil
 
     shutil.copytree(hf_tiny.checkpoint(tmp_path_factory, "llama", tokenizer=True),
                     tmp_path / "llama-small")
-    done = _run(code, tmp_path)
+    program, ranks = _program(doc, index), None
+    ranks = _ranks(program)
+    if ranks is None:
+        done = _run(program, tmp_path)
+    else:
+        (tmp_path / "example.py").write_text(program)
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                               f"--nproc-per-node={ranks}", "example.py"], cwd=tmp_path, env=env,
+                              text=True, capture_output=True, timeout=600)
     assert done.returncode == 0, f"{doc} example {index}:\n{done.stderr[-3000:]}"
 
 

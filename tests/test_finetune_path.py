@@ -336,3 +336,21 @@ def test_measuring_commands_take_a_model_directory(llama, data, tmp_path, capsys
     assert main(["profile", "--model", "tiny", "--nproc", "1", "--steps", "1", "--warmup", "0",
                  "--batch", "2", "--seq", "16", "--json", "--out", str(tmp_path / "t")]) == 0
     assert json.loads(capsys.readouterr().out)["config"]["preset"] == "tiny"  # the old alias
+
+
+# 10 — first contact: `make demo` on a fresh clone took ~4.5 min (3.5 installing), the README said
+# "~30 s", and the install printed nothing for minutes
+def test_readme_states_install_and_demo_time_and_the_install_shows_progress():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    intro = (root / "README.md").read_text().split("## Install")[0]
+    assert re.search(r"install.{0,200}?about \*\*[\d.]+ minutes\*\*", intro, re.S), intro
+    assert re.search(r"demo .{0,200}?about \*\*[\d.]+ minutes?\*\*", intro, re.S), intro
+    assert "~30 s" not in intro
+    make = (root / "Makefile").read_text()
+    recipe = make[make.index("$(STAMP):"):make.index("install: $(STAMP)")]
+    installs = [line for line in recipe.splitlines() if "pip install" in line]
+    assert len(installs) == 3 and sum(" -q " in line for line in installs) <= 1, installs
+    assert recipe.count("@echo") >= 4  # each step named

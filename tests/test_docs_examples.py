@@ -124,8 +124,17 @@ def _ranks(code: str) -> int | None:
     return max(1, degrees.get("tp", 1) * degrees.get("dp", 1) * degrees.get("ep", 1))
 
 
+# Examples that are not yet whole programs (found by the test below, issue 35.7): each uses names
+# it does not define (a config, a model, the batch) or is written for ranks it does not start.
+FRAGMENTS = {"checkpoints.md#0", "finetuning.md#2", "memory.md#0", "memory.md#1", "moe.md#0",
+             "overlap.md#0", "overlap.md#1", "profiling.md#0", "training.md#0", "training.md#1"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("doc,index,code", PYTHON, ids=[f"{d}#{i}" for d, i, _ in PYTHON])
+@pytest.mark.parametrize("doc,index,code", [
+    pytest.param(d, i, b, id=f"{d}#{i}", marks=pytest.mark.xfail(
+        f"{d}#{i}" in FRAGMENTS, reason="a fragment, not yet a whole program", strict=True))
+    for d, i, b in PYTHON])
 def test_every_docs_python_example_runs(doc, index, code, tmp_path_factory, tmp_path):
     """As a script, or under torchrun where it is written for each rank."""
     import shutil

@@ -170,9 +170,9 @@ def test_finetuning_worked_example_runs_as_written(tmp_path):
             (tmp_path / name).write_text(body)
             script = [sys.executable, name]
         elif re.match(r"(ops-transformer|python) ", first):
-            script = ["bash", "-c", body.replace("ops-transformer ",
-                                                 f"{sys.executable} -m ops_transformer ")
-                      .replace("python ", f"{sys.executable} ")]
+            script = ["bash", "-c", re.sub(r"^python ", f"{sys.executable} ", re.sub(
+                r"^ops-transformer ", f"{sys.executable} -m ops_transformer ", body,
+                flags=re.M), flags=re.M)]
         else:
             continue  # output shown
         done = subprocess.run(script, cwd=tmp_path, env=env, text=True, capture_output=True,

@@ -12,11 +12,18 @@ STAMP  := $(VENV)/.installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# The first install takes minutes (README: measured), so each step says what it does and pip shows
+# its download progress.
 $(STAMP): $(PY) pyproject.toml
+	@echo "make: installing into $(VENV), once (about 3.5 min on the 2-core development machine, mostly downloads)"
+	@echo "make: [1/3] upgrading pip"
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,profiler,checkpoint,lora]"
+	@echo "make: [2/3] $(TORCH_SPEC), the largest download"
+	$(PY) -m pip install --progress-bar on "$(TORCH_SPEC)"
+	@echo "make: [3/3] ops-transformer with its test, profiler, checkpoint and lora extras"
+	$(PY) -m pip install --progress-bar on -e ".[test,profiler,checkpoint,lora]"
 	touch $(STAMP)
+	@echo "make: installed; the next make demo / make test start at once"
 
 install: $(STAMP)
 

@@ -168,7 +168,7 @@ def test_memory_precision_and_logging_options_run(tmp_path_factory, data, tmp_pa
     (["--nproc", "4", "--tp", "4", "--sequence-parallel", "--seq", "30"], "divisible by tp"),
     (["--ep", "2", "--nproc", "2"], "mixture-of-experts"),
     (["--lr-schedule", "cosine", "--warmup", "9"], "--warmup (9)"),
-    (["--seq", "100000"], "too few for one sequence"),
+    (["--seq", "100000"], "beyond the 128 positions"),  # before the corpus is tokenised
 ])
 def test_mistakes_are_one_line_errors(tmp_path_factory, data, capsys, argv, needle):
     path = hf_tiny.checkpoint(tmp_path_factory, "llama", tokenizer=True)

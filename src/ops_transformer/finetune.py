@@ -25,6 +25,7 @@ from .models.documents import document_positions, document_targets
 from .layers.loss import vocab_parallel_cross_entropy
 from .loading import from_pretrained
 from .models.gpt import GPT
+from .models.hf import own_class
 from .parallelize.hf_plans import hf_plan
 from .parallelize.lora import check_lora_args, check_rank, lora, resolve_targets
 from .parallelize.moe_plan import check_expert_parallel, n_experts_of
@@ -62,7 +63,20 @@ def check_model(cfg, tp: int, ep: int):
                          f"expert layers have no sequence-parallel form")
     if cfg.sequence_parallel:
         sequence_parallel_plan(plan, model)
+    check_positions(cfg.seq, model.config, cfg.model)
     return model.config
+
+
+def check_positions(seq: int, config, model_dir: str) -> None:
+    """``--seq`` within the positions the model was built for (``max_position_embeddings``, or
+    GPT-2's ``n_positions``): beyond them a learned table has no row and rotary positions were
+    never trained."""
+    text = config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if limit and seq > limit:
+        raise ValueError(f"--seq {seq} is beyond the {limit} positions of the model in "
+                         f"{model_dir} (max_position_embeddings in its config.json): pass "
+                         f"--seq {limit} or less")
 
 
 def check_data(cfg, config, say=None) -> None:
@@ -127,10 +141,10 @@ def pack_document_ids(cfg, data, x: torch.Tensor) -> torch.Tensor | None:
 def describe(model) -> dict:
     """What ``train``'s metrics say about the model: the dense parameter count, its config."""
     with torch.device("meta"):
-        dense = type(model)(model.config)
+        dense = own_class(model)(model.config)
     params = sum(p.numel() for p in dict.fromkeys(dense.parameters()))
     return {"params": params, "model": json.loads(model.config.to_json_string()),
-            "model_class": type(model).__name__}
+            "model_class": own_class(model).__name__}
 
 
 def local_param_bytes(model) -> int:

@@ -29,13 +29,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .checkpoint.training import REBALANCE, saved_split
+from .checkpoint.training import REBALANCE, saved_settings, saved_split
 from .comm.topology import cpu_topology
 from .planner.local import local_cluster
 from .planner.search import Options, evaluate, layout_problem
 from .planner.specs import ModelSpec
 from .planner.strategies import ATTENTION_STRATEGIES
-from .train import TrainConfig, validate
+from .train import RESUMED_SETTINGS, TrainConfig, validate
 
 LAYOUT_FIELDS = ("tp", "dp", "ep", "grad_accum")
 
@@ -70,6 +70,74 @@ class Rebalanced:
 def layout_text(dp: int, ep: int, tp: int) -> str:
     """``"dp 2 × tp 2"`` (``"dp 1 × ep 2 × tp 1"`` with experts over ranks)."""
     return f"dp {dp} × " + (f"ep {ep} × " if ep > 1 else "") + f"tp {tp}"
+
+
+LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
+
+
+def resumed_settings(cfg: TrainConfig, given: set[str]) -> tuple[TrainConfig, str]:
+    """``cfg`` with the run's own settings for a ``--resume``: the batch, sequence, learning rate
+    and schedule (:data:`~ops_transformer.train.RESUMED_SETTINGS`) and the LoRA adapters of the
+    newest checkpoint in ``cfg.ckpt_dir``, except those in ``given`` (the fields the command line
+    set); and one line saying what was taken and what overrides the checkpoint (``""``: nothing
+    to say). A given LoRA rank or target list that is not the checkpoint's cannot load its
+    adapters: a ``ValueError`` before any rank starts."""
+    if not (cfg.resume and cfg.ckpt_dir):
+        return cfg, ""
+    saved = saved_settings(cfg.ckpt_dir)
+    if saved is None:
+        return cfg, ""
+    values = dict(saved["settings"])
+    if "batch" not in values and saved["global_batch"]:
+        values["batch"] = saved["global_batch"]  # a checkpoint from before settings were kept
+    lora = saved["lora"]
+    _check_lora(cfg, given, lora, saved["step"])
+    if lora:
+        values.update(lora_rank=lora["rank"], lora_alpha=lora["alpha"],
+                      lora_targets=tuple(lora["targets"]), lora_dropout=lora["dropout"])
+    taken, overridden = {}, []
+    for name, value in values.items():
+        if name not in (*RESUMED_SETTINGS, *LORA_SETTINGS):
+            continue
+        mine = getattr(cfg, name)
+        if name in given:
+            if mine != value and name != "lora_targets":
+                overridden.append(f"{_flag(name)} {_text(mine)} (the checkpoint's: "
+                                  f"{_text(value)})")
+        elif mine != value:
+            taken[name] = value
+    parts = []
+    if taken:
+        parts.append("kept the run's " + ", ".join(
+            f"{_flag(k)[2:].replace('-', ' ')} {_text(v)}" for k, v in taken.items()
+            if k != "lora_targets") + (" (and its LoRA targets)" if "lora_targets" in taken
+                                       else ""))
+    if overridden:
+        parts.append("as given: " + ", ".join(overridden))
+    line = (f"--resume from step {saved['step']} of {cfg.ckpt_dir}: " + "; ".join(parts)
+            if parts else "")
+    return dataclasses.replace(cfg, **taken), line
+
+
+def _check_lora(cfg: TrainConfig, given: set[str], lora: dict | None, step: int) -> None:
+    where = f"the checkpoint at step {step} in {cfg.ckpt_dir}"
+    if lora is None:
+        if "lora_rank" in given and cfg.lora_rank is not None:
+            raise ValueError(f"--lora-rank {cfg.lora_rank}: {where} holds a whole model, no LoRA "
+                             f"adapters; drop --lora-rank to resume it, or use a new --ckpt-dir")
+        return
+    if "lora_rank" in given and cfg.lora_rank != lora["rank"]:
+        raise ValueError(f"--lora-rank {cfg.lora_rank} differs from {where}, whose adapters have "
+                         f"rank {lora['rank']}: drop --lora-rank to resume them, or start a new "
+                         f"--ckpt-dir")
+
+
+def _flag(name: str) -> str:
+    return "--" + {"lr_schedule": "lr-schedule"}.get(name, name.replace("_", "-"))
+
+
+def _text(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def stated_fields(cfg: TrainConfig) -> set[str]:

@@ -328,14 +328,28 @@ class _RandomState:
             torch.cuda.set_rng_state(self.gpu, self.device)
 
 
-def train_worker(cfg: TrainConfig, profile=None) -> dict | None:
+def train_worker(cfg: TrainConfig, profile=None, journal=None) -> dict | None:
     """Run on every rank. Returns the metrics on global rank 0 and ``None`` elsewhere. The process
     groups it starts are torn down before it returns.
 
     ``profile``: the hardware profile (or its path) for the automatic choices and the collective
-    algorithms; rank 0's is used by every rank (``init_parallel``). ``None``: the built-in one."""
+    algorithms; rank 0's is used by every rank (``init_parallel``). ``None``: the built-in one.
+    ``journal``: where rank 0 reports its progress as it goes (anything with ``send(dict)``, e.g.
+    a pipe to the launcher): ``{"start": step, "losses": [...]}`` once (the losses a resume
+    carries), then ``{"loss": value}`` after each step — what an interrupted run can still
+    write (``train`` does)."""
     with join(cfg, profile) as ctx:
-        return _train(cfg, ctx)
+        return _train(cfg, ctx, journal)
+
+
+def _tell(journal, message: dict) -> None:
+    """Send ``message`` to the journal; a launcher that is gone is no reason to stop training."""
+    if journal is None:
+        return
+    try:
+        journal.send(message)
+    except (OSError, EOFError):
+        pass
 
 
 def join(cfg: TrainConfig, profile=None):
@@ -370,7 +384,8 @@ def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
     return TrainState(cfg, ctx, model, opt, data, policy, scaler)
 
 
-def _train(cfg: TrainConfig, ctx) -> dict | None:
+def _train(cfg: TrainConfig, ctx, journal=None) -> dict | None:
+    started = time.perf_counter()
     state = setup_training(cfg, ctx)
     model, opt, scaler = state.model, state.opt, state.scaler
     moe = bool(_n_experts(model))
@@ -385,6 +400,8 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
     step_times, last, report = [], None, None
     bar = Progress(cfg.steps, desc="train", enabled=lead and cfg.progress)
     board = ScalarLog(cfg.tensorboard if lead else None)
+    journal = journal if lead else None
+    _tell(journal, {"start": first, "losses": list(losses)})
     if first:
         bar.write(f"resumed from step {first} of {cfg.ckpt_dir}")
         bar.update(first)
@@ -396,6 +413,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
         report, ledger = state.step(x, y)
         step_times.append(time.perf_counter() - start)
         losses.append(report.metrics["loss"])
+        _tell(journal, {"loss": losses[-1]})
         last = ledger
         if not math.isfinite(losses[-1]) and (scaler is None
                                               or scaler.scale_value <= scaler.min_scale):
@@ -409,7 +427,7 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                       keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
                       on_error=cfg.on_save_error, meta=batch_layout(cfg, ctx))
         bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
-                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MB/step"},
+                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MiB/step"},
                    **_precision_stats(report, scaler),
                    **({"aux": moe_history[-1]["aux_loss"],
                        "dropped": f"{moe_history[-1]['dropped_fraction']:.1%}"}
@@ -433,11 +451,25 @@ def _train(cfg: TrainConfig, ctx) -> dict | None:
                      **({"rebalanced": moved} if first and moved else {}),
                      "model_state_bytes_per_rank": state.state_bytes,
                      "lora": finetune.lora_report(model, opt, state.state_bytes),
+                     "trainable_params": trainable_params(model) if cfg.lora_rank else None,
+                     "wall_s": time.perf_counter() - started,
                      **({} if scaler is None else {"loss_scale": scaler.scale_value,
                                                    "skipped_steps": scaler.skipped_steps}),
                      **({"moe": {k: [m[k] for m in moe_history]
                                  for k in ("aux_loss", "dropped_fraction")}}
                         if moe_history else {})})
+
+
+def trainable_params(model) -> int:
+    """The parameters that train, counted in the dense model (a sharded one at its full shape,
+    ``shard_spec``): with LoRA, the adapters (and what was unfrozen); ``_metrics`` falls back
+    to ``params`` without it (all train)."""
+    total = 0
+    for p in dict.fromkeys(model.parameters()):
+        if p.requires_grad:
+            spec = getattr(p, "shard_spec", None)
+            total += math.prod(spec.full_shape) if spec is not None else p.numel()
+    return total
 
 
 def _n_experts(model) -> int:
@@ -473,9 +505,17 @@ def cp_metrics(ctx, model) -> dict:
 
 def batch_layout(cfg: TrainConfig, ctx) -> dict:
     """How the global batch was split (a checkpoint's manifest records it, :mod:`.rebalance`
-    reads it): ``{"global_batch", "micro_batch", "grad_accum"}``."""
+    reads it): ``{"global_batch", "micro_batch", "grad_accum", "settings"}`` (``settings``: the
+    :data:`RESUMED_SETTINGS` of the run)."""
     return {"global_batch": cfg.batch, "micro_batch": micro_batch(cfg, ctx.dp_ep_size),
-            "grad_accum": cfg.grad_accum}
+            "grad_accum": cfg.grad_accum,
+            "settings": {k: getattr(cfg, k) for k in RESUMED_SETTINGS}}
+
+
+# What a resume takes from its checkpoint unless the command line sets it (the LoRA settings
+# too, from the manifest's adapters): ``train --resume`` keeps the run's batch, sequence and
+# schedule (:func:`ops_transformer.rebalance.resumed_settings`).
+RESUMED_SETTINGS = ("batch", "seq", "lr", "lr_schedule", "warmup")
 
 
 def rebalanced_from(cfg: TrainConfig, ctx) -> dict | None:
@@ -540,6 +580,8 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
                          warmup=cfg.warmup),
         "plan": model.parallel_plan.to_dict(), **(extra or {}),
     }
+    if metrics.get("trainable_params", 0) is None:
+        metrics["trainable_params"] = metrics["params"]
     if cfg.out:
         try:
             write_outputs(Path(cfg.out), metrics)
@@ -580,7 +622,23 @@ def write_outputs(out: Path, metrics: dict) -> None:
         partial.replace(out / "metrics.json")
     finally:
         partial.unlink(missing_ok=True)
-    write_line_plot_png(out / "loss.png", {f"tp={metrics['tp']} dp={metrics['dp']}":
-                                           metrics["losses"]},
+    write_line_plot_png(out / "loss.png", loss_series(metrics),
                         title=f"{metrics['preset'] or Path(metrics['model_dir']).name} "
                               f"training loss")
+
+
+def loss_series(metrics: dict) -> dict[str, list[float]]:
+    """The loss plot's lines, named by the layout each ran on: one, or after a resume that was
+    rebalanced onto another layout the steps before it (the checkpoint's layout) and after."""
+    losses, moved = metrics["losses"], metrics.get("rebalanced")
+    now = f"tp={metrics['tp']} dp={metrics['dp']}" + (
+        f" ep={metrics['ep']}" if metrics.get("ep", 1) > 1 else "")
+    first = metrics.get("resumed_from") or 0
+    if not moved or not 0 < first < len(losses):
+        return {now: losses}
+    old = moved["from"]
+    before = f"tp={old['tp']} dp={old['dp']}" + (f" ep={old['ep']}" if old.get("ep", 1) > 1
+                                                  else "")
+    return {f"steps 0-{first - 1}: {before}": losses[:first],
+            f"steps {first}-{len(losses) - 1}: {now} (rebalanced)":
+                [math.nan] * first + losses[first:]}

@@ -79,8 +79,8 @@ def test_a_save_larger_than_the_free_space_stops_before_writing(tmpfs, tmp_path,
                     "--out", str(tmp_path / "run")]
     assert main(argv) == 2
     line = _one_line(capfd.readouterr().err, f"no space left on {disk}", "while saving step 3",
-                     "needs ~", "MB free", "earlier checkpoints are kept")
-    assert re.search(r"no space left on \S+ while saving step 3 \(needs ~[\d.,]+ MB\)", line)
+                     "needs ~", "MiB free", "earlier checkpoints are kept")
+    assert re.search(r"no space left on \S+ while saving step 3 \(needs ~[\d.,]+ MiB\)", line)
     assert list_steps(root) == [1, 2] and latest_step(root) == 2 and _leftovers(root) == []
     assert main(["checkpoint", "inspect", str(root)]) == 0  # both verify
     assert capfd.readouterr().out.count(" ok") == 2

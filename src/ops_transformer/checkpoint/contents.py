@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..layers.lora import adapter_parameters
+from ..models.hf import own_class
 from ..parallel.sharding import local_tensor
 from .chunked import ChunkedTensor
 from .errors import CheckpointError
@@ -158,12 +159,12 @@ def describe_model(model: torch.nn.Module) -> dict:
     lora = {} if adapters is None else {"lora": adapters.to_dict()}
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_string"):  # Hugging Face
-        return {"kind": "huggingface", "class": type(model).__name__,
+        return {"kind": "huggingface", "class": own_class(model).__name__,
                 "config": json.loads(config.to_json_string(use_diff=False)), **lora}
     cfg = getattr(model, "cfg", None)
     if cfg is not None and hasattr(cfg, "to_dict"):
-        return {"kind": "gpt", "class": type(model).__name__, "config": cfg.to_dict(), **lora}
-    return {"kind": "module", "class": type(model).__name__, **lora}
+        return {"kind": "gpt", "class": own_class(model).__name__, "config": cfg.to_dict(), **lora}
+    return {"kind": "module", "class": own_class(model).__name__, **lora}
 
 
 def check_lora(saved_model: dict, model: torch.nn.Module, path) -> None:

@@ -36,7 +36,7 @@ def free_bytes(path: str | os.PathLike) -> int:
 
 
 def megabytes(n: float) -> str:
-    return f"{n / 2**20:,.1f} MB" if n < 10 * 2**20 else f"{n / 2**20:,.0f} MB"
+    return f"{n / 2**20:,.1f} MiB" if n < 10 * 2**20 else f"{n / 2**20:,.0f} MiB"
 
 
 def is_disk_full(exc: BaseException | None) -> bool:

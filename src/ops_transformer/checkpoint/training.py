@@ -66,19 +66,28 @@ def nothing_to_train(ckpt_dir, saved: int, steps: int) -> ValueError:
                       f"on, or drop --resume to start over)")
 
 
-def check_resume(cfg) -> None:
+def check_resume(cfg) -> bool:
     """Before any rank starts: ``--resume`` with ``--steps`` at or below the step of the newest
-    checkpoint (whose manifest reads) would train nothing."""
+    checkpoint (whose manifest reads) would train nothing; ``--resume strict`` with no checkpoint
+    in ``--ckpt-dir`` has nothing to resume. Returns whether a ``--resume`` found nothing (it
+    starts from step 0; the CLI says so)."""
     if not (cfg.resume and cfg.ckpt_dir):
-        return
-    for step in reversed(list_steps(cfg.ckpt_dir)):
+        return False
+    steps = list_steps(cfg.ckpt_dir) if Path(cfg.ckpt_dir).is_dir() else []
+    if not steps:
+        if cfg.resume == "strict":
+            raise ValueError(f"--resume strict: no checkpoint in {cfg.ckpt_dir} (a mistyped "
+                             f"--ckpt-dir?); plain --resume starts from step 0 when there is none")
+        return True
+    for step in reversed(steps):
         try:
             read_manifest(Path(cfg.ckpt_dir) / step_dirname(step))
         except CheckpointError:
             continue  # damaged: --resume falls back past it
         if cfg.steps <= step:
             raise nothing_to_train(cfg.ckpt_dir, step, cfg.steps)
-        return
+        return False
+    return False
 
 
 def resume(ckpt_dir, model, optimizer, ctx, data_position: dict, *, steps: int | None = None,
@@ -167,4 +176,21 @@ def saved_split(ckpt_dir, batch: int) -> dict | None:
         return {"step": manifest["step"], "world_size": layout["world_size"],
                 "dp": layout["dp"], "ep": layout.get("ep", 1), "tp": layout["tp"],
                 **({"cp": layout["cp"]} if layout.get("cp", 1) > 1 else {}), **split}
+    return None
+
+
+def saved_settings(ckpt_dir) -> dict | None:
+    """What the newest checkpoint in ``ckpt_dir`` whose manifest reads says about its run:
+    ``{"step", "settings", "global_batch", "lora"}`` (``settings``: ``train``'s record of its
+    batch, sequence and schedule, ``{}`` in older checkpoints; ``lora``: the adapters' config or
+    ``None``); ``None`` without a checkpoint."""
+    for step in reversed(list_steps(ckpt_dir)):
+        try:
+            manifest = read_manifest(Path(ckpt_dir) / step_dirname(step))
+        except CheckpointError:
+            continue
+        meta = manifest.get("meta") or {}
+        return {"step": manifest["step"], "settings": dict(meta.get("settings") or {}),
+                "global_batch": meta.get("global_batch"),
+                "lora": (manifest.get("model") or {}).get("lora")}
     return None

@@ -49,6 +49,9 @@ def _save_error(exc: BaseException, root: Path, step: int, needed: int | None) -
     report (every rank's traceback) as the first rank's error in one line; anything else as is."""
     if isinstance(exc, CheckpointError):
         return exc
+    stop = _interruption(exc)
+    if stop is not None:  # Ctrl-C or a signal mid-save: the interrupt, not a broken write
+        return stop
     failures = rank_failures(exc)  # DCP's report: a rank's own CheckpointError first
     for _, failure in failures:
         if isinstance(failure, CheckpointError):
@@ -62,6 +65,21 @@ def _save_error(exc: BaseException, root: Path, step: int, needed: int | None) -
         return CheckpointError(f"saving step {step} failed on rank {rank}: "
                                f"{type(first).__name__}: {text}{KEPT}")
     return exc
+
+
+def _interruption(exc: BaseException) -> BaseException | None:
+    """The ``KeyboardInterrupt`` (or other non-``Exception``, such as a signal turned into one)
+    that ``exc`` is, or was raised from or during, or that DCP's report carries for a rank."""
+    seen, stack = set(), [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if not isinstance(e, (Exception, CheckpointException)):  # DCP's is a BaseException
+            return e
+        stack += [e.__cause__, e.__context__, *(f for _, f in rank_failures(e))]
+    return None
 
 
 def _save_entries(model: ModelTensors, optimizer, ctx, extra, scaler,
@@ -131,9 +149,11 @@ def save_checkpoint(root, model, optimizer, ctx, step: int, *, extra=None, keep:
             except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the others
                 error = _save_error(exc, root, step, planner.needed_bytes)
         agree(error, ctx, "publishing the checkpoint")
-    except (Exception, CheckpointException) as exc:
+    except BaseException as exc:  # an interrupt too: its partial directory goes
         if ctx.rank == 0:  # never leave a partial checkpoint behind: --resume would trip on it
             shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, (Exception, CheckpointException)):
+            raise
         raise _save_error(exc, root, step, planner.needed_bytes) from None
     return root / name
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -121,6 +122,60 @@ def check_out_file(path: str | os.PathLike, flag: str = "--out") -> Path:
                          f"{_reason(exc)}") from None
     _check_writable(out.parent, flag, path)
     return out
+
+
+@contextlib.contextmanager
+def replacing_output(path: str | os.PathLike, *, directory: bool, overwrite: bool = False,
+                     flag: str = "--out"):
+    """Write an output (a directory, or a file) that appears whole or not at all: the block
+    writes to the yielded path in a temporary directory beside ``path``, which is then swapped in
+    (a file by one ``os.replace``; a directory by renaming the old one aside, the new one in, and
+    removing the old). An existing non-empty ``path`` is refused in one line unless
+    ``overwrite``; on an error nothing of the attempt is left and ``path`` is as it was."""
+    out = Path(path)
+    if out.exists() and (out.is_dir() != directory):
+        kind = "an existing file; name a directory" if directory else \
+            f"a directory; name a file, e.g. {str(out / 'model.safetensors')!r}"
+        raise ValueError(f"{flag} {str(path)!r} is {kind}")
+    occupied = out.is_file() or (out.is_dir() and any(out.iterdir()))
+    if occupied and not overwrite:
+        raise ValueError(f"{flag} {str(path)!r} already exists and is not empty; name a new "
+                         f"{'directory' if directory else 'file'}, or pass --overwrite to "
+                         f"replace it")
+    created = missing_dirs(out.parent)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {str(path)!r}: its directory cannot be created: "
+                         f"{_reason(exc)}") from None
+    _check_writable(out.parent, flag, path)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    target = work if directory else work / out.name
+    try:
+        yield target
+        if not directory:
+            os.replace(target, out)
+        elif not out.exists() or not occupied:
+            if out.exists():
+                out.rmdir()
+            work.rename(out)
+        else:
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            old.rmdir()
+            out.rename(old)
+            try:
+                work.rename(out)
+            except BaseException:
+                old.rename(out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        remove_if_empty(created)
+        raise
+    finally:
+        if not directory:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def missing_dirs(path: str | os.PathLike | None) -> list[Path]:

@@ -12,7 +12,7 @@ from ..checkpoint.reader import UnsafeCheckpointError
 from ..checkpoint.training import REBALANCE
 from ..train import TrainConfig
 from ..utils.progress import format_table
-from ._common import check_out_dir, check_out_file, print_json, refuse_torchrun
+from ._common import print_json, refuse_torchrun, replacing_output
 
 HELP = "inspect a sharded checkpoint, or export its dense weights"
 
@@ -37,6 +37,9 @@ def add_parser(p) -> None:
     form.add_argument("--merge", action="store_true", help="a LoRA checkpoint's base with the "
                       "adapters merged: a save_pretrained directory (a .safetensors file for a "
                       "preset GPT)")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing --out "
+                        "(written beside it first, then swapped in whole); without it a "
+                        "non-empty --out is refused")
     export.add_argument("--base", metavar="DIR", help="with --merge: the base model directory, "
                         "when it is no longer where training read it")
 
@@ -78,8 +81,8 @@ def checkpoint_settings(args) -> dict:
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
@@ -150,17 +153,17 @@ def _export(args) -> int:
     if args.adapter or args.merge or manifest["model"].get("lora"):
         return _export_lora(args, out, path, manifest)
     huggingface = manifest["model"].get("kind") == "huggingface" and out.suffix != ".safetensors"
-    (check_out_dir if huggingface else check_out_file)(out, "--out")
-    state, manifest = ex.dense_state_dict(args.dir, args.step)
-    if huggingface:
-        ex.export_huggingface(state, manifest, out)
-        what = f"a save_pretrained directory ({manifest['model']['class']})"
-        copied = ex.copied_side_files(manifest)
-        if copied:
-            what += f" with {', '.join(copied)} from {ex.source_dir(manifest)}"
-    else:
-        ex.export_safetensors(state, manifest, out)
-        what = "a safetensors file"
+    with replacing_output(out, directory=huggingface, overwrite=args.overwrite) as target:
+        state, manifest = ex.dense_state_dict(args.dir, args.step)
+        if huggingface:
+            ex.export_huggingface(state, manifest, target)
+            what = f"a save_pretrained directory ({manifest['model']['class']})"
+            copied = ex.copied_side_files(manifest)
+            if copied:
+                what += f" with {', '.join(copied)} from {ex.source_dir(manifest)}"
+        else:
+            ex.export_safetensors(state, manifest, target)
+            what = "a safetensors file"
     print(f"wrote {out}: {what}, {len(state)} tensors of step {manifest['step']}")
     return 0
 
@@ -175,16 +178,16 @@ def _export_lora(args, out: Path, path: Path, manifest: dict) -> int:
     if args.base and not args.merge:
         raise ValueError("--base applies to --merge (the adapter directory needs no base)")
     directory = args.adapter or manifest["model"].get("kind") == "huggingface"
-    (check_out_dir if directory else check_out_file)(out, "--out")
-    state, manifest = ex.dense_state_dict(args.dir, args.step)
-    if args.adapter:
-        lora_export.export_peft_adapter(state, manifest, out, path)
-        what = (f"a PEFT adapter directory (rank {info['rank']}, {len(info['targets'])} "
-                f"modules)")
-    else:
-        lora_export.export_merged(state, manifest, out, path, base_dir=args.base)
-        what = (f"the base with {len(info['targets'])} adapters merged"
-                + (" (save_pretrained)" if directory else ""))
+    with replacing_output(out, directory=directory, overwrite=args.overwrite) as target:
+        state, manifest = ex.dense_state_dict(args.dir, args.step)
+        if args.adapter:
+            lora_export.export_peft_adapter(state, manifest, target, path)
+            what = (f"a PEFT adapter directory (rank {info['rank']}, {len(info['targets'])} "
+                    f"modules)")
+        else:
+            lora_export.export_merged(state, manifest, target, path, base_dir=args.base)
+            what = (f"the base with {len(info['targets'])} adapters merged"
+                    + (" (save_pretrained)" if directory else ""))
     print(f"wrote {out}: {what}, step {manifest['step']}")
     return 0
 

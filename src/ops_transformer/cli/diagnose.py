@@ -16,7 +16,7 @@ HELP = ("diagnose a training configuration (options as train): sizes vs tp and T
 
 def add_parser(p) -> None:
     train_cli.add_training_arguments(p)
-    p.add_argument("--model", dest="preset", help="the same as --preset")
+    train_cli.add_model_argument(p, "diagnose")
     p.add_argument("--static", action="store_true", help="only the checks on the model's sizes "
                    "(no step is run)")
 
@@ -31,6 +31,7 @@ def table(found: list[dict]) -> str:
 
 
 def run(args) -> int:
+    train_cli.model_or_preset(args)
     cfg = replace(train_cli.config_from_args(args, "diagnose"), out=None)  # it writes no file
     check_measuring_only(cfg, "diagnose")
     found = dense_diagnostics(cfg, cfg.tp)

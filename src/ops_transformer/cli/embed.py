@@ -61,6 +61,6 @@ def run(args) -> int:
     texts = result["texts"]
     print(f"{len(texts)} embeddings of dimension {result['dim']} at tp={result['tp']}; "
           f"cosine similarity:")
-    for i, row in enumerate(result["similarity"]):
-        print(f"  [{i}] " + "  ".join(f"{v:6.4f}" for v in row) + f"   {texts[i]}")
+    for i, row in enumerate(result["similarity"]):  # (a sign column: negatives align)
+        print(f"  [{i}] " + "  ".join(f"{v:7.4f}" for v in row) + f"   {texts[i]}")
     return 0

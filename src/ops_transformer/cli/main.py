@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what resumes an interrupted run
     try:
         with quiet_unless_lead(), (contextlib.nullcontext() if args.debug
                                    else one_line_warnings(args.command)):

@@ -13,12 +13,13 @@ HELP = ("profile a few training steps (options as train): compute vs communicati
 
 def add_parser(p) -> None:
     train_cli.add_training_arguments(p)
-    p.add_argument("--model", dest="preset", help="the same as --preset")
+    train_cli.add_model_argument(p, "profile")
     p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (default 2)")
     p.set_defaults(steps=5)  # the profiled steps
 
 
 def run(args) -> int:
+    train_cli.model_or_preset(args)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     cfg = train_cli.config_from_args(args, "profile")

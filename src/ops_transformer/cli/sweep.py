@@ -17,6 +17,7 @@ from ..utils.progress import Progress, format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       refuse_torchrun)
 from ._calibrated import command_profile
+from ._hf import check_model_dir
 
 HELP = ("run several training configurations (comma-separated values per option, every "
         "combination) and compare step time, tokens/s, activation memory, communication and the "
@@ -32,6 +33,8 @@ def add_parser(p) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--data", help="training text (as train)")
+    p.add_argument("--model", metavar="DIR", help="sweep fine-tuning this Hugging Face causal LM "
+                   "(a local save_pretrained directory, as train --model) instead of --preset")
     p.add_argument("--out", help="output directory for sweep.json and sweep.png (default "
                    "runs/sweep-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -81,7 +84,7 @@ def chart(result: dict, path: Path) -> Path:
         {"measured": [1e3 * r["step_s"] for r in ok],
          "predicted": [None if r["predicted_step_s"] is None
                                   else 1e3 * r["predicted_step_s"] for r in ok]},
-        title=f"{result['preset']}, batch {result['batch']} × seq {result['seq']} on "
+        title=f"{result['model'] or result['preset']}, batch {result['batch']} × seq {result['seq']} on "
               f"{result['nproc']} rank(s): median step time", ylabel="ms per step")
 
 
@@ -94,8 +97,12 @@ def run(args) -> int:
     axes = _axes(args)
     have = {f.name for f in fields(TrainConfig)}
     fixed = {k: axes.pop(k)[0] for k in list(axes) if len(axes[k]) == 1 and k in have}
+    if args.model:
+        if "preset" in axes or "preset" in fixed:
+            raise ValueError(f"--model {args.model!r} and --preset both name the model: give one")
+        check_model_dir(args.model, "sweep --model")
     base = TrainConfig(steps=args.steps, lr=args.lr, data=args.data, out=None, progress=False,
-                       sample_tokens=0, **fixed)
+                       sample_tokens=0, model=args.model, **fixed)
     nproc = args.nproc or max([base.tp] + axes.get("tp", []))
     out = check_out_dir(args.out or f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     count = 1

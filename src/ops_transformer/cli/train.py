@@ -4,7 +4,12 @@ fine-tuned), with ``dp × ep × tp`` parallelism on local ranks or under ``torch
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
+import functools
+import inspect
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -24,18 +29,19 @@ from ..precision import PRECISIONS
 from ..parallelize.gpt_plan import ATTENTION_CHOICES
 from ..planner.local import local_cluster
 from ..planner.search import chosen_layout
-from ..rebalance import LAYOUT_FIELDS, layout_text, rebalance
+from ..rebalance import LAYOUT_FIELDS, LORA_SETTINGS, layout_text, rebalance, resumed_settings
 from ..schedule import LR_SCHEDULES
-from ..train import TrainConfig, train_worker, validate
+from ..train import RESUMED_SETTINGS, TrainConfig, train_worker, validate
 from ..memory.apply import ACTIVATION_CACHES
 from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..planner.context_parallel import CP_CHOICES
 from ..planner.overlap import OVERLAP_MODES
-from ..utils.progress import format_table
+from ..utils.progress import format_duration, format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, missing_dirs,
                       print_json, remove_if_empty, status, under_torchrun, world_size)
 from ._calibrated import command_profile
+from ._interrupt import Interrupted, Journal, report_interrupt, terminate_as_interrupt
 from ._hf import check_causal_lm, check_model_dir
 from .checkpoint import add_checkpoint_arguments, checkpoint_settings
 
@@ -43,6 +49,7 @@ HELP = "train the reference GPT, or fine-tune a Hugging Face model, with tensor 
        "parallelism"
 ATTENTION = ATTENTION_CHOICES
 D = TrainConfig()  # every default of train, defined once (the dataclass)
+JOURNAL = contextvars.ContextVar("journal", default=None)  # train's, while it runs
 
 
 def add_parser(p) -> None:
@@ -55,6 +62,22 @@ def add_parser(p) -> None:
     p.add_argument("--warmup", dest="lr_warmup", type=int, default=D.warmup, metavar="STEPS",
                    help=f"linear learning-rate warmup over the first STEPS steps (default "
                         f"{D.warmup})")
+
+
+def add_model_argument(p, command: str) -> None:
+    """``--model DIR`` of a command that measures train's step (``profile``, ``diagnose``): a
+    Hugging Face directory as ``train --model`` takes it; a preset's name still works (the alias
+    it was)."""
+    p.add_argument("--model", metavar="DIR", help=f"{command} this Hugging Face causal LM (a "
+                   f"local save_pretrained directory, as train --model) instead of a preset; a "
+                   f"preset's name is taken as --preset")
+
+
+def model_or_preset(args) -> None:
+    """``--model NAME`` that is no directory but a preset: ``--preset NAME`` (in ``args``)."""
+    model = getattr(args, "model", None)
+    if model and not Path(model).exists() and model in PRESETS and not args.preset:
+        args.preset, args.model = model, None
 
 
 def add_training_arguments(p) -> None:
@@ -266,14 +289,19 @@ def rebalanced(cfg: TrainConfig, ranks: int, stated=None) -> TrainConfig:
 
 def run_training(cfg: TrainConfig, nproc: int | None,
                  timeout: float = DEFAULT_LAUNCH_TIMEOUT, worker=None,
-                 args: tuple = (), stated=None) -> dict | None:
+                 args: tuple = (), stated=None, journal=None) -> dict | None:
     """Validate (the output directory included), then run ``worker(cfg, *args)`` (training by
     default) on ``nproc`` local ranks, on the ranks of this torchrun job, or in this one process
     (with the launcher's thread policy), with the calibrated profile if there is one (needed for
     ``--attention auto``) as its ``profile=``. A ``--resume`` is first re-planned for the ranks
     it has (:func:`rebalanced`; ``stated``: the layout flags given, see :func:`stated_layout`),
-    again after an ``--elastic`` restart lost a node (the metrics then record ``rebalanced``)."""
+    again after an ``--elastic`` restart lost a node (the metrics then record ``rebalanced``).
+    ``journal``: a :class:`~ops_transformer.cli._interrupt.Journal` that rank 0 reports its
+    progress to (``train_worker``'s; default: the one ``train`` set in :data:`JOURNAL`)."""
     worker = worker or train_worker
+    journal = journal or JOURNAL.get()
+    if journal is not None and not _takes_journal(worker):
+        journal = None
     if nproc is not None and nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     if nproc is not None:
@@ -286,20 +314,28 @@ def run_training(cfg: TrainConfig, nproc: int | None,
                              "use torchrun --nnodes MIN:MAX, whose restarts train rebalances")
         check_elastic(nproc, cfg.ranks_per_node)
     planned = rebalanced(cfg, world_size() if nproc is None else nproc, stated)
-    check_resume(planned)
+    if check_resume(planned):
+        status(f"ops-transformer train: no checkpoint in {planned.ckpt_dir}: starting from step 0")
     profile = command_profile("--attention auto" if planned.attention == "auto" else None)
     created = [missing_dirs(planned.out), missing_dirs(planned.ckpt_dir)]
     try:
         return _checked_run(planned, nproc, timeout, worker, args, profile,
-                            lambda n: (rebalanced(cfg, n, stated), *args))
+                            lambda n: (rebalanced(cfg, n, stated), *args), journal)
     except BaseException:
         for dirs in created:  # a run that failed before writing leaves no empty directory
             remove_if_empty(dirs)
         raise
 
 
+def _takes_journal(worker) -> bool:
+    try:
+        return "journal" in inspect.signature(worker).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _checked_run(cfg: TrainConfig, nproc: int | None, timeout: float, worker, args: tuple,
-                 profile, resize=None) -> dict | None:
+                 profile, resize=None, journal=None) -> dict | None:
     """``cfg`` (validated, re-planned) run; ``resize(n)``: its arguments on ``n`` ranks after an
     ``--elastic`` restart lost a node."""
     if cfg.out:
@@ -317,10 +353,15 @@ def _checked_run(cfg: TrainConfig, nproc: int | None, timeout: float, worker, ar
             status(f"ops-transformer train: warning: {exc}")
     extra = {} if profile is None else {"profile": profile}  # none: the built-in profile
     if nproc is not None:
-        return launch_with_restarts(worker, nproc, cfg, *args, max_restarts=cfg.max_restarts,
-                                    launcher=launch, elastic=cfg.elastic,
-                                    ranks_per_node=cfg.ranks_per_node, resize=resize,
-                                    timeout=timeout, **extra)[0]
+        with contextlib.nullcontext() if journal is None else journal.pipe() as channel:
+            if channel is not None:  # rank 0 reports to this process through it
+                worker = functools.partial(worker, journal=channel)
+            return launch_with_restarts(worker, nproc, cfg, *args,
+                                        max_restarts=cfg.max_restarts, launcher=launch,
+                                        elastic=cfg.elastic, ranks_per_node=cfg.ranks_per_node,
+                                        resize=resize, timeout=timeout, **extra)[0]
+    if journal is not None:
+        worker = functools.partial(worker, journal=journal)
     if cfg.max_restarts:
         raise ValueError("--max-restarts restarts local ranks (--nproc); under torchrun use "
                          "torchrun's own --max-restarts")
@@ -377,7 +418,13 @@ def _add_prediction(metrics: dict, cfg: TrainConfig, nproc: int) -> None:
                                                  vocab=metrics["vocab"])
 
 
+SUMMARY_COLUMNS = 100  # the end-of-run summary fits a terminal; the long reasons are in metrics.json
+
+
 def summary(metrics: dict) -> str:
+    """The end-of-run table, at most :data:`SUMMARY_COLUMNS` wide: a value too long for it is cut
+    (``…``; not a path the user gave), and what it would have said is in ``metrics.json`` (the overlap decisions under
+    ``overlap_reason``, the attention choice under ``attention_reason``)."""
     rows = [
         *([{"": "model", "value": f"{metrics['model_class']} ({metrics['model_dir']})"}]
           if metrics.get("model_dir") else []),
@@ -391,16 +438,22 @@ def summary(metrics: dict) -> str:
           if metrics.get("cp", 1) > 1 else []),
         {"": "precision", "value": _precision_line(metrics)},
         {"": "parameters", "value": f"{metrics['params']:,}"},
+        *([{"": "trainable parameters", "value": _trainable_line(metrics)}]
+          if metrics.get("trainable_params") is not None else []),
         {"": "loss first → last", "value": f"{metrics['loss_first']:.4f} → "
                                            f"{metrics['loss_last']:.4f}"},
         {"": "tokens/s (median step)", "value": f"{metrics['tokens_per_s'] or 0:,.0f}"},
         *([{"": "step ms measured / predicted", "value": _predicted_line(metrics)}]
           if "predicted_step_s" in metrics else []),
-        {"": "communication / step", "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MB"},
+        {"": "communication / step",
+         "value": f"{metrics['comm_bytes_per_step'] / 2**20:.3f} MiB"},
     ]
     if metrics["config"].get("overlap", "none") != "none":
+        reason = metrics.get("overlap_reason") or ""
+        head = reason.split(";")[0].strip()
         rows.append({"": f"overlap ({metrics['config']['overlap']})",
-                     "value": metrics.get("overlap_reason", "")})
+                     "value": head + (" (why: overlap_reason in metrics.json)"
+                                      if head != reason.strip() else "")})
     memory = memory_summary(metrics["config"])
     if memory:
         rows.insert(2, {"": "memory", "value": memory})
@@ -408,7 +461,25 @@ def summary(metrics: dict) -> str:
         rows.append({"": "MoE aux loss / dropped (last)",
                      "value": f"{metrics['moe']['aux_loss'][-1]:.4f} / "
                               f"{metrics['moe']['dropped_fraction'][-1]:.1%} of token-slots"})
+    if metrics["config"].get("ckpt_dir"):
+        rows.append({"": "checkpoints", "value": metrics["config"]["ckpt_dir"]})
+    if metrics.get("wall_s") is not None:
+        rows.append({"": "wall time", "value": format_duration(metrics["wall_s"])})
+    label = max(len(r[""]) for r in rows)
+    room = SUMMARY_COLUMNS - label - 2
+    for row in rows:  # (paths are the user's own: never cut)
+        if len(row["value"]) > room and row[""] not in ("model", "checkpoints"):
+            row["value"] = row["value"][:room - 1] + "…"
     return format_table(rows)
+
+
+def _trainable_line(metrics: dict) -> str:
+    """``"12,288 (9.9% of 124,544; LoRA rank 8 on 8 modules)"``."""
+    n, total, lora = metrics["trainable_params"], metrics["params"], metrics.get("lora")
+    text = f"{n:,}" + (f" ({n / total:.2%} of {total:,}" if total else " (")
+    if lora:
+        text += f"; LoRA rank {lora['rank']} on {lora['modules']} modules"
+    return text + ")"
 
 
 def _accumulation(metrics: dict) -> str:
@@ -441,13 +512,45 @@ def _precision_line(metrics: dict) -> str:
     return line
 
 
+def given_settings(args) -> set[str]:
+    """The :data:`~ops_transformer.rebalance.RESUMED_SETTINGS` and LoRA fields the command line
+    set (its own words, ``args.argv``; without them: the values that are not the defaults)."""
+    names = (*RESUMED_SETTINGS, *LORA_SETTINGS)
+    flags = {n: "--" + n.replace("_", "-") for n in names}
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        cfg = config_from_args(args, "train")
+        return {n for n in names if getattr(cfg, n) != getattr(D, n)}
+    words = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    exact = set(flags.values())
+    return {n for n, f in flags.items()
+            if f in words or any(f.startswith(w) and w not in exact and len(w) > 3
+                                 for w in words)}
+
+
 def run(args) -> int:
     cfg = config_from_args(args, "train")
+    cfg, kept = resumed_settings(cfg, given_settings(args))
+    if kept:
+        status(f"ops-transformer train: {kept}")
     check_free(cfg.out, output_bytes(cfg), "writing metrics.json and loss.png",
                "; nothing was run", place=f"--out {cfg.out}")
     nproc = launch_size(args, cfg)
     resumed = {"stated": stated_layout(args)} if cfg.resume and cfg.rebalance == "auto" else {}
-    metrics = run_training(cfg, nproc, launch_timeout(args), **resumed)
+    journal = Journal()
+    try:
+        with terminate_as_interrupt():
+            token = JOURNAL.set(journal)
+            try:
+                metrics = run_training(cfg, nproc, launch_timeout(args), **resumed)
+            finally:
+                JOURNAL.reset(token)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        if under_torchrun():  # torchrun's agent stops every rank: no report from one of them
+            raise
+        signum = getattr(exc, "signum", signal.SIGINT)
+        return report_interrupt(cfg, signum, journal, getattr(args, "argv", ["train"]),
+                                nproc or 1, cfg.progress)
     if metrics is None:  # not rank 0 of a torchrun job
         return 0
     if getattr(args, "plan", None):
@@ -456,8 +559,10 @@ def run(args) -> int:
         print_json(metrics)
     else:
         print(summary(metrics))
-        if metrics["sample"] is not None:
-            print(f"\nsample: {metrics['sample']!r}")
+        if metrics["sample"] is not None:  # its start; the whole of it is in metrics.json
+            sample = f"sample: {metrics['sample']!r}"
+            print("\n" + (sample if len(sample) <= SUMMARY_COLUMNS
+                          else sample[:SUMMARY_COLUMNS - 1] + "…"))
     lost = metrics.get("outputs_not_written")
     if lost:  # the run is done; its results are what was printed
         print(f"ops-transformer train: error: metrics.json and loss.png could not be written to "
@@ -466,5 +571,5 @@ def run(args) -> int:
               file=sys.stderr)
         return 1
     if not args.json:
-        print(f"\nwrote {Path(cfg.out) / 'metrics.json'} and {Path(cfg.out) / 'loss.png'}")
+        print(f"\nwrote metrics.json and loss.png in {cfg.out}")
     return 0

@@ -20,6 +20,17 @@ def is_hf(model: nn.Module) -> bool:
     return hasattr(model, "config") and hasattr(model.config, "model_type")
 
 
+def own_class(model: nn.Module) -> type:
+    """The model's own class: FSDP2's ``fully_shard`` swaps a module's class for a subclass
+    ``FSDP<Name>`` of ``(FSDPModule, <Name>)``; this is ``<Name>`` (what ``transformers`` knows, what
+    a checkpoint records and an export rebuilds)."""
+    cls = type(model)
+    while cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 \
+            and cls.__bases__[0].__name__ == "FSDPModule":
+        cls = cls.__bases__[1]
+    return cls
+
+
 def model_type(model: nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "model_type", None)
 

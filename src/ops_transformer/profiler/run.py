@@ -88,6 +88,11 @@ def dense_diagnostics(cfg: TrainConfig, tp: int) -> list[dict]:
     """The model-only diagnostics of ``cfg``'s GPT at ``tp`` (no rank started, meta tensors)."""
     import torch
 
-    with torch.device("meta"):
-        model = GPT(cfg.model_config())
+    if cfg.model:  # a Hugging Face model: its own sizes, on a meta copy
+        from ..finetune import meta_model
+
+        model = meta_model(cfg.model)
+    else:
+        with torch.device("meta"):
+            model = GPT(cfg.model_config())
     return [Diagnostic(**d).to_dict() for d in dimension_checks(model, tp)]

@@ -92,9 +92,11 @@ def _timed(state, warmup: int) -> dict | None:
         start = time.perf_counter()
         report, ledger = state.step(x, y)
         times.append(time.perf_counter() - start)
-    x, y = state.batch(0)
-    with state.policy.autocast(state.ctx.device):  # the activations the step keeps
-        activation = activation_memory(state.model, x, y)["total_bytes"]
+    activation = None  # (not measured for a Hugging Face model: its forward takes other inputs)
+    if not cfg.model:
+        x, y = state.batch(0)
+        with state.policy.autocast(state.ctx.device):  # the activations the step keeps
+            activation = activation_memory(state.model, x, y)["total_bytes"]
     if state.ctx.rank != 0:
         return None
     step = statistics.median(times[warmup:])
@@ -115,9 +117,10 @@ def predicted_step_s(cfg: TrainConfig, nproc: int, attention: str, dp: int,
     calibrated = predict_step_s(cfg, nproc, profile, attention=attention, vocab=vocab)
     if calibrated is not None:
         return calibrated
-    model = ModelSpec.from_gpt_config(cfg.model_config(), seq=cfg.seq, global_batch=cfg.batch,
-                                      micro_batch=cfg.batch // dp,
-                                      dtype=getattr(cfg, "precision", "fp32"))
+    run = dict(seq=cfg.seq, global_batch=cfg.batch, micro_batch=cfg.batch // dp,
+               dtype=getattr(cfg, "precision", "fp32"))
+    model = (ModelSpec.load(cfg.model, **run) if getattr(cfg, "model", None) else
+             ModelSpec.from_gpt_config(cfg.model_config(), **run))
     cluster = local_cluster(nproc, profile, topology=detect_topology())
     layout = Options(dp=dp, tp=cfg.tp, ep=getattr(cfg, "ep", 1), attention=attention,
                      sequence_parallel=getattr(cfg, "sequence_parallel", False),
@@ -161,5 +164,6 @@ def run_sweep(base: TrainConfig, axes: dict[str, list], nproc: int, warmup: int,
              "built-in CPU figures (run `ops-transformer calibrate` for the calibrated model)")
     return {"axes": available, "unavailable": unavailable, "nproc": nproc,
             "prediction_model": model,
-            "steps": base.steps, "warmup": warmup, "preset": base.preset, "batch": base.batch,
+            "steps": base.steps, "warmup": warmup, "preset": None if base.model else base.preset,
+            "model": base.model, "batch": base.batch,
             "seq": base.seq, "rows": rows}

@@ -194,8 +194,12 @@ def check_train_cp(cfg: TrainConfig) -> None:
         raise ValueError(f"--pack must be one of {', '.join(PACKS)}, got {cfg.pack!r}")
     if cfg.cp == 1:
         return
+    preset_cfg = None if cfg.model else cfg.model_config()  # --model: parallelize checks it
     for flag, on in (("--zero", cfg.zero), ("--sequence-parallel", cfg.sequence_parallel),
-                     ("--lora-rank", cfg.lora_rank is not None)):
+                     ("--lora-rank", cfg.lora_rank is not None),
+                     ("--recompute selective", cfg.recompute == "selective"),
+                     ("an MoE preset", preset_cfg is not None and preset_cfg.n_experts > 0),
+                     ("--dropout", preset_cfg is not None and preset_cfg.dropout > 0)):
         if on:
             raise ValueError(f"--cp {cfg.cp} does not combine with {flag} yet")
     check_sequence(cfg.seq, cfg.cp)

@@ -2,6 +2,14 @@
 its matmul (SPEC F4; Wang et al. 2023, "Overlap communication with dependent computation via
 decomposition"; torchtitan's async TP; Megatron-LM's TP communication overlap).
 
+These ops are the only implementation of the column entry's input-gradient all-reduce and of the
+row and sequence-parallel exits: ``ColumnParallelLinear`` (:mod:`.linear`) runs ``copy_matmul``,
+``RowParallelLinear`` ``matmul_all_reduce`` and ``SequenceParallelRowLinear`` ``matmul_reduce_
+scatter``, with ``chunks=1`` under ``overlap="none"`` — one chunk *is* the plain layer (one
+collective, labelled in the ledger as the plain primitive's) — and the cost model's choice under
+``"auto"``. Each skips a backward collective whose result nobody needs (an input without
+``requires_grad``).
+
 Tokens are rows (``x`` of shape ``(tokens, features)``). ``chunks`` pieces of rows move one
 collective each, so the total bytes are those of the one unchunked call and the ledger shows
 ``chunks`` calls of the same kind. Each op is exact: every row is multiplied as in the unchunked
@@ -37,7 +45,17 @@ import contextlib
 import torch
 
 from ..comm import collectives as C
-from .linear import _autocast_dtype
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs matrix products in here, or ``None`` outside autocast.
+    Backward runs outside autocast, so a custom matmul must cast its saved inputs itself."""
+    device = x.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type autocast does not know (meta): nothing is autocast
+        return None
+    return torch.get_autocast_dtype(device) if enabled else None
 
 
 def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -173,11 +191,11 @@ def gather_matmul(x_share: torch.Tensor, weights, biases, group, chunks: int):
 
 class _CopyMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, chunks, *params):
+    def forward(ctx, x, group, chunks, label, *params):
         weights, biases = params[0::2], params[1::2]
         outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
         ctx.save_for_backward(x, *weights)
-        ctx.group, ctx.bounds = group, chunk_bounds(x.shape[0], chunks)
+        ctx.group, ctx.bounds, ctx.label = group, chunk_bounds(x.shape[0], chunks), label
         ctx.has_bias = [b is not None for b in biases]
         return (x.view_as(x), *outs)
 
@@ -186,8 +204,8 @@ class _CopyMatmul(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         used = [(g, w) for g, w in zip(grad_outs, weights) if g is not None]
         if not ctx.needs_input_grad[0]:  # nobody needs the input gradient: no all-reduce
-            return (None, None, None,
-                    *_weight_grads(grad_outs, x, ctx.has_bias, ctx.needs_input_grad[3:]))
+            return (None, None, None, None,
+                    *_weight_grads(grad_outs, x, ctx.has_bias, ctx.needs_input_grad[4:]))
         grad_x, handles = x.new_empty(x.shape), []
         for s, m in ctx.bounds:  # each chunk's all-reduce runs while the next is computed
             g_x = grad_x[s:s + m]
@@ -200,13 +218,14 @@ class _CopyMatmul(torch.autograd.Function):
                 g_x.zero_()
             if grad_x_own is not None:
                 g_x.add_(grad_x_own[s:s + m])
-            handles.append(C.all_reduce(g_x, ctx.group, async_op=True, label="copy_matmul.bwd"))
-        grads = _weight_grads(grad_outs, x, ctx.has_bias, ctx.needs_input_grad[3:])
+            handles.append(C.all_reduce(g_x, ctx.group, async_op=True, label=ctx.label))
+        grads = _weight_grads(grad_outs, x, ctx.has_bias, ctx.needs_input_grad[4:])
         _wait(handles)
-        return (grad_x, None, None, *grads)
+        return (grad_x, None, None, None, *grads)
 
 
-def copy_matmul(x: torch.Tensor, weights, biases, group, chunks: int):
+def copy_matmul(x: torch.Tensor, weights, biases, group, chunks: int,
+                label: str = "copy_matmul.bwd"):
     """Tensor-parallel entry: ``y_c = x W_cᵀ + b_c`` for every column weight, with one
     copy-to-region for all of them — its backward all-reduce of ``∂L/∂x`` split into ``chunks``
     (each running while the next chunk's input gradient is computed, the last ones behind the
@@ -214,7 +233,7 @@ def copy_matmul(x: torch.Tensor, weights, biases, group, chunks: int):
     add their gradient to the all-reduced sum)."""
     _, (x, *params) = _compute(x, [x] + [p for pair in zip(weights, biases) for p in pair])
     with _plain(x):
-        out = _CopyMatmul.apply(x.contiguous(), group, chunks, *params)
+        out = _CopyMatmul.apply(x.contiguous(), group, chunks, label, *params)
     return out[0], list(out[1:])
 
 
@@ -248,13 +267,12 @@ def _saved_first(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, _
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, group, chunks, box):
+    def forward(ctx, x, weight, group, chunks, box, label):
         y = x.new_empty((x.shape[0], weight.shape[0]))
         handles = []
         for s, m in chunk_bounds(x.shape[0], chunks):
             torch.mm(x[s:s + m], weight.t(), out=y[s:s + m])
-            handles.append(C.all_reduce(y[s:s + m], group, async_op=True,
-                                        label="matmul_all_reduce.fwd"))
+            handles.append(C.all_reduce(y[s:s + m], group, async_op=True, label=label))
         _wait(handles)
         ctx.box = box
         return y
@@ -264,21 +282,25 @@ class _MatmulAllReduce(torch.autograd.Function):
         x, weight = ctx.box.node.saved_tensors
         grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None
         grad_w = grad.t().mm(x) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
-def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, group, chunks: int) -> torch.Tensor:
+def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, group, chunks: int,
+                      label: str | None = None) -> torch.Tensor:
     """Tensor-parallel exit: ``all-reduce(x Wᵀ)`` with the matmul of chunk ``i+1`` running while
-    chunk ``i`` is all-reduced. ``x`` ``(n, in/t)``; returns ``(n, out)``."""
+    chunk ``i`` is all-reduced. ``x`` ``(n, in/t)``; returns ``(n, out)``. The ledger's label:
+    ``reduce_from_tp_region.fwd`` for one chunk (the plain row layer's exit), else
+    ``matmul_all_reduce.fwd``."""
+    label = label or ("reduce_from_tp_region.fwd" if chunks == 1 else "matmul_all_reduce.fwd")
     _, (x, weight) = _compute(x, [x, weight])
     with _plain(x):
         x, box = _saved_first(x.contiguous(), weight)
-        return _MatmulAllReduce.apply(x, weight, group, chunks, box)
+        return _MatmulAllReduce.apply(x, weight, group, chunks, box, label)
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, group, chunks, box):
+    def forward(ctx, x, weight, group, chunks, box, labels):
         t = group.size()
         n, k = x.shape[0] // t, x.shape[1]
         x3 = x.view(t, n, k)
@@ -288,9 +310,9 @@ class _MatmulReduceScatter(torch.autograd.Function):
             partial = x3[:, s:s + m].reshape(t * m, k).mm(weight.t())  # (t·m, out)
             partials.append(partial)  # alive until its reduce-scatter is done
             handles.append(C.reduce_scatter_into(out[s:s + m], partial, group, async_op=True,
-                                                 label="matmul_reduce_scatter.fwd"))
+                                                 label=labels[0]))
         _wait(handles)
-        ctx.group, ctx.bounds, ctx.box = group, bounds, box
+        ctx.group, ctx.bounds, ctx.box, ctx.label = group, bounds, box, labels[1]
         return out
 
     @staticmethod
@@ -304,21 +326,25 @@ class _MatmulReduceScatter(torch.autograd.Function):
         grad_w = weight.new_zeros(weight.shape) if ctx.needs_input_grad[1] else None
         bufs = [grad_share.new_empty((t * m, grad_share.shape[1])) for _, m in bounds]
 
-        for i, s, m in _gathered(bufs, grad_share, bounds, group, "matmul_reduce_scatter.bwd"):
+        for i, s, m in _gathered(bufs, grad_share, bounds, group, ctx.label):
             g = bufs[i]  # (t·m, out): the output gradient of chunk i's rows on every rank
             grad_x[:, s:s + m].copy_(g.mm(weight).view(t, m, k))
             if grad_w is not None:
                 grad_w.addmm_(g.t(), x3[:, s:s + m].reshape(t * m, k))
             bufs[i] = None
-        return grad_x.view(t * n, k), grad_w, None, None, None
+        return grad_x.view(t * n, k), grad_w, None, None, None, None
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group,
-                          chunks: int) -> torch.Tensor:
+                          chunks: int, labels: tuple[str, str] | None = None) -> torch.Tensor:
     """Sequence-parallel exit: ``reduce-scatter(x Wᵀ)`` over the token rows, the matmul of chunk
     ``i+1`` running while chunk ``i`` is reduce-scattered. ``x`` ``(t·n, in/t)`` in rank-major
-    token order; returns this rank's ``(n, out)``."""
+    token order; returns this rank's ``(n, out)``. The ledger's labels (forward, backward): those
+    of the plain layer's ``reduce_scatter_along`` for one chunk, else
+    ``matmul_reduce_scatter.fwd`` / ``.bwd``."""
+    labels = labels or (("reduce_scatter_along.fwd", "reduce_scatter_along.bwd") if chunks == 1
+                        else ("matmul_reduce_scatter.fwd", "matmul_reduce_scatter.bwd"))
     _, (x, weight) = _compute(x, [x, weight])
     with _plain(x):
         x, box = _saved_first(x.contiguous(), weight)
-        return _MatmulReduceScatter.apply(x, weight, group, chunks, box)
+        return _MatmulReduceScatter.apply(x, weight, group, chunks, box, labels)

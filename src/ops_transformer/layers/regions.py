@@ -43,10 +43,9 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.primitives import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region
 from .linear import to_compute_dtype
+from .mixin import mix_into
 from .sequence_parallel import gather_sequence, gather_sequence_region, scatter_sequence
 from .sequence_regather import gather_sequence_regather
-
-_CLASSES: dict[tuple[type, type], type] = {}
 
 
 class Region(nn.Module):
@@ -54,17 +53,9 @@ class Region(nn.Module):
 
     @classmethod
     def wrap(cls, module: nn.Module, group, **settings) -> nn.Module:
-        """Turn ``module`` (in place) into this region over ``group``; returns it."""
-        base = type(module)
-        sub = _CLASSES.get((cls, base))
-        if sub is None:
-            sub = type(f"{cls.__name__}[{base.__name__}]", (cls, base), {"__module__": __name__})
-            _CLASSES[(cls, base)] = sub
-        module.__class__ = sub
-        module.region_group = group
-        for name, value in settings.items():
-            setattr(module, name, value)
-        return module
+        """Turn ``module`` (in place) into this region over ``group`` (:func:`~.mixin.mix_into`:
+        ``Region[Module]``); returns it."""
+        return mix_into(module, cls, f"{cls.__name__}[{{}}]", region_group=group, **settings)
 
     def forward(self, *args, **kwargs):  # the innermost region: the module's own computation
         return self.own_forward(*args, **kwargs)

@@ -114,7 +114,7 @@ from ..layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParal
 from ..layers.moe import ParallelExperts, to_expert_parallel
 from ..layers.overlap_policy import OverlapPolicy
 from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
-                                      ChunkedRowOutput, ChunkedRowScatter, FedColumn, as_variant)
+                                      FedColumn, as_variant)
 from ..layers.regions import (CopyToTPRegion, FullSequenceRegion, GatherInput, GatherSequenceOutput,
                               GatherSequenceRegion, ReduceOutput, RegatherSequenceRegion,
                               RopeGradRegion, ScatterSequence)
@@ -200,16 +200,19 @@ def colwise(module, ctx, model, *, sub_blocks=None, kv_heads=None, reduce_input_
     if fed:
         return as_variant(_column_layer(module, ctx, sub_blocks, kv_heads, False, pad=pad),
                           FedColumn)
-    own = reduce_input_grad and entry == "copy" and not regather and overlap == "none"
+    own = reduce_input_grad and entry == "copy" and not regather
     layer = _column_layer(module, ctx, sub_blocks, kv_heads, reduce_input_grad=own,
                           gather_output=gather_output, pad=pad)
     if regather:
         layer = RegatherColumnLinear.from_column(layer)
         return RegatherSequenceRegion.wrap(layer, ctx.tp_group) if entry == "sequence" else layer
+    if overlap != "none" and own:  # its own entry op, the chunks from the policy
+        layer.overlap = _policy(ctx, overlap, chunks)
+    if entry != "sequence":
+        return layer
     if overlap != "none" and reduce_input_grad and not gather_output:
-        cls = ChunkedGatherSequenceRegion if entry == "sequence" else ChunkedCopyToTPRegion
-        return _entry(cls, layer, ctx, ("",), overlap, chunks)
-    return GatherSequenceRegion.wrap(layer, ctx.tp_group) if entry == "sequence" else layer
+        return _entry(ChunkedGatherSequenceRegion, layer, ctx, ("",), overlap, chunks)
+    return GatherSequenceRegion.wrap(layer, ctx.tp_group)
 
 
 def rowwise(module, ctx, model, *, input_is_parallel=True, pad=False, sub_blocks=None,
@@ -222,22 +225,18 @@ def rowwise(module, ctx, model, *, input_is_parallel=True, pad=False, sub_blocks
     _linear(module)
     if exit == "reduce_scatter":
         layer = SequenceParallelRowLinear.from_dense(module, ctx)
-        mixin = ChunkedRowScatter
     elif sub_blocks:
         if not input_is_parallel or pad:
             raise ValueError("rowwise: sub_blocks needs input_is_parallel=True and no pad")
         layer = PackedRowParallelLinear.from_dense(module, ctx, sub_blocks=tuple(sub_blocks))
-        mixin = ChunkedRowOutput
     elif pad and dense_weight(module)[0].shape[1] % ctx.tp_size:
         layer = PaddedRowParallelLinear.from_dense(module, ctx,
                                                    input_is_parallel=input_is_parallel)
-        mixin = ChunkedRowOutput
     else:
         layer = RowParallelLinear.from_dense(module, ctx, input_is_parallel=input_is_parallel)
-        mixin = ChunkedRowOutput
-    if overlap == "none":
-        return layer
-    return as_variant(layer, mixin, overlap=_policy(ctx, overlap, chunks))
+    if overlap != "none":  # the one exit op, its chunks from the policy (one under "none")
+        layer.overlap = _policy(ctx, overlap, chunks)
+    return layer
 
 
 def gather_in(module, ctx, model):

@@ -73,7 +73,24 @@ def _dense_linear(in_features, out_features, bias, device, dtype) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
 
 
-class ColumnParallelLinear(nn.Module):
+class _TPLinear(nn.Module):
+    """What the column and row layers share: the dense layer they are slices of."""
+
+    def to_dense(self) -> nn.Linear:
+        """The dense ``nn.Linear`` (collective over the TP group; every rank gets it)."""
+        weight = gather_full(self.weight, self.tp_group)
+        if self.weight_spec.transposed:  # gather_full gives Conv1D's layout; nn.Linear: [out, in]
+            weight = weight.t()
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                          device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(weight)
+            if self.bias is not None:
+                dense.bias.copy_(gather_full(self.bias, self.tp_group))
+        return dense
+
+
+class ColumnParallelLinear(_TPLinear):
     """``y = x Wᵀ + b`` with ``W`` split along its output features (rows)::
 
                  ┌ W_0 (out/tp × in) ┐          y_0 = x W_0ᵀ + b_0   on rank 0
@@ -193,10 +210,6 @@ class ColumnParallelLinear(nn.Module):
         x_same, (y,) = copy_matmul(x_2d, [weight], [bias], self.tp_group, chunks, label)
         return x_same.view(x.shape), y.view(*x.shape[:-1], y.shape[-1])
 
-    def to_dense(self) -> nn.Linear:
-        """The dense ``nn.Linear`` (collective over the TP group; every rank gets it)."""
-        return _to_dense_linear(self)
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"out_features_per_rank={self.out_features_per_rank}, tp={self.tp_size}, "
@@ -209,7 +222,7 @@ class ColumnParallelLinear(nn.Module):
                    if self.overlap is not None and self.reduce_input_grad else ""))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TPLinear):
     """``y = x Wᵀ + b`` with ``W`` split along its input features (columns)::
 
         W = [ W_0 | W_1 | … ]   (out × in/tp each)      y = Σ_r x_r W_rᵀ  + b
@@ -294,26 +307,9 @@ class RowParallelLinear(nn.Module):
         adapter adds its own partial here: :mod:`.lora`)."""
         return F.linear(x_local, weight, bias)
 
-    def to_dense(self) -> nn.Linear:
-        """The dense ``nn.Linear`` (collective over the TP group; every rank gets it)."""
-        return _to_dense_linear(self)
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"in_features_per_rank={self.in_features_per_rank}, tp={self.tp_size}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
                 + (f", output: {self.exit_name} over tp={self.tp_size} ({self.exit_comm}), "
                    f"{self.overlap!r}" if self.overlap is not None else ""))
-
-
-def _to_dense_linear(layer) -> nn.Linear:
-    weight = gather_full(layer.weight, layer.tp_group)
-    if layer.weight_spec.transposed:  # gather_full gives the Conv1D layout; nn.Linear wants [out, in]
-        weight = weight.t()
-    dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                      device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        dense.weight.copy_(weight)
-        if layer.bias is not None:
-            dense.bias.copy_(gather_full(layer.bias, layer.tp_group))
-    return dense

@@ -111,6 +111,10 @@ class _ChunkedEntry:
         return found
 
     def _run(self, args, kwargs, x_region, columns, outputs):
+        """The region's forward past its collective: ``outputs`` (the fused op's 2-D ones) shaped
+        as ``x_region``, each with its column's adapter added."""
+        lead = x_region.shape[:-1]
+        outputs = _with_adapters(columns, x_region, [y.view(*lead, y.shape[-1]) for y in outputs])
         if self.columns == ("",):
             return outputs[0]
         if args:
@@ -155,10 +159,7 @@ class ChunkedCopyToTPRegion(_ChunkedEntry, CopyToTPRegion):
                   if torch.is_grad_enabled() else 1)  # (its only collective is in backward)
         x_same, outputs = copy_matmul(x.reshape(-1, x.shape[-1]), [c.weight for c in columns],
                                       [c.bias for c in columns], self.region_group, chunks)
-        lead, x_same = x.shape[:-1], x_same.view(x.shape)
-        return self._run(args, kwargs, x_same, columns,
-                         _with_adapters(columns, x_same, [y.view(*lead, y.shape[-1])
-                                                          for y in outputs]))
+        return self._run(args, kwargs, x_same.view(x.shape), columns, outputs)
 
     def _mine(self) -> str:
         return (f"input: copy_to_tp_region {self._over()} (fwd identity, bwd all-reduce of the "
@@ -183,11 +184,7 @@ class ChunkedGatherSequenceRegion(_ChunkedEntry, GatherSequenceRegion):
         chunks = self._chunks(x.numel() // h * t, h, columns, x.dtype)
         x_full, outputs = gather_matmul(x.reshape(-1, h), [c.weight for c in columns],
                                         [c.bias for c in columns], self.region_group, chunks)
-        full = (b, s * t, *x.shape[2:-1])
-        x_full = x_full.view(*full, h)
-        return self._run(args, kwargs, x_full, columns,
-                         _with_adapters(columns, x_full, [y.view(*full, y.shape[-1])
-                                                          for y in outputs]))
+        return self._run(args, kwargs, x_full.view(b, s * t, *x.shape[2:]), columns, outputs)
 
     def _mine(self) -> str:
         return (f"input: gather_sequence_region {self._over()} (fwd all-gather of the tokens, bwd "

@@ -100,7 +100,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def _compute(x: torch.Tensor, tensors) -> tuple[torch.dtype, list]:
     """The dtype the matmuls run in (autocast's, else the first tensor's) and ``tensors`` cast to
     it — outside the autograd functions, so the casts have their own backward."""
-    dtype = _autocast_dtype(x) or next(t for t in tensors if t is not None).dtype
+    dtype = _autocast_dtype(x) or next((t for t in tensors if t is not None), x).dtype
     return dtype, [None if t is None else t.to(dtype) for t in tensors]
 
 
@@ -113,23 +113,27 @@ def _plain(x: torch.Tensor):
 
 class _GatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_share, group, chunks, compute_dtype, *params):
+    def forward(ctx, x_share, group, chunks, compute_dtype, labels, *params):
         weights, biases = params[0::2], params[1::2]
         t, (n, h) = group.size(), x_share.shape
         bounds = chunk_bounds(n, chunks)
-        x_full = x_share.new_empty((t, n, h))
-        outs = [x_share.new_empty((t, n, w.shape[0]), dtype=w.dtype) for w in weights]
         bufs = [x_share.new_empty((t * m, h)) for _, m in bounds]
+        # one chunk: the gathered buffer is the full activation (no copy)
+        x_full = bufs[0].view(t, n, h) if len(bounds) == 1 else x_share.new_empty((t, n, h))
+        outs = [x_share.new_empty((t, n, w.shape[0]), dtype=w.dtype) for w in weights]
 
-        for i, s, m in _gathered(bufs, x_share, bounds, group, "gather_matmul.fwd"):
-            x_full[:, s:s + m].copy_(bufs[i].view(t, m, h))
+        for i, s, m in _gathered(bufs, x_share, bounds, group, labels[0]):
+            if len(bounds) > 1:
+                x_full[:, s:s + m].copy_(bufs[i].view(t, m, h))
             rows = bufs[i].to(compute_dtype)
             for y, w, b in zip(outs, weights, biases):
                 y_i = rows.mm(w.t()) if b is None else torch.addmm(b, rows, w.t())
                 y[:, s:s + m].copy_(y_i.view(t, m, -1))
             bufs[i] = None  # a chunk's buffer is not needed once copied
-        ctx.save_for_backward(x_full, *weights)
+        # without column weights (the plain entry) backward needs no gathered input
+        ctx.save_for_backward(x_full if weights else None, *weights)
         ctx.group, ctx.bounds, ctx.compute_dtype = group, bounds, compute_dtype
+        ctx.shape, ctx.label = (t, n, h), labels[1]
         ctx.has_bias = [b is not None for b in biases]
         return (x_full, *outs)
 
@@ -137,23 +141,21 @@ class _GatherMatmul(torch.autograd.Function):
     def backward(ctx, grad_x_full, *grad_outs):
         x_full, *weights = ctx.saved_tensors
         group, bounds, dtype = ctx.group, ctx.bounds, ctx.compute_dtype
-        t, n, h = x_full.shape
+        (t, n, h), like = ctx.shape, (grad_x_full if x_full is None else x_full)
         used = [(g, w) for g, w in zip(grad_outs, weights) if g is not None]
         if not ctx.needs_input_grad[0]:  # nobody needs the input gradient: no reduce-scatter
-            grads = _weight_grads(grad_outs, _flat(x_full).to(dtype), ctx.has_bias,
-                                  ctx.needs_input_grad[4:])
-            return (None, None, None, None, *grads)
-        grad_share = x_full.new_empty((n, h))
+            return (None, None, None, None, None, *_weight_grads(
+                grad_outs, x_full, dtype, ctx.has_bias, ctx.needs_input_grad[5:]))
+        grad_share = like.new_empty((n, h))
         handles, inputs = [], []
         for s, m in bounds:
-            g_x = _chunk_input_grad(used, grad_x_full, s, m, t, h, x_full).to(x_full.dtype)
+            g_x = _chunk_input_grad(used, grad_x_full, s, m, t, h, like).to(like.dtype)
             inputs.append(g_x)  # alive until its reduce-scatter is done
             handles.append(C.reduce_scatter_into(grad_share[s:s + m], g_x, group, async_op=True,
-                                                 label="gather_matmul.bwd"))
-        grads = _weight_grads(grad_outs, _flat(x_full).to(dtype), ctx.has_bias,
-                              ctx.needs_input_grad[4:])
+                                                 label=ctx.label))
+        grads = _weight_grads(grad_outs, x_full, dtype, ctx.has_bias, ctx.needs_input_grad[5:])
         _wait(handles)
-        return (grad_share, None, None, None, *grads)
+        return (grad_share, None, None, None, None, *grads)
 
 
 def _chunk_input_grad(used, grad_x_full, s, m, t, h, like) -> torch.Tensor:
@@ -164,13 +166,16 @@ def _chunk_input_grad(used, grad_x_full, s, m, t, h, like) -> torch.Tensor:
         g_x = g_i.mm(w) if g_x is None else g_x.addmm_(g_i, w)
     own = None if grad_x_full is None else grad_x_full[:, s:s + m].reshape(t * m, h)
     if g_x is None:
-        return like.new_zeros((t * m, h)) if own is None else own.clone()
+        return like.new_zeros((t * m, h)) if own is None else own.contiguous()
     return g_x if own is None else g_x.add_(own.to(g_x.dtype))
 
 
-def _weight_grads(grad_outs, x_2d, has_bias, needs) -> list:
-    """``[∂W_1, ∂b_1, ∂W_2, ...]`` of column matmuls ``y_c = x W_cᵀ + b_c`` over all rows."""
-    out = []
+def _weight_grads(grad_outs, x, dtype, has_bias, needs) -> list:
+    """``[∂W_1, ∂b_1, ∂W_2, ...]`` of column matmuls ``y_c = x W_cᵀ + b_c`` over all rows (``x``
+    cast to ``dtype`` unless ``None``; none without column weights)."""
+    if not grad_outs:
+        return []
+    x_2d, out = (_flat(x) if dtype is None else _flat(x).to(dtype)), []
     for c, g in enumerate(grad_outs):
         need_w, need_b = needs[2 * c], needs[2 * c + 1]
         g_2d = None if g is None else _flat(g)
@@ -179,13 +184,16 @@ def _weight_grads(grad_outs, x_2d, has_bias, needs) -> list:
     return out
 
 
-def gather_matmul(x_share: torch.Tensor, weights, biases, group, chunks: int):
+def gather_matmul(x_share: torch.Tensor, weights, biases, group, chunks: int,
+                  labels: tuple[str, str] = ("gather_matmul.fwd", "gather_matmul.bwd")):
     """Sequence-parallel entry: ``x_full = all-gather(x_share)`` and ``y_c = x_full W_cᵀ + b_c``
     for every column weight, pipelined in ``chunks``. ``x_share`` ``(n, h)`` rows of this rank;
-    returns ``(x_full (t, n, h), [y_c (t, n, out_c)])`` in rank-major token order."""
+    returns ``(x_full (t, n, h), [y_c (t, n, out_c)])`` in rank-major token order. With no
+    weights and one chunk, the plain entry (:func:`~.sequence_parallel.gather_sequence_region`):
+    all-gather, backward reduce-scatter, nothing kept."""
     dtype, params = _compute(x_share, [p for pair in zip(weights, biases) for p in pair])
     with _plain(x_share):
-        out = _GatherMatmul.apply(x_share.contiguous(), group, chunks, dtype, *params)
+        out = _GatherMatmul.apply(x_share.contiguous(), group, chunks, dtype, labels, *params)
     return out[0], list(out[1:])
 
 
@@ -194,8 +202,10 @@ class _CopyMatmul(torch.autograd.Function):
     def forward(ctx, x, group, chunks, label, *params):
         weights, biases = params[0::2], params[1::2]
         outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
-        ctx.save_for_backward(x, *weights)
+        # without column weights (the plain entry) backward needs no input
+        ctx.save_for_backward(x if weights else None, *weights)
         ctx.group, ctx.bounds, ctx.label = group, chunk_bounds(x.shape[0], chunks), label
+        ctx.shape = x.shape
         ctx.has_bias = [b is not None for b in biases]
         return (x.view_as(x), *outs)
 
@@ -205,8 +215,9 @@ class _CopyMatmul(torch.autograd.Function):
         used = [(g, w) for g, w in zip(grad_outs, weights) if g is not None]
         if not ctx.needs_input_grad[0]:  # nobody needs the input gradient: no all-reduce
             return (None, None, None, None,
-                    *_weight_grads(grad_outs, x, ctx.has_bias, ctx.needs_input_grad[4:]))
-        grad_x, handles = x.new_empty(x.shape), []
+                    *_weight_grads(grad_outs, x, None, ctx.has_bias, ctx.needs_input_grad[4:]))
+        like = grad_x_own if x is None else x
+        grad_x, handles = like.new_empty(ctx.shape), []
         for s, m in ctx.bounds:  # each chunk's all-reduce runs while the next is computed
             g_x = grad_x[s:s + m]
             for j, (g, w) in enumerate(used):
@@ -214,12 +225,14 @@ class _CopyMatmul(torch.autograd.Function):
                     torch.mm(g[s:s + m], w, out=g_x)
                 else:
                     g_x.addmm_(g[s:s + m], w)
-            if not used:
-                g_x.zero_()
-            if grad_x_own is not None:
+            if used and grad_x_own is not None:
                 g_x.add_(grad_x_own[s:s + m])
+            elif grad_x_own is not None:
+                g_x.copy_(grad_x_own[s:s + m])
+            elif not used:
+                g_x.zero_()
             handles.append(C.all_reduce(g_x, ctx.group, async_op=True, label=ctx.label))
-        grads = _weight_grads(grad_outs, x, ctx.has_bias, ctx.needs_input_grad[4:])
+        grads = _weight_grads(grad_outs, x, None, ctx.has_bias, ctx.needs_input_grad[4:])
         _wait(handles)
         return (grad_x, None, None, None, *grads)
 
@@ -230,7 +243,8 @@ def copy_matmul(x: torch.Tensor, weights, biases, group, chunks: int,
     copy-to-region for all of them — its backward all-reduce of ``∂L/∂x`` split into ``chunks``
     (each running while the next chunk's input gradient is computed, the last ones behind the
     weight gradients). ``x`` ``(n, h)``; returns ``(x, [y_c])`` (``x``'s own uses in the region
-    add their gradient to the all-reduced sum)."""
+    add their gradient to the all-reduced sum). With no weights and one chunk, the plain
+    ``copy_to_tp_region`` of a region's input (:class:`~.regions.CopyToTPRegion`): nothing kept."""
     _, (x, *params) = _compute(x, [x] + [p for pair in zip(weights, biases) for p in pair])
     with _plain(x):
         out = _CopyMatmul.apply(x.contiguous(), group, chunks, label, *params)

@@ -42,6 +42,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.primitives import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region
+from .collective_matmul import copy_matmul
 from .linear import to_compute_dtype
 from .mixin import mix_into
 from .sequence_parallel import gather_sequence, gather_sequence_region, scatter_sequence
@@ -102,7 +103,12 @@ class CopyToTPRegion(Region):
         return super().forward(*args, **kwargs)
 
     def _copy_to_region(self, x):
-        return copy_to_tp_region(to_compute_dtype(x), self.region_group)
+        if C.group_size(self.region_group) == 1:
+            return x
+        # the collective matmul of the entry with no column weights, in one chunk
+        x_same, _ = copy_matmul(x.reshape(-1, x.shape[-1]), [], [], self.region_group, 1,
+                                "copy_to_tp_region.bwd")
+        return x_same.view(x.shape)
 
     def extra_repr(self) -> str:
         mine = (f"input: copy_to_tp_region {self._over()} (fwd identity, bwd "

@@ -48,8 +48,8 @@ import torch
 
 from ..comm import collectives as C
 from ..comm.bucketing import mark_partial_grad, partial_grad_group
-from ..comm.primitives import all_gather_along, gather_from_tp_region, scatter_to_tp_region
-from .collective_matmul import matmul_reduce_scatter
+from ..comm.primitives import gather_from_tp_region, scatter_to_tp_region
+from .collective_matmul import gather_matmul, matmul_reduce_scatter
 from .linear import RowParallelLinear, chunks_of, exit_operands
 
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
@@ -105,7 +105,9 @@ def gather_sequence_region(x: torch.Tensor, group) -> torch.Tensor:
     of the partial input gradients of the column-parallel layers inside)."""
     if not _active(group):
         return x
-    full = all_gather_along(_tokens(x), group, 0)
+    # the collective matmul of the entry with no column weights, in one chunk
+    full, _ = gather_matmul(_tokens(x), [], [], group, 1,
+                            ("all_gather_along.fwd", "all_gather_along.bwd"))
     return full.view(x.shape[0], x.shape[SEQ_DIM] * C.group_size(group), *x.shape[2:])
 
 

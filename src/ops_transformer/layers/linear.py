@@ -76,6 +76,21 @@ def _dense_linear(in_features, out_features, bias, device, dtype) -> nn.Linear:
 class _TPLinear(nn.Module):
     """What the column and row layers share: the dense layer they are slices of."""
 
+    bias_spec = None  # the row layer's bias is replicated (added once, after the reduction)
+
+    def _load_dense(self, dense: nn.Module) -> None:
+        weight, transposed = dense_weight(dense)
+        if transposed:
+            self.weight_spec = dataclasses.replace(self.weight_spec, transposed=True)
+        self.weight = set_shard_spec(nn.Parameter(self.weight_spec.shard(weight)), self.weight_spec)
+        if dense.bias is None:
+            self.register_parameter("bias", None)
+        elif self.bias_spec is None:
+            self.bias = nn.Parameter(dense.bias.detach().clone())
+        else:
+            self.bias = set_shard_spec(nn.Parameter(self.bias_spec.shard(dense.bias.detach())),
+                                       self.bias_spec)
+
     def to_dense(self) -> nn.Linear:
         """The dense ``nn.Linear`` (collective over the TP group; every rank gets it)."""
         weight = gather_full(self.weight, self.tp_group)
@@ -149,17 +164,6 @@ class ColumnParallelLinear(_TPLinear):
         self.register_buffer("_gather_order", order, persistent=False)
         dense = _dense_linear(in_features, out_features, bias, device, dtype)
         self._load_dense(dense)
-
-    def _load_dense(self, dense: nn.Module) -> None:
-        weight, transposed = dense_weight(dense)
-        if transposed:
-            self.weight_spec = dataclasses.replace(self.weight_spec, transposed=True)
-        self.weight = set_shard_spec(nn.Parameter(self.weight_spec.shard(weight)), self.weight_spec)
-        if dense.bias is not None:
-            self.bias = set_shard_spec(nn.Parameter(self.bias_spec.shard(dense.bias.detach())),
-                                       self.bias_spec)
-        else:
-            self.register_parameter("bias", None)
 
     @classmethod
     def from_dense(cls, linear: nn.Module, ctx, *, gather_output: bool = False,
@@ -254,16 +258,6 @@ class RowParallelLinear(_TPLinear):
         self.tp_group, self.tp_size, self.tp_rank = ctx.tp_group, tp, ctx.tp_rank
         self.weight_spec = ShardSpec((out_features, in_features), 1, ctx.tp_rank, tp)
         self._load_dense(_dense_linear(in_features, out_features, bias, device, dtype))
-
-    def _load_dense(self, dense: nn.Module) -> None:
-        weight, transposed = dense_weight(dense)
-        if transposed:
-            self.weight_spec = dataclasses.replace(self.weight_spec, transposed=True)
-        self.weight = set_shard_spec(nn.Parameter(self.weight_spec.shard(weight)), self.weight_spec)
-        if dense.bias is not None:
-            self.bias = nn.Parameter(dense.bias.detach().clone())  # replicated, added once
-        else:
-            self.register_parameter("bias", None)
 
     @classmethod
     def from_dense(cls, linear: nn.Module, ctx, *,

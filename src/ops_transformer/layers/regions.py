@@ -29,7 +29,11 @@ region                      where                         forward               
 :class:`GatherSequenceOutput` output                      all-gather of tokens      keep own share
 =========================== ============================= ========================= =============
 
-Each is the identity on a group of one rank, as its primitive is. Regions stack (a region of a
+The entries of a tensor-parallel region are the collective-matmul ops of
+:mod:`.collective_matmul` with no column weights and one chunk (``CopyToTPRegion``:
+``copy_matmul``; ``GatherSequenceRegion``: ``gather_matmul``), the ops the chunked entries of
+:mod:`.overlap_regions` run with their column weights — one implementation per entry. Each is the
+identity on a group of one rank, as its primitive is. Regions stack (a region of a
 region runs the outer collective first); what the module itself computes is ``own_forward``, which
 recompute and the activation cache wrap (:func:`wrap_own_forward`) so the region's collectives stay
 outside them.

@@ -75,9 +75,13 @@ Sixteen kinds; what were renamed variants are options of the communicating kinds
   a :class:`RegatherColumnLinear` (no input kept, the share all-gathered again in backward; with
   ``entry="sequence"`` behind its own :class:`RegatherSequenceRegion`); ``fed=True``: inside a
   chunked region, its output from the region's collective matmul; ``overlap="chunked"|"auto"``:
-  the layer is its own chunked entry (:mod:`ops_transformer.layers.overlap_regions`).
+  the layer's own entry op (``copy_matmul``) runs in the policy's chunks (behind
+  ``entry="sequence"``: its own chunked entry, :mod:`ops_transformer.layers.overlap_regions`);
+  ``chunks=1`` / ``overlap="none"`` is the same class in one chunk.
 * ``rowwise(exit="all_reduce"|"reduce_scatter", overlap=, chunks=)`` — ``reduce_scatter``:
-  :class:`SequenceParallelRowLinear`; ``overlap``: the matmul and its exit collective in chunks.
+  :class:`SequenceParallelRowLinear`; ``overlap``: the matmul and its exit collective in chunks
+  (the same class: its exit op is ``matmul_all_reduce`` / ``matmul_reduce_scatter`` at any chunk
+  count, the policy an attribute).
 * ``region(entry="copy"|"sequence", regather=, columns=, overlap=, chunks=)`` — ``sequence``: a
   :class:`GatherSequenceRegion` (``regather``: :class:`RegatherSequenceRegion`); ``overlap``:
   the entry and its ``columns`` children as one collective matmul.
@@ -195,7 +199,8 @@ def colwise(module, ctx, model, *, sub_blocks=None, kv_heads=None, reduce_input_
     it) or ``sequence`` (all-gathered from the sequence-parallel layout, backward
     reduce-scatter); ``regather``: keep no input for backward (all-gather the share again
     there); ``fed``: the layer's output comes from its region's collective matmul; ``overlap``
-    ``chunked``/``auto``: the layer is its own chunked entry (``chunks``)."""
+    ``chunked``/``auto``: the layer's entry op in ``chunks`` (one implementation at any chunk
+    count: the policy is an attribute of the same layer)."""
     entry, overlap = _entry_of("colwise", entry), _overlap_of("colwise", overlap, chunks)
     if fed:
         return as_variant(_column_layer(module, ctx, sub_blocks, kv_heads, False, pad=pad),

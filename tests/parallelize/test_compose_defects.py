@@ -167,11 +167,11 @@ def _style_options():
 
 
 def test_one_chunk_is_the_plain_layer(run_ranks):
-    """Issue 33: the communicating kinds take ``chunks``; ``chunks=1`` is the plain column / row
-    layer (their own classes), ``chunks=2`` the chunked collective matmul — the same gradients,
-    each collective in two calls."""
+    """Issue 33: the communicating kinds take ``chunks``; one implementation per communicating
+    matmul: ``chunks=1`` and ``chunks=2`` are the same column / row classes (the collective matmul
+    with its chunk count an option) — the same gradients, each collective in two calls."""
     out = run_ranks(_style_options, 2)[0]
-    assert out[1][2] == (True, True) and out[2][2] == (False, False)
+    assert out[1][2] == (True, True) and out[2][2] == (True, True)
     assert out[1][1] == {"all_reduce": 2} and out[2][1] == {"all_reduce": 4}
     for name, grad in out[1][0].items():
         assert_rel(out[2][0][name], grad, what=name)

@@ -200,8 +200,8 @@ def test_hugging_face_llama_in_chunks_equals_none(run_ranks, tp, sp):
         assert chunked[2][kind]["calls"] - none[2][kind]["calls"] == \
             (chunks - 1) * per_layer * layers
     text = chunked[3]
-    for shown in ("FedColumnParallelLinear(", "ChunkedRowParallelLinear(" if not sp else
-                  "ChunkedSequenceParallelRowLinear(", "overlap=chunked (chunks 3)",
+    for shown in ("FedColumnParallelLinear(", "output: matmul_all_reduce over tp=" if not sp else
+                  "output: matmul_reduce_scatter over tp=", "overlap=chunked (chunks 3)",
                   "as gather_matmul with q_proj, k_proj, v_proj" if sp else
                   "as copy_matmul with gate_proj, up_proj"):
         assert shown in text, shown

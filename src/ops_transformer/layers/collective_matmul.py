@@ -2,6 +2,14 @@
 its matmul (SPEC F4; Wang et al. 2023, "Overlap communication with dependent computation via
 decomposition"; torchtitan's async TP; Megatron-LM's TP communication overlap).
 
+These ops are the only implementation of the column entry's input-gradient all-reduce and of the
+row and sequence-parallel exits: ``ColumnParallelLinear`` (:mod:`.linear`) runs ``copy_matmul``,
+``RowParallelLinear`` ``matmul_all_reduce`` and ``SequenceParallelRowLinear`` ``matmul_reduce_
+scatter``, with ``chunks=1`` under ``overlap="none"`` — one chunk *is* the plain layer (one
+collective, labelled in the ledger as the plain primitive's) — and the cost model's choice under
+``"auto"``. Each skips a backward collective whose result nobody needs (an input without
+``requires_grad``).
+
 Tokens are rows (``x`` of shape ``(tokens, features)``). ``chunks`` pieces of rows move one
 collective each, so the total bytes are those of the one unchunked call and the ledger shows
 ``chunks`` calls of the same kind. Each op is exact: every row is multiplied as in the unchunked
@@ -37,7 +45,17 @@ import contextlib
 import torch
 
 from ..comm import collectives as C
-from .linear import _autocast_dtype
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs matrix products in here, or ``None`` outside autocast.
+    Backward runs outside autocast, so a custom matmul must cast its saved inputs itself."""
+    device = x.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type autocast does not know (meta): nothing is autocast
+        return None
+    return torch.get_autocast_dtype(device) if enabled else None
 
 
 def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -82,7 +100,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def _compute(x: torch.Tensor, tensors) -> tuple[torch.dtype, list]:
     """The dtype the matmuls run in (autocast's, else the first tensor's) and ``tensors`` cast to
     it — outside the autograd functions, so the casts have their own backward."""
-    dtype = _autocast_dtype(x) or next(t for t in tensors if t is not None).dtype
+    dtype = _autocast_dtype(x) or next((t for t in tensors if t is not None), x).dtype
     return dtype, [None if t is None else t.to(dtype) for t in tensors]
 
 
@@ -95,23 +113,27 @@ def _plain(x: torch.Tensor):
 
 class _GatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_share, group, chunks, compute_dtype, *params):
+    def forward(ctx, x_share, group, chunks, compute_dtype, labels, *params):
         weights, biases = params[0::2], params[1::2]
         t, (n, h) = group.size(), x_share.shape
         bounds = chunk_bounds(n, chunks)
-        x_full = x_share.new_empty((t, n, h))
-        outs = [x_share.new_empty((t, n, w.shape[0]), dtype=w.dtype) for w in weights]
         bufs = [x_share.new_empty((t * m, h)) for _, m in bounds]
+        # one chunk: the gathered buffer is the full activation (no copy)
+        x_full = bufs[0].view(t, n, h) if len(bounds) == 1 else x_share.new_empty((t, n, h))
+        outs = [x_share.new_empty((t, n, w.shape[0]), dtype=w.dtype) for w in weights]
 
-        for i, s, m in _gathered(bufs, x_share, bounds, group, "gather_matmul.fwd"):
-            x_full[:, s:s + m].copy_(bufs[i].view(t, m, h))
+        for i, s, m in _gathered(bufs, x_share, bounds, group, labels[0]):
+            if len(bounds) > 1:
+                x_full[:, s:s + m].copy_(bufs[i].view(t, m, h))
             rows = bufs[i].to(compute_dtype)
             for y, w, b in zip(outs, weights, biases):
                 y_i = rows.mm(w.t()) if b is None else torch.addmm(b, rows, w.t())
                 y[:, s:s + m].copy_(y_i.view(t, m, -1))
             bufs[i] = None  # a chunk's buffer is not needed once copied
-        ctx.save_for_backward(x_full, *weights)
+        # without column weights (the plain entry) backward needs no gathered input
+        ctx.save_for_backward(x_full if weights else None, *weights)
         ctx.group, ctx.bounds, ctx.compute_dtype = group, bounds, compute_dtype
+        ctx.shape, ctx.label = (t, n, h), labels[1]
         ctx.has_bias = [b is not None for b in biases]
         return (x_full, *outs)
 
@@ -119,23 +141,21 @@ class _GatherMatmul(torch.autograd.Function):
     def backward(ctx, grad_x_full, *grad_outs):
         x_full, *weights = ctx.saved_tensors
         group, bounds, dtype = ctx.group, ctx.bounds, ctx.compute_dtype
-        t, n, h = x_full.shape
+        (t, n, h), like = ctx.shape, (grad_x_full if x_full is None else x_full)
         used = [(g, w) for g, w in zip(grad_outs, weights) if g is not None]
         if not ctx.needs_input_grad[0]:  # nobody needs the input gradient: no reduce-scatter
-            grads = _weight_grads(grad_outs, _flat(x_full).to(dtype), ctx.has_bias,
-                                  ctx.needs_input_grad[4:])
-            return (None, None, None, None, *grads)
-        grad_share = x_full.new_empty((n, h))
+            return (None, None, None, None, None, *_weight_grads(
+                grad_outs, x_full, dtype, ctx.has_bias, ctx.needs_input_grad[5:]))
+        grad_share = like.new_empty((n, h))
         handles, inputs = [], []
         for s, m in bounds:
-            g_x = _chunk_input_grad(used, grad_x_full, s, m, t, h, x_full).to(x_full.dtype)
+            g_x = _chunk_input_grad(used, grad_x_full, s, m, t, h, like).to(like.dtype)
             inputs.append(g_x)  # alive until its reduce-scatter is done
             handles.append(C.reduce_scatter_into(grad_share[s:s + m], g_x, group, async_op=True,
-                                                 label="gather_matmul.bwd"))
-        grads = _weight_grads(grad_outs, _flat(x_full).to(dtype), ctx.has_bias,
-                              ctx.needs_input_grad[4:])
+                                                 label=ctx.label))
+        grads = _weight_grads(grad_outs, x_full, dtype, ctx.has_bias, ctx.needs_input_grad[5:])
         _wait(handles)
-        return (grad_share, None, None, None, *grads)
+        return (grad_share, None, None, None, None, *grads)
 
 
 def _chunk_input_grad(used, grad_x_full, s, m, t, h, like) -> torch.Tensor:
@@ -146,13 +166,16 @@ def _chunk_input_grad(used, grad_x_full, s, m, t, h, like) -> torch.Tensor:
         g_x = g_i.mm(w) if g_x is None else g_x.addmm_(g_i, w)
     own = None if grad_x_full is None else grad_x_full[:, s:s + m].reshape(t * m, h)
     if g_x is None:
-        return like.new_zeros((t * m, h)) if own is None else own.clone()
+        return like.new_zeros((t * m, h)) if own is None else own.contiguous()
     return g_x if own is None else g_x.add_(own.to(g_x.dtype))
 
 
-def _weight_grads(grad_outs, x_2d, has_bias, needs) -> list:
-    """``[∂W_1, ∂b_1, ∂W_2, ...]`` of column matmuls ``y_c = x W_cᵀ + b_c`` over all rows."""
-    out = []
+def _weight_grads(grad_outs, x, dtype, has_bias, needs) -> list:
+    """``[∂W_1, ∂b_1, ∂W_2, ...]`` of column matmuls ``y_c = x W_cᵀ + b_c`` over all rows (``x``
+    cast to ``dtype`` unless ``None``; none without column weights)."""
+    if not grad_outs:
+        return []
+    x_2d, out = (_flat(x) if dtype is None else _flat(x).to(dtype)), []
     for c, g in enumerate(grad_outs):
         need_w, need_b = needs[2 * c], needs[2 * c + 1]
         g_2d = None if g is None else _flat(g)
@@ -161,23 +184,28 @@ def _weight_grads(grad_outs, x_2d, has_bias, needs) -> list:
     return out
 
 
-def gather_matmul(x_share: torch.Tensor, weights, biases, group, chunks: int):
+def gather_matmul(x_share: torch.Tensor, weights, biases, group, chunks: int,
+                  labels: tuple[str, str] = ("gather_matmul.fwd", "gather_matmul.bwd")):
     """Sequence-parallel entry: ``x_full = all-gather(x_share)`` and ``y_c = x_full W_cᵀ + b_c``
     for every column weight, pipelined in ``chunks``. ``x_share`` ``(n, h)`` rows of this rank;
-    returns ``(x_full (t, n, h), [y_c (t, n, out_c)])`` in rank-major token order."""
+    returns ``(x_full (t, n, h), [y_c (t, n, out_c)])`` in rank-major token order. With no
+    weights and one chunk, the plain entry (:func:`~.sequence_parallel.gather_sequence_region`):
+    all-gather, backward reduce-scatter, nothing kept."""
     dtype, params = _compute(x_share, [p for pair in zip(weights, biases) for p in pair])
     with _plain(x_share):
-        out = _GatherMatmul.apply(x_share.contiguous(), group, chunks, dtype, *params)
+        out = _GatherMatmul.apply(x_share.contiguous(), group, chunks, dtype, labels, *params)
     return out[0], list(out[1:])
 
 
 class _CopyMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, chunks, *params):
+    def forward(ctx, x, group, chunks, label, *params):
         weights, biases = params[0::2], params[1::2]
         outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
-        ctx.save_for_backward(x, *weights)
-        ctx.group, ctx.bounds = group, chunk_bounds(x.shape[0], chunks)
+        # without column weights (the plain entry) backward needs no input
+        ctx.save_for_backward(x if weights else None, *weights)
+        ctx.group, ctx.bounds, ctx.label = group, chunk_bounds(x.shape[0], chunks), label
+        ctx.shape = x.shape
         ctx.has_bias = [b is not None for b in biases]
         return (x.view_as(x), *outs)
 
@@ -186,9 +214,10 @@ class _CopyMatmul(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         used = [(g, w) for g, w in zip(grad_outs, weights) if g is not None]
         if not ctx.needs_input_grad[0]:  # nobody needs the input gradient: no all-reduce
-            return (None, None, None,
-                    *_weight_grads(grad_outs, x, ctx.has_bias, ctx.needs_input_grad[3:]))
-        grad_x, handles = x.new_empty(x.shape), []
+            return (None, None, None, None,
+                    *_weight_grads(grad_outs, x, None, ctx.has_bias, ctx.needs_input_grad[4:]))
+        like = grad_x_own if x is None else x
+        grad_x, handles = like.new_empty(ctx.shape), []
         for s, m in ctx.bounds:  # each chunk's all-reduce runs while the next is computed
             g_x = grad_x[s:s + m]
             for j, (g, w) in enumerate(used):
@@ -196,25 +225,29 @@ class _CopyMatmul(torch.autograd.Function):
                     torch.mm(g[s:s + m], w, out=g_x)
                 else:
                     g_x.addmm_(g[s:s + m], w)
-            if not used:
-                g_x.zero_()
-            if grad_x_own is not None:
+            if used and grad_x_own is not None:
                 g_x.add_(grad_x_own[s:s + m])
-            handles.append(C.all_reduce(g_x, ctx.group, async_op=True, label="copy_matmul.bwd"))
-        grads = _weight_grads(grad_outs, x, ctx.has_bias, ctx.needs_input_grad[3:])
+            elif grad_x_own is not None:
+                g_x.copy_(grad_x_own[s:s + m])
+            elif not used:
+                g_x.zero_()
+            handles.append(C.all_reduce(g_x, ctx.group, async_op=True, label=ctx.label))
+        grads = _weight_grads(grad_outs, x, None, ctx.has_bias, ctx.needs_input_grad[4:])
         _wait(handles)
-        return (grad_x, None, None, *grads)
+        return (grad_x, None, None, None, *grads)
 
 
-def copy_matmul(x: torch.Tensor, weights, biases, group, chunks: int):
+def copy_matmul(x: torch.Tensor, weights, biases, group, chunks: int,
+                label: str = "copy_matmul.bwd"):
     """Tensor-parallel entry: ``y_c = x W_cᵀ + b_c`` for every column weight, with one
     copy-to-region for all of them — its backward all-reduce of ``∂L/∂x`` split into ``chunks``
     (each running while the next chunk's input gradient is computed, the last ones behind the
     weight gradients). ``x`` ``(n, h)``; returns ``(x, [y_c])`` (``x``'s own uses in the region
-    add their gradient to the all-reduced sum)."""
+    add their gradient to the all-reduced sum). With no weights and one chunk, the plain
+    ``copy_to_tp_region`` of a region's input (:class:`~.regions.CopyToTPRegion`): nothing kept."""
     _, (x, *params) = _compute(x, [x] + [p for pair in zip(weights, biases) for p in pair])
     with _plain(x):
-        out = _CopyMatmul.apply(x.contiguous(), group, chunks, *params)
+        out = _CopyMatmul.apply(x.contiguous(), group, chunks, label, *params)
     return out[0], list(out[1:])
 
 
@@ -248,13 +281,12 @@ def _saved_first(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, _
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, group, chunks, box):
+    def forward(ctx, x, weight, group, chunks, box, label):
         y = x.new_empty((x.shape[0], weight.shape[0]))
         handles = []
         for s, m in chunk_bounds(x.shape[0], chunks):
             torch.mm(x[s:s + m], weight.t(), out=y[s:s + m])
-            handles.append(C.all_reduce(y[s:s + m], group, async_op=True,
-                                        label="matmul_all_reduce.fwd"))
+            handles.append(C.all_reduce(y[s:s + m], group, async_op=True, label=label))
         _wait(handles)
         ctx.box = box
         return y
@@ -264,21 +296,25 @@ class _MatmulAllReduce(torch.autograd.Function):
         x, weight = ctx.box.node.saved_tensors
         grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None
         grad_w = grad.t().mm(x) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
-def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, group, chunks: int) -> torch.Tensor:
+def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, group, chunks: int,
+                      label: str | None = None) -> torch.Tensor:
     """Tensor-parallel exit: ``all-reduce(x Wᵀ)`` with the matmul of chunk ``i+1`` running while
-    chunk ``i`` is all-reduced. ``x`` ``(n, in/t)``; returns ``(n, out)``."""
+    chunk ``i`` is all-reduced. ``x`` ``(n, in/t)``; returns ``(n, out)``. The ledger's label:
+    ``reduce_from_tp_region.fwd`` for one chunk (the plain row layer's exit), else
+    ``matmul_all_reduce.fwd``."""
+    label = label or ("reduce_from_tp_region.fwd" if chunks == 1 else "matmul_all_reduce.fwd")
     _, (x, weight) = _compute(x, [x, weight])
     with _plain(x):
         x, box = _saved_first(x.contiguous(), weight)
-        return _MatmulAllReduce.apply(x, weight, group, chunks, box)
+        return _MatmulAllReduce.apply(x, weight, group, chunks, box, label)
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, group, chunks, box):
+    def forward(ctx, x, weight, group, chunks, box, labels):
         t = group.size()
         n, k = x.shape[0] // t, x.shape[1]
         x3 = x.view(t, n, k)
@@ -288,9 +324,9 @@ class _MatmulReduceScatter(torch.autograd.Function):
             partial = x3[:, s:s + m].reshape(t * m, k).mm(weight.t())  # (t·m, out)
             partials.append(partial)  # alive until its reduce-scatter is done
             handles.append(C.reduce_scatter_into(out[s:s + m], partial, group, async_op=True,
-                                                 label="matmul_reduce_scatter.fwd"))
+                                                 label=labels[0]))
         _wait(handles)
-        ctx.group, ctx.bounds, ctx.box = group, bounds, box
+        ctx.group, ctx.bounds, ctx.box, ctx.label = group, bounds, box, labels[1]
         return out
 
     @staticmethod
@@ -304,21 +340,25 @@ class _MatmulReduceScatter(torch.autograd.Function):
         grad_w = weight.new_zeros(weight.shape) if ctx.needs_input_grad[1] else None
         bufs = [grad_share.new_empty((t * m, grad_share.shape[1])) for _, m in bounds]
 
-        for i, s, m in _gathered(bufs, grad_share, bounds, group, "matmul_reduce_scatter.bwd"):
+        for i, s, m in _gathered(bufs, grad_share, bounds, group, ctx.label):
             g = bufs[i]  # (t·m, out): the output gradient of chunk i's rows on every rank
             grad_x[:, s:s + m].copy_(g.mm(weight).view(t, m, k))
             if grad_w is not None:
                 grad_w.addmm_(g.t(), x3[:, s:s + m].reshape(t * m, k))
             bufs[i] = None
-        return grad_x.view(t * n, k), grad_w, None, None, None
+        return grad_x.view(t * n, k), grad_w, None, None, None, None
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group,
-                          chunks: int) -> torch.Tensor:
+                          chunks: int, labels: tuple[str, str] | None = None) -> torch.Tensor:
     """Sequence-parallel exit: ``reduce-scatter(x Wᵀ)`` over the token rows, the matmul of chunk
     ``i+1`` running while chunk ``i`` is reduce-scattered. ``x`` ``(t·n, in/t)`` in rank-major
-    token order; returns this rank's ``(n, out)``."""
+    token order; returns this rank's ``(n, out)``. The ledger's labels (forward, backward): those
+    of the plain layer's ``reduce_scatter_along`` for one chunk, else
+    ``matmul_reduce_scatter.fwd`` / ``.bwd``."""
+    labels = labels or (("reduce_scatter_along.fwd", "reduce_scatter_along.bwd") if chunks == 1
+                        else ("matmul_reduce_scatter.fwd", "matmul_reduce_scatter.bwd"))
     _, (x, weight) = _compute(x, [x, weight])
     with _plain(x):
         x, box = _saved_first(x.contiguous(), weight)
-        return _MatmulReduceScatter.apply(x, weight, group, chunks, box)
+        return _MatmulReduceScatter.apply(x, weight, group, chunks, box, labels)

@@ -31,10 +31,11 @@ dense          none              none                                    as the 
 The row case needs no collective of its own because ``Σ_r x_r A_rᵀ Bᵀ = (Σ_r x_r A_rᵀ) Bᵀ``: each
 rank's partial ``x_r A_rᵀ`` times the replicated ``B`` is a partial of the adapter's output, added
 to the layer's partial before its all-reduce. In the column case the adapter's part of the input
-gradient is a partial sum like the layer's, so both go into one all-reduce: a layer that reduced
-its own input gradient (its fused all-reduce overlaps with the weight-gradient matmul, which a
-frozen weight does not have) takes its input through ``copy_to_tp_region`` instead — the same
-collective, of the same size. The replicated factor's gradient is partial on each rank; it is
+gradient is a partial sum like the layer's, so both go into one all-reduce: a layer that reduces
+its own input gradient computes the adapter on the input its collective matmul
+(:func:`~.collective_matmul.copy_matmul`) hands back, so the adapter's partial joins that op's
+all-reduce (in chunks too) — the same collective, of the same size. A row layer's adapter rides
+on its exit op the same way (:func:`~.linear.exit_operands`). The replicated factor's gradient is partial on each rank; it is
 marked (:func:`~ops_transformer.comm.bucketing.mark_partial_grad`) so that the model's
 :class:`~ops_transformer.parallel.grad_reduce.GradSums` sums every adapter's in one coalesced
 all-reduce per backward. The cost: the replicated factor's matmul (``rank`` columns) is repeated
@@ -64,11 +65,11 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.bucketing import mark_partial_grad, partial_grad_group
-from ..comm.primitives import copy_to_tp_region
 from ..parallel.sharding import ShardSpec, set_shard_spec, shard_spec
 from .dropout import Layout, dropout, dropout_at
-from .linear import ColumnParallelLinear, RowParallelLinear, dense_weight, to_compute_dtype
+from .linear import ColumnParallelLinear, RowParallelLinear, dense_weight
 from .linear_variants import without_padding_grad
+from .mixin import mix_into
 from .overlap_regions import _ChunkedEntry
 from .regions import GatherInput, GatherSequenceRegion, Region, RopeGradRegion
 
@@ -152,8 +153,8 @@ class LoRAColumn(LoRA):
 
     def local_output(self, x, weight, bias):
         if self.tp_size > 1 and self.reduce_input_grad:  # both partial input gradients, one sum
-            x = copy_to_tp_region(to_compute_dtype(x), self.tp_group)
-            return F.linear(x, weight, bias) + self.adapter(x)
+            x_region, y = self.entry(x, weight, bias)
+            return y + self.adapter(x_region)
         return super().local_output(x, weight, bias) + self.adapter(x)
 
 
@@ -190,9 +191,6 @@ class LoRADense(LoRA):
 
     def own_forward(self, x):
         return super().own_forward(x) + self.adapter(x)
-
-
-_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def base_class(module: nn.Module) -> type:
@@ -289,12 +287,7 @@ def _mark_partial(module, kind, factors, ctx) -> None:
 
 
 def _set_class(module: nn.Module, kind: type[LoRA]) -> None:
-    cls = type(module)
-    sub = _CLASSES.get((kind, cls))
-    if sub is None:
-        sub = type(f"LoRA[{cls.__name__}]", (kind, cls), {"__module__": __name__})
-        _CLASSES[(kind, cls)] = sub
-    module.__class__ = sub
+    mix_into(module, kind, "LoRA[{}]")
 
 
 def adapters(model: nn.Module) -> dict[str, LoRA]:

@@ -28,8 +28,7 @@ import torch
 
 from ..comm import collectives as C
 from ..models.moe import RoutingStats, capacity_mask, expert_counts
-
-_CLASSES: dict[type, type] = {}
+from .mixin import mix_into
 
 
 class GlobalRouting:
@@ -67,14 +66,7 @@ def use_global_statistics(model: torch.nn.Module, ctx) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, RoutingStats) and not isinstance(module, GlobalRouting):
-            cls = type(module)
-            sub = _CLASSES.get(cls)
-            if sub is None:
-                sub = type(f"GlobalRouting[{cls.__name__}]", (GlobalRouting, cls),
-                           {"__module__": __name__})
-                _CLASSES[cls] = sub
-            module.__class__ = sub
-            module.stats_group = ctx.dp_ep_group
-            module.stats_rank, module.stats_world = ctx.dp_ep_rank, ctx.dp_ep_size
+            mix_into(module, GlobalRouting, "GlobalRouting[{}]", stats_group=ctx.dp_ep_group,
+                     stats_rank=ctx.dp_ep_rank, stats_world=ctx.dp_ep_size)
             count += 1
     return count

@@ -1,8 +1,11 @@
-"""Regions whose entry or exit collective is a chunked collective matmul (SPEC F4, overlap).
+"""Entry regions whose collective is a chunked collective matmul (SPEC F4, overlap).
 
-The chunked variants of the communicating regions of :mod:`.regions` and of the row-parallel
-layers: the same collectives, split into chunks pipelined with the matmul next to them
-(:mod:`.collective_matmul`), so ``print(model)`` still names each one::
+The column and row layers run their own collective through the collective-matmul ops already
+(:mod:`.collective_matmul`: ``ColumnParallelLinear`` its input-gradient all-reduce by
+``copy_matmul``, ``RowParallelLinear`` / ``SequenceParallelRowLinear`` their exit by
+``matmul_all_reduce`` / ``matmul_reduce_scatter``; the chunk count an option from one policy,
+:func:`~.linear.chunks_of`: one chunk is the plain layer). What is left here is the entry shared by
+several column layers — Q, K and V, or gate and up — computed as **one** op for all of them::
 
     (self_attn): ChunkedCopyToTPRegion[LlamaAttention](input: copy_to_tp_region over tp=2 (fwd
                  identity, bwd all-reduce of the input gradient) as copy_matmul with q_proj,
@@ -12,27 +15,20 @@ layers: the same collectives, split into chunks pipelined with the matmul next t
 ========================================= ====================== ================== ==============
 module                                    replaces               forward            backward
 ========================================= ====================== ================== ==============
-:class:`ChunkedCopyToTPRegion`            ``CopyToTPRegion``, a  its column matmuls all-reduce of
-                                          column layer's own                        the input grad
-                                          input-grad all-reduce                     in chunks
+:class:`ChunkedCopyToTPRegion`            ``CopyToTPRegion``     its column matmuls all-reduce of
+                                                                                    the input grad
+                                                                                    in chunks
 :class:`ChunkedGatherSequenceRegion`      ``GatherSequence-``    all-gather in      reduce-scatter
                                           ``Region``             chunks ∥ matmuls   in chunks
-``ChunkedRowParallelLinear``              a row layer's          matmul ∥ all-      none
-(:class:`ChunkedRowOutput`)               all-reduce             reduce in chunks
-``ChunkedSequenceParallelRowLinear``      the sequence-parallel  matmul ∥ reduce-   all-gather in
-(:class:`ChunkedRowScatter`)              row's reduce-scatter   scatter in chunks  chunks ∥ grads
 ========================================= ====================== ================== ==============
 
 The entry regions subclass the regions they replace (``isinstance`` and their printed names still
-say so); the layer variants are made by :func:`as_variant` (``ChunkedRowParallelLinear`` is a
-``RowParallelLinear``).
-
-An entry region computes the column layers that read its input (``columns``: child names, or
-``""`` for the region itself when it is the column layer) in one fused op; each child, a
-:class:`FedColumn`, returns that op's output when called with the region's input (anything else
-it computes itself, which stays exact). How many chunks: :class:`OverlapPolicy` — as many as the
-plan asks (``overlap="chunked"``), or what the cost model's one formula says pays for this
-region's sizes on the agreed profile (``"auto"``,
+say so). An entry region computes the column layers that read its input (``columns``: child
+names, or ``""`` for the region itself when it is the column layer) in one fused op; each child,
+a :class:`FedColumn` (:func:`as_variant`), returns that op's output when called with the
+region's input (anything else it computes itself, which stays exact). How many chunks:
+:class:`OverlapPolicy` — as many as the plan asks (``overlap="chunked"``), or what the cost
+model's one formula says pays for this region's sizes on the agreed profile (``"auto"``,
 :func:`~ops_transformer.planner.overlap.choose_chunks`), decided once per size and recorded.
 """
 
@@ -42,29 +38,18 @@ import contextlib
 
 import torch
 
-from .collective_matmul import (copy_matmul, gather_matmul, matmul_all_reduce,
-                                matmul_reduce_scatter)
+from .collective_matmul import copy_matmul, gather_matmul
 from .linear import ColumnParallelLinear, _autocast_dtype
+from .mixin import mix_into
 from .overlap_policy import OverlapPolicy
 from .regions import CopyToTPRegion, GatherSequenceRegion, _joined, _on_first_input
-from .sequence_parallel import _active, check_sequence_length
-
-_VARIANTS: dict[tuple[type, type], type] = {}
-
+from .sequence_parallel import _active
 
 def as_variant(module, mixin: type, **settings):
     """Turn ``module`` (in place) into ``mixin``'s variant of its class, named
-    ``<prefix><class>`` (``ChunkedRowParallelLinear``: still a ``RowParallelLinear``), with
-    ``settings`` as attributes; returns it."""
-    base = type(module)
-    sub = _VARIANTS.get((mixin, base))
-    if sub is None:
-        sub = type(f"{mixin.prefix}{base.__name__}", (mixin, base), {"__module__": __name__})
-        _VARIANTS[(mixin, base)] = sub
-    module.__class__ = sub
-    for name, value in settings.items():
-        setattr(module, name, value)
-    return module
+    ``<prefix><class>`` (``FedColumnParallelLinear``: still a ``ColumnParallelLinear``), with
+    ``settings`` as attributes (:func:`~.mixin.mix_into`); returns it."""
+    return mix_into(module, mixin, mixin.prefix + "{}", **settings)
 
 
 class FedColumn:
@@ -107,19 +92,6 @@ def _with_adapters(columns, x_region, outputs) -> list:
             for c, y in zip(columns, outputs)]
 
 
-def _exit_operands(layer, x_2d: torch.Tensor, weight: torch.Tensor):
-    """``(x, W)`` of a row layer's exit matmul; with a LoRA adapter (:mod:`.lora`), its split
-    factor's output joins as ``rank`` more input columns, ``[x, s·drop(x) A_rᵀ] [W_r, B]ᵀ`` — so the
-    adapter's partial output rides on the exit's own collective (no collective added)."""
-    if not hasattr(layer, "adapter"):
-        return x_2d, weight
-    h = torch.nn.functional.linear(layer.lora_input(x_2d), layer.lora_A.value())
-    h = h * layer.lora_scaling
-    dtype = _autocast_dtype(x_2d) or weight.dtype
-    return (torch.cat([x_2d.to(dtype), h.to(dtype)], dim=-1),
-            torch.cat([weight.to(dtype), layer.lora_B.value().to(dtype)], dim=-1))
-
-
 class _ChunkedEntry:
     """What both entry regions share: finding their column layers and feeding them. A chunked
     entry is its unchunked region (``replaces``) with the collective done by the fused op."""
@@ -139,6 +111,10 @@ class _ChunkedEntry:
         return found
 
     def _run(self, args, kwargs, x_region, columns, outputs):
+        """The region's forward past its collective: ``outputs`` (the fused op's 2-D ones) shaped
+        as ``x_region``, each with its column's adapter added."""
+        lead = x_region.shape[:-1]
+        outputs = _with_adapters(columns, x_region, [y.view(*lead, y.shape[-1]) for y in outputs])
         if self.columns == ("",):
             return outputs[0]
         if args:
@@ -183,10 +159,7 @@ class ChunkedCopyToTPRegion(_ChunkedEntry, CopyToTPRegion):
                   if torch.is_grad_enabled() else 1)  # (its only collective is in backward)
         x_same, outputs = copy_matmul(x.reshape(-1, x.shape[-1]), [c.weight for c in columns],
                                       [c.bias for c in columns], self.region_group, chunks)
-        lead, x_same = x.shape[:-1], x_same.view(x.shape)
-        return self._run(args, kwargs, x_same, columns,
-                         _with_adapters(columns, x_same, [y.view(*lead, y.shape[-1])
-                                                          for y in outputs]))
+        return self._run(args, kwargs, x_same.view(x.shape), columns, outputs)
 
     def _mine(self) -> str:
         return (f"input: copy_to_tp_region {self._over()} (fwd identity, bwd all-reduce of the "
@@ -211,70 +184,9 @@ class ChunkedGatherSequenceRegion(_ChunkedEntry, GatherSequenceRegion):
         chunks = self._chunks(x.numel() // h * t, h, columns, x.dtype)
         x_full, outputs = gather_matmul(x.reshape(-1, h), [c.weight for c in columns],
                                         [c.bias for c in columns], self.region_group, chunks)
-        full = (b, s * t, *x.shape[2:-1])
-        x_full = x_full.view(*full, h)
-        return self._run(args, kwargs, x_full, columns,
-                         _with_adapters(columns, x_full, [y.view(*full, y.shape[-1])
-                                                          for y in outputs]))
+        return self._run(args, kwargs, x_full.view(b, s * t, *x.shape[2:]), columns, outputs)
 
     def _mine(self) -> str:
         return (f"input: gather_sequence_region {self._over()} (fwd all-gather of the tokens, bwd "
                 f"reduce-scatter) as gather_matmul with {self._names()}: each chunk multiplied "
                 f"while the next arrives, {self.overlap!r}")
-
-
-class ChunkedRowOutput:
-    """A :class:`RowParallelLinear` (:func:`as_variant`: ``ChunkedRowParallelLinear``) whose
-    all-reduce runs in chunks, each while the next chunk is multiplied
-    (:func:`matmul_all_reduce`); a full input (``input_is_parallel=False``) runs unchunked."""
-
-    prefix = "Chunked"
-    overlap: OverlapPolicy = None
-
-    def forward(self, x):
-        if not self.input_is_parallel:
-            return super().forward(x)
-        k, out = x.shape[-1], self.weight.shape[0]
-        if k != self.in_features_per_rank:
-            return super().forward(x)  # (its error names the expected size)
-        tokens = x.numel() // k
-        chunks = self.overlap.chunks_for("tp_exit", tokens, k, out, self.tp_size,
-                                         _autocast_dtype(x) or x.dtype)
-        y = matmul_all_reduce(*_exit_operands(self, x.reshape(-1, k), self.weight),
-                              self.tp_group, chunks)
-        y = y.view(*x.shape[:-1], out)
-        return y + self.bias if self.bias is not None else y
-
-    def extra_repr(self) -> str:
-        return (super().extra_repr() + f", output: matmul_all_reduce over tp={self.tp_size} (fwd "
-                f"the row matmul and its all-reduce in chunks, overlapped; bwd none), "
-                f"{self.overlap!r}")
-
-
-class ChunkedRowScatter:
-    """A :class:`~.sequence_parallel.SequenceParallelRowLinear` (:func:`as_variant`:
-    ``ChunkedSequenceParallelRowLinear``) whose reduce-scatter runs in chunks, each while the next
-    chunk is multiplied; backward the all-gather of the output gradient in chunks, each chunk's
-    matmuls while the next arrives (:func:`matmul_reduce_scatter`)."""
-
-    prefix = "Chunked"
-    overlap: OverlapPolicy = None
-
-    def forward(self, x):
-        if not _active(self.tp_group) or x.shape[-1] != self.in_features_per_rank:
-            return super().forward(x)
-        check_sequence_length(x, self.tp_group)
-        k, out, t = x.shape[-1], self.weight.shape[0], self.tp_size
-        tokens = x.numel() // k
-        chunks = self.overlap.chunks_for("sp_exit", tokens, k, out, t,
-                                         _autocast_dtype(x) or x.dtype)
-        y = matmul_reduce_scatter(*_exit_operands(self, x.reshape(-1, k), self.weight),
-                                  self.tp_group, chunks)
-        y = y.view(x.shape[0], x.shape[1] // t, *x.shape[2:-1], out)
-        return y + self.bias if self.bias is not None else y
-
-    def extra_repr(self) -> str:
-        return (super().extra_repr() + f", output: matmul_reduce_scatter over tp={self.tp_size} "
-                f"(fwd the row matmul and its reduce-scatter in chunks, overlapped; bwd the "
-                f"all-gather in chunks), {self.overlap!r}")
-

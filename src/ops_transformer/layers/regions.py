@@ -29,7 +29,11 @@ region                      where                         forward               
 :class:`GatherSequenceOutput` output                      all-gather of tokens      keep own share
 =========================== ============================= ========================= =============
 
-Each is the identity on a group of one rank, as its primitive is. Regions stack (a region of a
+The entries of a tensor-parallel region are the collective-matmul ops of
+:mod:`.collective_matmul` with no column weights and one chunk (``CopyToTPRegion``:
+``copy_matmul``; ``GatherSequenceRegion``: ``gather_matmul``), the ops the chunked entries of
+:mod:`.overlap_regions` run with their column weights — one implementation per entry. Each is the
+identity on a group of one rank, as its primitive is. Regions stack (a region of a
 region runs the outer collective first); what the module itself computes is ``own_forward``, which
 recompute and the activation cache wrap (:func:`wrap_own_forward`) so the region's collectives stay
 outside them.
@@ -42,11 +46,11 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.primitives import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region
+from .collective_matmul import copy_matmul
 from .linear import to_compute_dtype
+from .mixin import mix_into
 from .sequence_parallel import gather_sequence, gather_sequence_region, scatter_sequence
 from .sequence_regather import gather_sequence_regather
-
-_CLASSES: dict[tuple[type, type], type] = {}
 
 
 class Region(nn.Module):
@@ -54,17 +58,9 @@ class Region(nn.Module):
 
     @classmethod
     def wrap(cls, module: nn.Module, group, **settings) -> nn.Module:
-        """Turn ``module`` (in place) into this region over ``group``; returns it."""
-        base = type(module)
-        sub = _CLASSES.get((cls, base))
-        if sub is None:
-            sub = type(f"{cls.__name__}[{base.__name__}]", (cls, base), {"__module__": __name__})
-            _CLASSES[(cls, base)] = sub
-        module.__class__ = sub
-        module.region_group = group
-        for name, value in settings.items():
-            setattr(module, name, value)
-        return module
+        """Turn ``module`` (in place) into this region over ``group`` (:func:`~.mixin.mix_into`:
+        ``Region[Module]``); returns it."""
+        return mix_into(module, cls, f"{cls.__name__}[{{}}]", region_group=group, **settings)
 
     def forward(self, *args, **kwargs):  # the innermost region: the module's own computation
         return self.own_forward(*args, **kwargs)
@@ -111,7 +107,12 @@ class CopyToTPRegion(Region):
         return super().forward(*args, **kwargs)
 
     def _copy_to_region(self, x):
-        return copy_to_tp_region(to_compute_dtype(x), self.region_group)
+        if C.group_size(self.region_group) == 1:
+            return x
+        # the collective matmul of the entry with no column weights, in one chunk
+        x_same, _ = copy_matmul(x.reshape(-1, x.shape[-1]), [], [], self.region_group, 1,
+                                "copy_to_tp_region.bwd")
+        return x_same.view(x.shape)
 
     def extra_repr(self) -> str:
         mine = (f"input: copy_to_tp_region {self._over()} (fwd identity, bwd "

@@ -48,9 +48,9 @@ import torch
 
 from ..comm import collectives as C
 from ..comm.bucketing import mark_partial_grad, partial_grad_group
-from ..comm.primitives import (all_gather_along, gather_from_tp_region, reduce_scatter_along,
-                               scatter_to_tp_region)
-from .linear import RowParallelLinear
+from ..comm.primitives import gather_from_tp_region, scatter_to_tp_region
+from .collective_matmul import gather_matmul, matmul_reduce_scatter
+from .linear import RowParallelLinear, chunks_of, exit_operands
 
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 
@@ -105,7 +105,9 @@ def gather_sequence_region(x: torch.Tensor, group) -> torch.Tensor:
     of the partial input gradients of the column-parallel layers inside)."""
     if not _active(group):
         return x
-    full = all_gather_along(_tokens(x), group, 0)
+    # the collective matmul of the entry with no column weights, in one chunk
+    full, _ = gather_matmul(_tokens(x), [], [], group, 1,
+                            ("all_gather_along.fwd", "all_gather_along.bwd"))
     return full.view(x.shape[0], x.shape[SEQ_DIM] * C.group_size(group), *x.shape[2:])
 
 
@@ -118,23 +120,25 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return full.view(x.shape[0], x.shape[SEQ_DIM] * C.group_size(group), *x.shape[2:])
 
 
-def reduce_scatter_sequence(y: torch.Tensor, group) -> torch.Tensor:
-    """Partial ``(b, s, h)`` outputs → this rank's ``(b, s/t, h)`` share of their sum (backward:
-    all-gather)."""
-    share = reduce_scatter_along(_tokens(y), group, 0)
-    return share.view(y.shape[0], y.shape[SEQ_DIM] // C.group_size(group), *y.shape[2:])
-
-
 class SequenceParallelRowLinear(RowParallelLinear):
     """A :class:`RowParallelLinear` whose partial outputs are reduce-scattered over the tokens
     instead of all-reduced: ``y_share = reduce-scatter(x_r W_rᵀ) + b`` of shape ``(b, s/t, out)``.
     Backward all-gathers the output gradient. The bias, replicated and added on the slice,
-    gets a partial gradient, marked for the TP sum (:func:`mark_partial_grad`)."""
+    gets a partial gradient, marked for the TP sum (:func:`mark_partial_grad`)::
+
+        x_r (b, s, in/t) ─ x_r W_rᵀ (partial, b·s tokens) ─ reduce-scatter ─▶ (b, s/t, out) + b
+
+    The exit is the collective matmul :func:`~.collective_matmul.matmul_reduce_scatter` (one chunk
+    without an ``overlap`` policy, else the policy's chunks: :func:`~.linear.chunks_of`)."""
 
     def _load_dense(self, dense) -> None:
         super()._load_dense(dense)
         if self.bias is not None:
             mark_partial_grad(self.bias, self.tp_group)
+
+    exit_name = "matmul_reduce_scatter"
+    exit_comm = ("fwd the row matmul and its reduce-scatter in chunks, overlapped; bwd the "
+                 "all-gather in chunks")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _active(self.tp_group):
@@ -144,8 +148,21 @@ class SequenceParallelRowLinear(RowParallelLinear):
                              f"to be in_features_per_rank ({self.in_features_per_rank}), got "
                              f"{x.shape[-1]}")
         check_sequence_length(x, self.tp_group)
-        y = reduce_scatter_sequence(self.partial_output(x, self.weight), self.tp_group)
+        y = self.exit(x, self.weight)
         return y + self.bias if self.bias is not None else y
+
+    def exit(self, x_local: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's ``(b, s/t, out)`` share of ``Σ_r x_r W_rᵀ`` by the collective matmul
+        :func:`~.collective_matmul.matmul_reduce_scatter` (one chunk: the plain
+        reduce-scatter; backward its all-gather of the output gradient)."""
+        if not _active(self.tp_group):
+            return super().exit(x_local, weight)
+        k, t = x_local.shape[-1], self.tp_size
+        chunks = chunks_of(self, "sp_exit", x_local.reshape(-1, k), weight.shape[0])
+        x_in, w = exit_operands(self, x_local, weight)
+        y = matmul_reduce_scatter(x_in.reshape(-1, x_in.shape[-1]), w, self.tp_group, chunks)
+        return y.view(x_local.shape[0], x_local.shape[SEQ_DIM] // t, *x_local.shape[2:-1],
+                      w.shape[0])
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", sequence_parallel=True"

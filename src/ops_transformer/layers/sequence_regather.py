@@ -26,7 +26,8 @@ up — share it), for ``sbh·(1 − 1/t)`` fewer values kept per region: the sha
 gathered input.
 
 How the linears find the share: the gathered tensor is the output of the entry's autograd node
-(:class:`_GatherKeepingShare`), which keeps the share and the re-gathered input. A
+(:class:`_GatherKeepingShare`, after the plain entry's all-gather op), which keeps the share and the
+re-gathered input. A
 :class:`RegatherColumnLinear` whose input comes from somewhere else runs as a plain column layer
 (it keeps its input): nothing is silently wrong, only less is saved.
 """
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import collectives as C
+from .collective_matmul import gather_matmul
 from .linear import ColumnParallelLinear, _autocast_dtype
 from .sequence_parallel import SEQ_DIM, _active
 
@@ -52,24 +54,22 @@ def _tokens_gathered(share: torch.Tensor, group, label: str, async_op: bool = Fa
 
 
 class _GatherKeepingShare(torch.autograd.Function):
-    """Forward: all-gather of the tokens; keeps only this rank's share (for the linears' weight
-    gradients). Backward: reduce-scatter of the input gradient. Its node also holds the
-    re-gathered input while the region's linears run their backward (:func:`regathered`)."""
+    """Identity on the gathered tokens that keeps only this rank's share for the linears' weight
+    gradients; the all-gather before it and the reduce-scatter of the input gradient are the
+    plain sequence-parallel entry's op (:func:`~.collective_matmul.gather_matmul`, no column
+    weights). Its node also holds the re-gathered input while the region's linears run their
+    backward (:func:`regathered`)."""
 
     @staticmethod
-    def forward(ctx, share, group):
+    def forward(ctx, full, share, group):
         ctx.group, ctx.full = group, None
         ctx.save_for_backward(share)
-        return _tokens_gathered(share, group, "sequence_region.fwd")[0]
+        return full.view_as(full)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.full = None  # the region's linears are done: free the re-gathered input
-        tp = C.group_size(ctx.group)
-        rows = grad.reshape(-1, grad.shape[-1]).contiguous()
-        out = rows.new_empty((rows.shape[0] // tp, rows.shape[1]))
-        C.reduce_scatter_into(out, rows, ctx.group, label="sequence_region.bwd")
-        return out.view(grad.shape[0], grad.shape[SEQ_DIM] // tp, *grad.shape[2:]), None
+        return grad, None, None
 
 
 def entry_of(x: torch.Tensor):
@@ -96,7 +96,10 @@ def gather_sequence_regather(x: torch.Tensor, group) -> torch.Tensor:
     all-gather the share again)."""
     if not _active(group):
         return x
-    return _GatherKeepingShare.apply(x, group)
+    full, _ = gather_matmul(x.reshape(-1, x.shape[-1]), [], [], group, 1,
+                            ("sequence_region.fwd", "sequence_region.bwd"))
+    full = full.view(x.shape[0], x.shape[SEQ_DIM] * C.group_size(group), *x.shape[2:])
+    return _GatherKeepingShare.apply(full, x, group)
 
 
 class _RegatheringLinear(torch.autograd.Function):

@@ -75,9 +75,13 @@ Sixteen kinds; what were renamed variants are options of the communicating kinds
   a :class:`RegatherColumnLinear` (no input kept, the share all-gathered again in backward; with
   ``entry="sequence"`` behind its own :class:`RegatherSequenceRegion`); ``fed=True``: inside a
   chunked region, its output from the region's collective matmul; ``overlap="chunked"|"auto"``:
-  the layer is its own chunked entry (:mod:`ops_transformer.layers.overlap_regions`).
+  the layer's own entry op (``copy_matmul``) runs in the policy's chunks (behind
+  ``entry="sequence"``: its own chunked entry, :mod:`ops_transformer.layers.overlap_regions`);
+  ``chunks=1`` / ``overlap="none"`` is the same class in one chunk.
 * ``rowwise(exit="all_reduce"|"reduce_scatter", overlap=, chunks=)`` — ``reduce_scatter``:
-  :class:`SequenceParallelRowLinear`; ``overlap``: the matmul and its exit collective in chunks.
+  :class:`SequenceParallelRowLinear`; ``overlap``: the matmul and its exit collective in chunks
+  (the same class: its exit op is ``matmul_all_reduce`` / ``matmul_reduce_scatter`` at any chunk
+  count, the policy an attribute).
 * ``region(entry="copy"|"sequence", regather=, columns=, overlap=, chunks=)`` — ``sequence``: a
   :class:`GatherSequenceRegion` (``regather``: :class:`RegatherSequenceRegion`); ``overlap``:
   the entry and its ``columns`` children as one collective matmul.
@@ -114,7 +118,7 @@ from ..layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParal
 from ..layers.moe import ParallelExperts, to_expert_parallel
 from ..layers.overlap_policy import OverlapPolicy
 from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
-                                      ChunkedRowOutput, ChunkedRowScatter, FedColumn, as_variant)
+                                      FedColumn, as_variant)
 from ..layers.regions import (CopyToTPRegion, FullSequenceRegion, GatherInput, GatherSequenceOutput,
                               GatherSequenceRegion, ReduceOutput, RegatherSequenceRegion,
                               RopeGradRegion, ScatterSequence)
@@ -195,21 +199,25 @@ def colwise(module, ctx, model, *, sub_blocks=None, kv_heads=None, reduce_input_
     it) or ``sequence`` (all-gathered from the sequence-parallel layout, backward
     reduce-scatter); ``regather``: keep no input for backward (all-gather the share again
     there); ``fed``: the layer's output comes from its region's collective matmul; ``overlap``
-    ``chunked``/``auto``: the layer is its own chunked entry (``chunks``)."""
+    ``chunked``/``auto``: the layer's entry op in ``chunks`` (one implementation at any chunk
+    count: the policy is an attribute of the same layer)."""
     entry, overlap = _entry_of("colwise", entry), _overlap_of("colwise", overlap, chunks)
     if fed:
         return as_variant(_column_layer(module, ctx, sub_blocks, kv_heads, False, pad=pad),
                           FedColumn)
-    own = reduce_input_grad and entry == "copy" and not regather and overlap == "none"
+    own = reduce_input_grad and entry == "copy" and not regather
     layer = _column_layer(module, ctx, sub_blocks, kv_heads, reduce_input_grad=own,
                           gather_output=gather_output, pad=pad)
     if regather:
         layer = RegatherColumnLinear.from_column(layer)
         return RegatherSequenceRegion.wrap(layer, ctx.tp_group) if entry == "sequence" else layer
+    if overlap != "none" and own:  # its own entry op, the chunks from the policy
+        layer.overlap = _policy(ctx, overlap, chunks)
+    if entry != "sequence":
+        return layer
     if overlap != "none" and reduce_input_grad and not gather_output:
-        cls = ChunkedGatherSequenceRegion if entry == "sequence" else ChunkedCopyToTPRegion
-        return _entry(cls, layer, ctx, ("",), overlap, chunks)
-    return GatherSequenceRegion.wrap(layer, ctx.tp_group) if entry == "sequence" else layer
+        return _entry(ChunkedGatherSequenceRegion, layer, ctx, ("",), overlap, chunks)
+    return GatherSequenceRegion.wrap(layer, ctx.tp_group)
 
 
 def rowwise(module, ctx, model, *, input_is_parallel=True, pad=False, sub_blocks=None,
@@ -222,22 +230,18 @@ def rowwise(module, ctx, model, *, input_is_parallel=True, pad=False, sub_blocks
     _linear(module)
     if exit == "reduce_scatter":
         layer = SequenceParallelRowLinear.from_dense(module, ctx)
-        mixin = ChunkedRowScatter
     elif sub_blocks:
         if not input_is_parallel or pad:
             raise ValueError("rowwise: sub_blocks needs input_is_parallel=True and no pad")
         layer = PackedRowParallelLinear.from_dense(module, ctx, sub_blocks=tuple(sub_blocks))
-        mixin = ChunkedRowOutput
     elif pad and dense_weight(module)[0].shape[1] % ctx.tp_size:
         layer = PaddedRowParallelLinear.from_dense(module, ctx,
                                                    input_is_parallel=input_is_parallel)
-        mixin = ChunkedRowOutput
     else:
         layer = RowParallelLinear.from_dense(module, ctx, input_is_parallel=input_is_parallel)
-        mixin = ChunkedRowOutput
-    if overlap == "none":
-        return layer
-    return as_variant(layer, mixin, overlap=_policy(ctx, overlap, chunks))
+    if overlap != "none":  # the one exit op, its chunks from the policy (one under "none")
+        layer.overlap = _policy(ctx, overlap, chunks)
+    return layer
 
 
 def gather_in(module, ctx, model):

@@ -26,6 +26,7 @@ from .rendezvous import job_store
 from .teardown import DEFAULT_TEARDOWN_TIMEOUT_S, destroy_process_groups
 
 MESH_AXES = ("dp", "ep", "tp")
+PP_AXIS = "pp"  # outermost, and in the mesh only when pp > 1: stages may span nodes
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -57,7 +58,14 @@ class ParallelContext:
     ranks_per_node: int | None = None  # None: every rank on one node
     ranks_per_island: int | None = None  # PCIe islands inside a node; None: one per node
     profile: object | None = field(default=None, repr=False)  # the agreed HardwareProfile
+    # Pipeline stages (outermost axis): this rank's stage among pp_size, the group of the ranks at
+    # this (dp, ep, tp) position in every stage, and their global ranks in stage order.
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    pp_ranks: tuple[int, ...] = ()
     _kv_replica_groups: dict = field(default_factory=dict, init=False, repr=False)
+    _pp_end_groups: dict = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelContext:
@@ -73,6 +81,12 @@ class ParallelContext:
         optionally ``dp`` and ``ep``. (Built this way, its collectives all run flat: the engine's
         algorithms are set up by :func:`init_parallel`.)"""
         names = tuple(mesh.mesh_dim_names or ())
+        pp_size, pp_rank, pp_group = 1, 0, None
+        pp_ranks: tuple[int, ...] = ()
+        if PP_AXIS in names:
+            pp_size, pp_rank = mesh[PP_AXIS].size(), mesh[PP_AXIS].get_local_rank()
+            pp_group = mesh[PP_AXIS].get_group() if pp_size > 1 else None
+            pp_ranks = tuple(int(r) for r in mesh[PP_AXIS].mesh.tolist())
         if "tp" not in names:
             raise ValueError(f"the device mesh needs a dimension named 'tp'; it has {names}")
 
@@ -93,7 +107,19 @@ class ParallelContext:
                    ep_size=ep_size, ep_rank=ep_rank, tp_group=tp_group, dp_group=dp_group,
                    ep_group=ep_group, mesh=mesh, device=device, backend=backend,
                    dp_ep_group=dp_ep_group, ranks_per_node=ranks_per_node, profile=profile,
-                   ranks_per_island=ranks_per_island)
+                   ranks_per_island=ranks_per_island, pp_size=pp_size, pp_rank=pp_rank,
+                   pp_group=pp_group, pp_ranks=pp_ranks)
+
+    @property
+    def pp_prev_rank(self) -> int | None:
+        """The global rank of the previous stage's rank at this position (``None`` on the first
+        stage): where this stage's activations come from and its input gradients go."""
+        return self.pp_ranks[self.pp_rank - 1] if self.pp_rank > 0 else None
+
+    @property
+    def pp_next_rank(self) -> int | None:
+        """The global rank of the next stage's rank at this position (``None`` on the last)."""
+        return self.pp_ranks[self.pp_rank + 1] if self.pp_rank + 1 < self.pp_size else None
 
     @property
     def dp_ep_size(self) -> int:
@@ -152,8 +178,28 @@ class ParallelContext:
             self._kv_replica_groups[replicas] = mine
         return self._kv_replica_groups[replicas]
 
+    def pp_ends_group(self) -> dist.ProcessGroup | None:
+        """The group of the first and the last stage's ranks at this (dp, ep, tp) position, over
+        which a tied embedding's two halves sum their gradients (Megatron-LM's embedding group);
+        ``None`` with one stage. The ``pp`` group itself for two stages; for more, made on first
+        use for every position at once (``new_group`` is collective: every rank asks)."""
+        if self.pp_size <= 1:
+            return None
+        if self.pp_size == 2:
+            return self.pp_group
+        if "ends" not in self._pp_end_groups:
+            mine = None
+            for column in self.mesh.mesh.reshape(self.pp_size, -1).T.tolist():
+                ends = [column[0], column[-1]]
+                group = dist.new_group(ends)
+                if self.rank in ends:
+                    mine = group
+            self._pp_end_groups["ends"] = mine
+        return self._pp_end_groups["ends"]
+
     def __str__(self) -> str:
-        return (f"rank {self.rank}/{self.world_size} (dp {self.dp_rank}/{self.dp_size}, "
+        pp = f"pp {self.pp_rank}/{self.pp_size}, " if self.pp_size > 1 else ""
+        return (f"rank {self.rank}/{self.world_size} ({pp}dp {self.dp_rank}/{self.dp_size}, "
                 f"ep {self.ep_rank}/{self.ep_size}, tp {self.tp_rank}/{self.tp_size}) "
                 f"on {self.device}")
 
@@ -174,22 +220,26 @@ class ParallelContext:
         self.close()
 
 
-def check_degrees(world_size: int, tp: int, dp: int | None, ep: int) -> tuple[int, int, int]:
-    """Validate the parallel degrees against the world size; returns ``(dp, ep, tp)``."""
-    for name, value in (("tp", tp), ("ep", ep), ("dp", dp)):
+def check_degrees(world_size: int, tp: int, dp: int | None, ep: int, *,
+                  pp: int = 1) -> tuple[int, int, int]:
+    """Validate the parallel degrees against the world size (``pp × dp × ep × tp``, every factor
+    named in the error); returns ``(dp, ep, tp)``."""
+    for name, value in (("pp", pp), ("tp", tp), ("ep", ep), ("dp", dp)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                   or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    stage = pp * tp * ep
     if dp is None:
-        if world_size % (tp * ep) != 0:
+        if world_size % stage != 0:
             raise ValueError(
-                f"world size {world_size} is not divisible by tp ({tp}) × ep ({ep}) = {tp * ep}, "
-                f"so dp cannot be inferred; choose tp and ep whose product divides {world_size}")
-        dp = world_size // (tp * ep)
-    if dp * ep * tp != world_size:
+                f"world size {world_size} is not divisible by pp ({pp}) × tp ({tp}) × ep ({ep}) = "
+                f"{stage}, so dp cannot be inferred; choose pp, tp and ep whose product divides "
+                f"{world_size}")
+        dp = world_size // stage
+    if pp * dp * ep * tp != world_size:
         raise ValueError(
-            f"dp ({dp}) × ep ({ep}) × tp ({tp}) = {dp * ep * tp} must equal the world size "
-            f"({world_size})")
+            f"pp ({pp}) × dp ({dp}) × ep ({ep}) × tp ({tp}) = {pp * dp * ep * tp} must equal the "
+            f"world size ({world_size})")
     return dp, ep, tp
 
 
@@ -200,14 +250,16 @@ def _env_int(name: str) -> int | None:
 
 def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str | None = None,
                   timeout: timedelta | float = DEFAULT_TIMEOUT, ranks_per_node: int | None = None,
-                  profile=None, ranks_per_island: int | None = None) -> ParallelContext:
-    """Set up the ``dp × ep × tp`` rank grid and return this rank's :class:`ParallelContext`.
+                  profile=None, ranks_per_island: int | None = None,
+                  pp: int = 1) -> ParallelContext:
+    """Set up the ``pp × dp × ep × tp`` rank grid and return this rank's :class:`ParallelContext`.
 
     Reuses an initialised default process group, or initialises one from the ``torchrun``
     environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
     Without either, a single process gets :meth:`ParallelContext.single`. ``backend`` defaults to
     ``nccl`` when CUDA is available, else ``gloo``. ``dp=None`` means ``world_size // (tp*ep)``.
-    ``timeout`` (a ``timedelta`` or seconds) bounds every collective, so a dead peer ends in an
+    ``pp``: pipeline stages, the outermost axis (``ranks 0..world/pp-1`` are the first stage);
+    ``ot.pipeline`` splits a model over them. ``timeout`` (a ``timedelta`` or seconds) bounds every collective, so a dead peer ends in an
     error instead of a hang.
 
     ``ranks_per_node``: ``None`` reads ``torchrun``'s ``LOCAL_WORLD_SIZE`` (all ranks on one node
@@ -231,10 +283,11 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
     else:
         world_size = _env_int("WORLD_SIZE")
         if world_size is None:
-            if tp * (dp or 1) * ep != 1:
-                check_degrees(tp * (dp or 1) * ep, tp, dp, ep)  # bad values: name them
+            if pp * tp * (dp or 1) * ep != 1:
+                check_degrees(pp * tp * (dp or 1) * ep, tp, dp, ep, pp=pp)  # bad values: name them
                 raise ValueError(
-                    f"tp ({tp}) × dp ({dp or 1}) × ep ({ep}) needs {tp * (dp or 1) * ep} "
+                    f"pp ({pp}) × tp ({tp}) × dp ({dp or 1}) × ep ({ep}) needs "
+                    f"{pp * tp * (dp or 1) * ep} "
                     f"processes, but this is a single process with no torchrun environment: start "
                     f"it with `torchrun --nproc-per-node N` or `ops_transformer.launch(fn, N)`")
             backend = backend or _default_backend()
@@ -248,7 +301,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
             raise ValueError("WORLD_SIZE is set but RANK is not: start the job with torchrun or "
                              "ops_transformer.launch")
         backend = backend or _default_backend()
-        dp, ep, tp = check_degrees(world_size, tp, dp, ep)  # fail before any rendezvous
+        dp, ep, tp = check_degrees(world_size, tp, dp, ep, pp=pp)  # fail before any rendezvous
         device_id = None
         if backend == "nccl":
             device_id = torch.device("cuda", _local_rank(rank))
@@ -257,7 +310,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device_id,
                                 **({} if store is None else {"store": store}))
-    dp, ep, tp = check_degrees(world_size, tp, dp, ep)
+    dp, ep, tp = check_degrees(world_size, tp, dp, ep, pp=pp)
     rank = dist.get_rank()
     declared = ranks_per_node is not None
     if not declared:
@@ -275,7 +328,8 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
               else torch.device("cpu"))
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (dp, ep, tp), mesh_dim_names=MESH_AXES)
+    shape, names = ((pp, dp, ep, tp), (PP_AXIS, *MESH_AXES)) if pp > 1 else ((dp, ep, tp), MESH_AXES)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     # from_mesh may create more (flattened) groups, build_engine the engine's sub-groups
     ctx = ParallelContext.from_mesh(mesh, device, backend, ranks_per_node=layout.ranks_per_node,
                                     profile=agreed, ranks_per_island=layout.ranks_per_island)

@@ -40,20 +40,23 @@ def _dense(cfg, steps, lr=0.5):
     return losses, grads
 
 
-def _piped(cfg, schedule, v, m, tp, steps, dense_grads, lr=0.5):
+def _piped(cfg, schedule, v, m, tp, steps, dense_grads, lr=0.5, dp=1):
     torch.set_num_threads(1)
-    ctx = init_parallel(pp=2, tp=tp)
+    ctx = init_parallel(pp=2, tp=tp, dp=dp)
     torch.manual_seed(0)
     model = GPT(cfg)
-    if tp > 1:
+    if tp * dp > 1:
         model = parallelize(model, ctx)
     pipe = pipeline(model, ctx, schedule, microbatches=m, stages_per_rank=v)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads, ledger = [], None, None
     for step, (idx, y) in enumerate(_data(steps)):
         opt.zero_grad()
+        idx, y = idx.chunk(dp)[ctx.dp_rank], y.chunk(dp)[ctx.dp_rank]  # this replica's rows
         with CommLedger() as led:
             loss = pipe.step(idx, y)
+        if loss is not None and dp > 1:  # the dense loss: the mean over the replicas' rows
+            loss = torch.tensor(run_mean(loss, ctx))
         if step == 1:
             ledger = [(r.kind, r.elements, r.label) for r in led.records if r.label == "pp_boundary"]
         if grads is None:
@@ -63,6 +66,14 @@ def _piped(cfg, schedule, v, m, tp, steps, dense_grads, lr=0.5):
         opt.step()
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     return ctx.pp_rank, losses, grads, ledger, names
+
+
+def run_mean(loss, ctx):
+    from ops_transformer.comm import collectives as C
+
+    total = loss.clone()
+    C.all_reduce(total, ctx.dp_group)
+    return total.item() / ctx.dp_size
 
 
 def _dense_name(name, cfg):
@@ -104,6 +115,13 @@ def test_pp2_tp2_equals_one_device(run_ranks):
     dense_losses, dense_grads = _dense(cfg, 3)
     results = run_ranks(_piped, 4, cfg, "1f1b", 1, 2, 2, 3, dense_grads)
     _check(results, dense_losses, dense_grads, cfg)
+
+
+def test_pp2_dp2_equals_dense(run_ranks):
+    """dp inside each stage: parallelize's reducers average the stage's gradients over its dp."""
+    dense_losses, dense_grads = _dense(CFG, 2)
+    results = run_ranks(_piped, 4, CFG, "1f1b", 1, 2, 1, 2, dense_grads, dp=2)
+    _check(results, dense_losses, dense_grads, CFG)
 
 
 @pytest.mark.slow

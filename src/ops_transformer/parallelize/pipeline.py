@@ -152,6 +152,14 @@ class Pipeline:
             C.all_reduce(self.tied.grad, self.ctx.pp_ends_group(), label="pp_tied_embedding")
         return torch.stack(losses).sum().detach() if losses else None
 
+    def step_metrics(self, idx: torch.Tensor, targets: torch.Tensor) -> dict:
+        """:meth:`step` for ``optimizer_step(metrics=...)``, which averages each metric over the
+        ``pp × dp × ep`` ranks of a TP position: the last stage's loss counts ``pp`` times, the
+        other stages' 0, so the average is the dense loss on every rank (no extra collective)."""
+        loss = self.step(idx, targets)
+        weight = float(self.ctx.pp_size) if loss is not None else 0.0
+        return {"loss": (loss if loss is not None else torch.zeros(())) * weight}
+
 
 def pipeline(model: GPT, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
              stages_per_rank: int = 1) -> Pipeline:
@@ -208,7 +216,10 @@ def _tied_weight(model: GPT, first: bool, last: bool, ctx) -> nn.Parameter | Non
     ctx.pp_ends_group()  # made on every rank alike (new_group is collective)
     if first == last:
         return None
-    return model.tok_emb.weight if first else model.lm_head.weight
+    if last:  # the gradient norm counts the tied weight once, on the first stage
+        model.lm_head.weight.pipeline_tied_copy = True
+        return model.lm_head.weight
+    return model.tok_emb.weight
 
 
 def _prune(model: GPT, layers: set[int], *, first: bool, last: bool) -> None:

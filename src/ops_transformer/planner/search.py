@@ -350,8 +350,11 @@ def chosen_layout(data) -> dict:
         raise ValueError("not a planner result: it has neither a 'best' layout nor 'tp', 'dp' "
                          "and 'attention'")
     pp, cp = int(data.get("pp", 1)), int(data.get("cp", 1))
-    if pp > 1 or cp > 1:
+    if cp > 1:
         raise ValueError(runtime_problem(tp=data["tp"], dp=data["dp"], pp=pp, cp=cp))
+    if pp > 1:  # its schedule and micro-batches are not read from a plan yet
+        raise ValueError(f"--plan: a pipelined plan (pp {pp}) is not run from the plan file yet: "
+                         f"start it with --pp {pp} --pp-schedule S --microbatches M")
     return {"tp": data["tp"], "dp": data["dp"], "ep": data.get("ep", 1),
             "attention": data["attention"],
             "sequence_parallel": bool(data.get("sequence_parallel", False)),

@@ -281,7 +281,8 @@ class TrainState:
         optimizer's report (``report.metrics["loss"]``: the global-batch loss) and the step's
         collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
-            metrics = self.accumulate(x, y) if self.pipe is None else self.pipe.step_metrics(x, y)
+            metrics = (self.accumulate(x, y) if self.pipe is None else
+                       self.pipe.step_metrics(x, y, scaler=self.scaler))
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
                                     max_norm=self.cfg.clip_grad, metrics=metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)

@@ -184,3 +184,36 @@ def test_degrees_name_every_factor():
     with pytest.raises(ValueError, match=r"pp must be a positive integer, got 0"):
         check_degrees(8, 2, None, 1, pp=0)
     assert check_degrees(8, 2, None, 1, pp=2) == (2, 1, 2)
+
+
+def _overflow(poison):
+    """pp 2 with a loss scaler: a clean step equals the dense gradients once unscaled; an inf
+    planted in one stage's gradient skips the step on both stages."""
+    from ops_transformer import DynamicLossScaler, optimizer_step
+
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=2)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    pipe = pipeline(model, ctx, "1f1b", microbatches=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(ctx, init_scale=2.0 ** 8)
+    idx, y = _data(1)[0]
+    pipe.step(idx, y, scaler=scaler)
+    if ctx.pp_rank == poison:
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() / 2.0 ** 8 for n, p in model.named_parameters()}
+    report = optimizer_step(model, opt, ctx, scaler=scaler, max_norm=1.0)
+    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    return ctx.pp_rank, report.stepped, unchanged, scaler.scale_value, grads
+
+
+def test_fp16_overflow_on_one_stage_skips_every_stage(run_ranks):
+    for rank, stepped, unchanged, scale, _ in run_ranks(_overflow, 2, 1):
+        assert not stepped and unchanged, rank  # (the scale backs off after its hysteresis)
+    _, dense_grads = _dense(CFG, 1)
+    for rank, stepped, unchanged, _, grads in run_ranks(_overflow, 2, -1):
+        assert stepped and not unchanged
+        for name, grad in grads.items():  # the scaled backward, unscaled: the dense gradient
+            assert_rel(grad, dense_grads[_dense_name(name, CFG)], RTOL, f"rank {rank}: {name}")

@@ -108,6 +108,18 @@ class RecordedStage(_pp.PipelineStage):
         return self._recorded(super().get_bwd_send_ops(bwd_chunk_id))
 
 
+class MicroBatchLoss:
+    """The last stage's loss function: ``scale · CE_i / m`` for micro-batch ``i`` (its mean token
+    loss over the ``m`` micro-batches; ``scale``: the fp16 loss scale of this step, else 1)."""
+
+    def __init__(self, microbatches: int):
+        self.microbatches, self.scale = microbatches, 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return loss * (self.scale / self.microbatches)
+
+
 @dataclass
 class Pipeline:
     """A GPT split over ``ctx``'s ``pp`` axis: ``model`` (this rank's parts, dense names),
@@ -122,6 +134,7 @@ class Pipeline:
     stages: list[GPTStage]
     schedule: object = field(repr=False)
     tied: nn.Parameter | None = field(default=None, repr=False)
+    loss_fn: MicroBatchLoss | None = field(default=None, repr=False)
 
     @property
     def has_first(self) -> bool:
@@ -131,17 +144,21 @@ class Pipeline:
     def has_last(self) -> bool:
         return any(s.last for s in self.stages)
 
-    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def step(self, idx: torch.Tensor, targets: torch.Tensor, *,
+             scaler=None) -> torch.Tensor | None:
         """Forward and backward of one batch ``idx, targets (B, T)`` in ``microbatches`` pieces of
         ``B / microbatches`` rows; gradients accumulate into ``.grad`` (zero them between steps),
         reduced over the stage's data-parallel ranks and between tied stages. Returns the loss
         (the dense model's: the mean over the batch) on the ranks holding the last stage, else
         ``None``. Every rank of the job calls it with its own rows (``idx`` is read on the first
-        stage, ``targets`` on the last)."""
+        stage, ``targets`` on the last). ``scaler``: a
+        :class:`~ops_transformer.precision.DynamicLossScaler` whose scale multiplies the backward's
+        loss (``optimizer_step(scaler=)`` unscales and agrees on an overflow over every stage)."""
         if idx.shape[0] % self.microbatches:
             raise ValueError(f"the batch ({idx.shape[0]} rows) is not divisible by microbatches "
                              f"({self.microbatches})")
         losses: list[torch.Tensor] = []
+        self.loss_fn.scale = 1.0 if scaler is None else scaler.scale_value
         with no_sync(self.model):  # the reducers run once, after every micro-batch
             self.schedule.step(*((idx,) if self.has_first else ()), target=targets,
                                losses=losses)
@@ -150,13 +167,15 @@ class Pipeline:
             reducer.finish()
         if self.tied is not None and self.tied.grad is not None:
             C.all_reduce(self.tied.grad, self.ctx.pp_ends_group(), label="pp_tied_embedding")
-        return torch.stack(losses).sum().detach() if losses else None
+        if not losses:
+            return None
+        return torch.stack(losses).sum().detach() / self.loss_fn.scale
 
-    def step_metrics(self, idx: torch.Tensor, targets: torch.Tensor) -> dict:
+    def step_metrics(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None) -> dict:
         """:meth:`step` for ``optimizer_step(metrics=...)``, which averages each metric over the
         ``pp × dp × ep`` ranks of a TP position: the last stage's loss counts ``pp`` times, the
         other stages' 0, so the average is the dense loss on every rank (no extra collective)."""
-        loss = self.step(idx, targets)
+        loss = self.step(idx, targets, scaler=scaler)
         weight = float(self.ctx.pp_size) if loss is not None else 0.0
         return {"loss": (loss if loss is not None else torch.zeros(())) * weight}
 
@@ -198,14 +217,14 @@ def pipeline(model: GPT, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
     runtime = [RecordedStage(stage, s, n_stages, ctx.device, group=ctx.pp_group)
                for stage, s in zip(stages, mine)]
     m = microbatches
-    loss_fn = (lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()) / m)
+    loss_fn = MicroBatchLoss(m)
     cls = getattr(_pp, cls_name)
     sched = (cls(runtime[0], m, loss_fn=loss_fn, scale_grads=False) if len(runtime) == 1
              and SCHEDULES[schedule][1] == "one" else
              cls(runtime, m, loss_fn=loss_fn, scale_grads=False))
     log.info("pipeline: pp=%d schedule=%s microbatches=%d stages %s on pp rank %d", ctx.pp_size,
              schedule, m, mine, ctx.pp_rank)
-    return Pipeline(model, ctx, schedule, m, stages_per_rank, stages, sched, tied)
+    return Pipeline(model, ctx, schedule, m, stages_per_rank, stages, sched, tied, loss_fn)
 
 
 def _tied_weight(model: GPT, first: bool, last: bool, ctx) -> nn.Parameter | None:

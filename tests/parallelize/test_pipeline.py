@@ -217,3 +217,20 @@ def test_fp16_overflow_on_one_stage_skips_every_stage(run_ranks):
         assert stepped and not unchanged
         for name, grad in grads.items():  # the scaled backward, unscaled: the dense gradient
             assert_rel(grad, dense_grads[_dense_name(name, CFG)], RTOL, f"rank {rank}: {name}")
+
+
+@pytest.mark.parametrize("model, match", [
+    (torch.nn.Linear(2, 2), r"pipeline splits the reference GPT .* got Linear"),
+    ("moe", r"does not split MoE models yet \(n_experts 4\)"),
+    ("dense", r"pipeline needs a pp axis of 2 or more stages, but ctx has pp 1"),
+])
+def test_pipeline_refuses_what_it_cannot_split(model, match):
+    from ops_transformer import ParallelContext
+    from ops_transformer.models.gpt import preset
+
+    if model == "moe":
+        model = GPT(preset("moe-tiny"))
+    elif model == "dense":
+        model = GPT(CFG)
+    with pytest.raises(ValueError, match=match):
+        pipeline(model, ParallelContext.single(), "1f1b")

@@ -192,11 +192,14 @@ def pipeline(model: GPT, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
     if not isinstance(model, GPT):
         raise ValueError(f"pipeline splits the reference GPT (ops_transformer.GPT); got "
                          f"{type(model).__name__} (Hugging Face models are not split yet)")
-    check_pipeline(model.cfg.n_layers, ctx.pp_size, schedule=schedule,
-                   microbatches=microbatches, stages_per_rank=stages_per_rank)
     if model.cfg.n_experts:
         raise ValueError("pipeline does not split MoE models yet (n_experts "
                          f"{model.cfg.n_experts}): their auxiliary loss spans every stage")
+    if ctx.pp_size < 2:
+        raise ValueError(f"pipeline needs a pp axis of 2 or more stages, but ctx has pp "
+                         f"{ctx.pp_size}: use init_parallel(pp=2, ...) (pp 1 is the model itself)")
+    check_pipeline(model.cfg.n_layers, ctx.pp_size, schedule=schedule,
+                   microbatches=microbatches, stages_per_rank=stages_per_rank)
     state = parallel_state_of(model)
     options = state.options if state is not None and state.options else ParallelOptions()
     if options.loss_parallel:

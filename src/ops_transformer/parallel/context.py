@@ -229,16 +229,17 @@ def check_degrees(world_size: int, tp: int, dp: int | None, ep: int, *,
                                   or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     stage = pp * tp * ep
+    pp_factor, pp_name = (f"pp ({pp}) × ", "pp, ") if pp > 1 else ("", "")  # pp 1: as before pp
     if dp is None:
         if world_size % stage != 0:
             raise ValueError(
-                f"world size {world_size} is not divisible by pp ({pp}) × tp ({tp}) × ep ({ep}) = "
-                f"{stage}, so dp cannot be inferred; choose pp, tp and ep whose product divides "
-                f"{world_size}")
+                f"world size {world_size} is not divisible by {pp_factor}tp ({tp}) × ep ({ep}) = "
+                f"{stage}, so dp cannot be inferred; choose {pp_name}tp and ep whose product "
+                f"divides {world_size}")
         dp = world_size // stage
     if pp * dp * ep * tp != world_size:
         raise ValueError(
-            f"pp ({pp}) × dp ({dp}) × ep ({ep}) × tp ({tp}) = {pp * dp * ep * tp} must equal the "
+            f"{pp_factor}dp ({dp}) × ep ({ep}) × tp ({tp}) = {pp * dp * ep * tp} must equal the "
             f"world size ({world_size})")
     return dp, ep, tp
 
@@ -286,8 +287,8 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
             if pp * tp * (dp or 1) * ep != 1:
                 check_degrees(pp * tp * (dp or 1) * ep, tp, dp, ep, pp=pp)  # bad values: name them
                 raise ValueError(
-                    f"pp ({pp}) × tp ({tp}) × dp ({dp or 1}) × ep ({ep}) needs "
-                    f"{pp * tp * (dp or 1) * ep} "
+                    f"{f'pp ({pp}) × ' if pp > 1 else ''}tp ({tp}) × dp ({dp or 1}) × ep ({ep}) "
+                    f"needs {pp * tp * (dp or 1) * ep} "
                     f"processes, but this is a single process with no torchrun environment: start "
                     f"it with `torchrun --nproc-per-node N` or `ops_transformer.launch(fn, N)`")
             backend = backend or _default_backend()

@@ -54,3 +54,6 @@ __all__ += ["from_pretrained"]
 from .parity import ParityReport, check_parity  # noqa: E402
 
 __all__ += ["check_parity", "ParityReport"]
+from .parallelize.pipeline import Pipeline, pipeline  # noqa: E402
+
+__all__ += ["pipeline", "Pipeline"]

@@ -13,6 +13,7 @@ data-parallel reductions run once per step, on the accumulated gradients).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -38,6 +39,8 @@ from .parallelize import ParallelOptions, parallelize
 from .parallelize.gpt_plan import gpt_plan
 from .parallelize.moe_plan import n_experts_of
 from .planner.context_parallel import CP_CHOICES, check_sequence
+from .parallelize.pipeline import Pipeline, pipeline
+from .parallelize.pipeline_split import SCHEDULES, check_pipeline
 from .planner.strategies import model_comm_per_step
 from .precision import DynamicLossScaler, optimizer_step, precision_policy
 from .schedule import check_schedule, lr_at, set_lr
@@ -102,6 +105,10 @@ class TrainConfig:
     cp: int = 1  # context-parallel degree: each sequence split over cp ranks (SPEC F18)
     cp_strategy: str = ParallelOptions.context_parallel  # "auto", "ring" or "allgather_kv"
     pack: str = "docs"  # train --model: "docs" (attention inside each packed document), "naive"
+    pp: int = 1  # pipeline stages (outermost axis): parallelize.pipeline over the layers
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | looped_bfs | zero_bubble | zbv
+    microbatches: int = 1  # pipeline micro-batches per step and data-parallel rank
+    stages_per_rank: int | None = None  # None: 1, or 2 for the multi-stage schedules
 
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
@@ -118,6 +125,13 @@ class TrainConfig:
         """``overlap`` (kept as a name for earlier readers: LoRA adapters now run inside the
         chunked collective matmuls, so every mode combines with ``--lora-rank``)."""
         return self.overlap
+
+    @property
+    def pp_stages_per_rank(self) -> int:
+        """``stages_per_rank``, or its default for the schedule (2 where it runs several)."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if SCHEDULES.get(self.pp_schedule, ("", "one"))[1] == "many" else 1
 
     def model_config(self) -> GPTConfig:
         base = preset(self.preset)
@@ -152,8 +166,11 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     check_schedule(cfg.lr_schedule, cfg.warmup, cfg.steps)
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
-    dp, ep, cp, tp = check_mesh_degrees(world_size, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, cp=cfg.cp)
+    dp, ep, cp, tp = check_mesh_degrees(world_size, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, cp=cfg.cp,
+                                        pp=cfg.pp)
     check_train_cp(cfg)
+    if cfg.pp > 1:
+        check_train_pipeline(cfg, dp * ep)
     if cfg.ranks_per_node is not None or cfg.ranks_per_island is not None:
         # divide the number of processes, and the ranks per node
         NodeLayout(world_size, cfg.ranks_per_node or world_size, cfg.ranks_per_island)
@@ -203,6 +220,27 @@ def check_train_cp(cfg: TrainConfig) -> None:
         if on:
             raise ValueError(f"--cp {cfg.cp} does not combine with {flag} yet")
     check_sequence(cfg.seq, cfg.cp)
+
+
+def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
+    """``--pp``: the split (:func:`check_pipeline`, flags named) and what it runs with."""
+    if cfg.cp > 1:
+        raise ValueError(f"--pp {cfg.pp} does not combine with --cp yet: drop one of them")
+    if cfg.model or cfg.lora_rank or cfg.ckpt_dir or cfg.precision != "fp32" \
+            or cfg.grad_accum > 1:
+        raise ValueError("--pp runs a reference preset in fp32 without --model, --lora-rank, "
+                         "--ckpt-dir, --precision bf16/fp16 or --grad-accum (use --microbatches) "
+                         "yet (docs/pipeline.md)")
+    try:
+        check_pipeline(cfg.model_config().n_layers, cfg.pp, schedule=cfg.pp_schedule,
+                       microbatches=cfg.microbatches, stages_per_rank=cfg.pp_stages_per_rank)
+    except ValueError as exc:
+        message = str(exc).replace("schedule must", "--pp-schedule must")
+        raise ValueError(f"--pp {cfg.pp}: {message}") from None
+    rows = cfg.batch // dp_ep if cfg.batch % dp_ep == 0 else None
+    if rows is None or rows % cfg.microbatches:
+        raise ValueError(f"--batch {cfg.batch} over {dp_ep} data-parallel rank(s) does not split "
+                         f"into --microbatches {cfg.microbatches}")
 
 
 def check_batch(batch: int, dp: int, ep: int, grad_accum: int) -> None:
@@ -258,6 +296,7 @@ class TrainState:
     policy: object
     scaler: DynamicLossScaler | None
     state_bytes: dict | None = None  # this rank's parameters, gradients, optimizer state (bytes)
+    pipe: Pipeline | None = None  # --pp: this rank's stages and the schedule
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the global batch of ``step`` (on the device): data-parallel and
@@ -275,7 +314,8 @@ class TrainState:
         optimizer's report (``report.metrics["loss"]``: the global-batch loss) and the step's
         collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
-            metrics = self.accumulate(x, y)
+            metrics = (self.accumulate(x, y) if self.pipe is None else
+                       self.pipe.step_metrics(x, y, scaler=self.scaler))
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
                                     max_norm=self.cfg.clip_grad, metrics=metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)
@@ -360,7 +400,8 @@ def join(cfg: TrainConfig, profile=None):
     """This rank's :class:`ParallelContext` for ``cfg`` (``with join(cfg) as ctx:`` tears its
     process groups down at the end); ``profile``: see :func:`train_worker`."""
     return init_parallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, ranks_per_node=cfg.ranks_per_node,
-                         profile=profile, ranks_per_island=cfg.ranks_per_island, cp=cfg.cp)
+                         profile=profile, ranks_per_island=cfg.ranks_per_island, cp=cfg.cp,
+                         pp=cfg.pp)
 
 
 def setup_training(cfg: TrainConfig, ctx) -> TrainState:
@@ -377,6 +418,10 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
                     batch=micro_batch(cfg, ctx.dp_ep_size), seq=cfg.seq,
                     profile=ctx.profile)  # `auto`: for this run's shapes, on the agreed profile
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan, options)
+    if ctx.pp_size > 1:  # split after parallelize: TP and dp inside each stage as they are
+        pipe = pipeline(model, ctx, cfg.pp_schedule, microbatches=cfg.microbatches,
+                        stages_per_rank=cfg.pp_stages_per_rank)
+        return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy), pipe=pipe)
     return _with_optimizer(cfg, ctx, model, data, policy)
 
 
@@ -443,7 +488,7 @@ def _train(cfg: TrainConfig, ctx, journal=None) -> dict | None:
                   moe_aux_loss=moe_history[-1]["aux_loss"] if moe_history else None)
     bar.close()
     board.close()
-    sample = None if cfg.model else _sample(model, cfg, ctx.device)
+    sample = None if cfg.model or ctx.pp_size > 1 else _sample(model, cfg, ctx.device)
     if not lead:
         return None
     last = last or CommLedger()  # resumed from a checkpoint of the last step: no step ran here
@@ -564,7 +609,10 @@ def _metrics(cfg, ctx, model, losses, step_times, ledger, sample, extra=None) ->
     tp_ranks = tuple(range(ctx.rank, ctx.rank + ctx.tp_size))  # rank 0's TP group
     metrics = {
         "preset": cfg.preset, "tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
-        **cp_metrics(ctx, model), "steps": cfg.steps, "grad_accum": cfg.grad_accum,
+        **cp_metrics(ctx, model), "pp": ctx.pp_size,
+        **({"pp_schedule": cfg.pp_schedule, "microbatches": cfg.microbatches,
+            "stages_per_rank": cfg.pp_stages_per_rank} if ctx.pp_size > 1 else {}),
+        "steps": cfg.steps, "grad_accum": cfg.grad_accum,
         "micro_batch": micro_batch(cfg, ctx.dp_ep_size),
         "batch": cfg.batch, "seq": cfg.seq, "lr": cfg.lr, "seed": cfg.seed,
         "attention": model.parallel_plan.attention, "vocab": model.parallel_plan.vocab,
@@ -601,7 +649,8 @@ def _model_metrics(cfg: TrainConfig, ctx, model) -> dict:
         return {"preset": None, "model_dir": cfg.model, "expected_tp_comm_per_step": None,
                 **finetune.describe(model),
                 "param_bytes_per_rank": finetune.local_param_bytes(model)}
-    return {"expected_tp_comm_per_step": None if cfg.lora_rank else expected_comm_per_step(
+    return {"expected_tp_comm_per_step": None if cfg.lora_rank or ctx.pp_size > 1 else
+            expected_comm_per_step(
                 model.cfg, ctx.tp_size, model.parallel_plan.attention,
                 micro_batch(cfg, ctx.dp_ep_size), cfg.seq, model.parallel_plan.vocab,
                 sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,

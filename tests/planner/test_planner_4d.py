@@ -163,15 +163,18 @@ def test_first_stage_holds_p_micro_batches_of_its_layers():
 # --- the one validity rule, the search --------------------------------------------------------------
 
 def test_runtime_refuses_pp_and_cp_in_one_line():
-    pp = runtime_problem(tp=2, dp=2, pp=4)
-    assert pp == "--pp 4: pipeline parallelism is not implemented in train yet"
+    assert runtime_problem(tp=2, dp=2, pp=4) is None  # train --pp runs it
+    assert runtime_problem(tp=2, dp=2, pp=4, zero_stage=1) == (
+        "--pp 4 does not combine with --zero yet: drop one of them")
+    assert runtime_problem(tp=2, dp=2, pp=2, cp=2) == (
+        "--pp 2 does not combine with --cp yet: drop one of them")
     assert runtime_problem(tp=1, dp=2, cp=2) is None  # train --cp runs it
     assert runtime_problem(tp=1, dp=2, cp=2, zero_stage=2) == \
         "--cp 2 does not combine with --zero yet"
     with pytest.raises(ValueError, match="train --plan does not take a context-parallel"):
         chosen_layout({"tp": 2, "dp": 2, "cp": 2, "attention": "heads"})
     assert runtime_problem(tp=2, dp=2) is None
-    with pytest.raises(ValueError, match="pipeline parallelism is not implemented in train yet"):
+    with pytest.raises(ValueError, match="a pipelined plan \\(pp 2\\) is not run from the plan"):
         chosen_layout({"tp": 2, "dp": 2, "pp": 2, "attention": "heads"})
     assert chosen_layout({"tp": 2, "dp": 2, "attention": "heads"})["pp"] == 1
 
@@ -183,7 +186,7 @@ def test_train_plan_refuses_a_pipelined_plan(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--plan", str(plan), "--nproc", "8", "--steps", "1"]) == 2
     err = capsys.readouterr().err
-    assert "pipeline parallelism is not implemented in train yet" in err
+    assert "a pipelined plan (pp 2) is not run from the plan file yet" in err
     assert len(err.strip().splitlines()) == 1
 
 
@@ -201,7 +204,7 @@ def test_the_4d_search_proposes_pp_and_cp_where_they_win():
     assert long_context["cp"] == 8  # 262k tokens fit on 8 GPUs only split 8 ways
     deep = P.planner_choice(rows["megatron-gpt-1008b-a100-80gb-3072g-tp8-pp64-s2048-full"])
     assert deep["pp"] > 1 and deep["fits"]
-    assert "not implemented in train yet" in deep["train_problem"]
+    assert "does not combine with" in deep["train_problem"]  # ZeRO / recompute with pp: not yet
 
 
 # --- the published runs -----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
 from ..parallel.rank_process import set_rank_threads
 from ..precision import PRECISIONS
 from ..parallelize.gpt_plan import ATTENTION_CHOICES
+from ..parallelize.pipeline_split import SCHEDULES
 from ..planner.local import local_cluster
 from ..planner.search import chosen_layout
 from ..rebalance import LAYOUT_FIELDS, LORA_SETTINGS, layout_text, rebalance, resumed_settings
@@ -102,6 +103,16 @@ def add_training_arguments(p) -> None:
                    "a packed row — docs: attention and positions inside each document, no target "
                    "across a boundary; naive: one stream (attention crosses documents) "
                    f"(default {D.pack})")
+    p.add_argument("--pp", type=int, default=D.pp, help="pipeline stages, the outermost axis: "
+                   "the preset's layers split into equal runs (torch.distributed.pipelining; "
+                   f"docs/pipeline.md; default {D.pp})")
+    p.add_argument("--pp-schedule", default=D.pp_schedule, choices=sorted(SCHEDULES),
+                   help=f"pipeline schedule (default {D.pp_schedule})")
+    p.add_argument("--microbatches", type=int, default=D.microbatches, metavar="M",
+                   help="pipeline micro-batches per step and data-parallel rank "
+                        f"(default {D.microbatches})")
+    p.add_argument("--stages-per-rank", type=int, metavar="V", help="pipeline stages on each "
+                   "rank (interleaved, looped_bfs, zero_bubble, zbv; default 2 for those, else 1)")
     p.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)} (default {D.preset})")
     p.add_argument("--data", help="a text file, a directory of text files or (with --model) a "
                    ".jsonl file of {\"text\": ...} lines (default: the Python standard library's "
@@ -264,7 +275,16 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        cp=getattr(args, "cp", None) or D.cp,
                        cp_strategy=getattr(args, "cp_strategy", None) or D.cp_strategy,
                        pack=getattr(args, "pack", None) or D.pack,
-                       **checkpoint_settings(args), **lora_settings(args))
+                       **checkpoint_settings(args), **lora_settings(args),
+                       **pipeline_settings(args))
+
+
+def pipeline_settings(args) -> dict:
+    """``--pp``, ``--pp-schedule``, ``--microbatches``, ``--stages-per-rank``."""
+    return {"pp": getattr(args, "pp", D.pp), "pp_schedule": getattr(args, "pp_schedule",
+                                                                      D.pp_schedule),
+            "microbatches": getattr(args, "microbatches", D.microbatches),
+            "stages_per_rank": getattr(args, "stages_per_rank", D.stages_per_rank)}
 
 
 def stated_layout(args) -> set[str]:
@@ -428,7 +448,9 @@ def summary(metrics: dict) -> str:
     rows = [
         *([{"": "model", "value": f"{metrics['model_class']} ({metrics['model_dir']})"}]
           if metrics.get("model_dir") else []),
-        {"": "layout", "value": f"dp={metrics['dp']} × "
+        {"": "layout", "value": (f"pp={metrics['pp']} ({metrics['pp_schedule']}, "
+                                 f"{metrics['microbatches']} micro-batches) × "
+                                 if metrics.get("pp", 1) > 1 else "") + f"dp={metrics['dp']} × "
                                 + (f"ep={metrics['ep']} × " if metrics.get("ep", 1) > 1 else "")
                                 + (f"cp={metrics['cp']} × " if metrics.get("cp", 1) > 1 else "")
                                 + f"tp={metrics['tp']}" + _accumulation(metrics)},

@@ -243,6 +243,17 @@ def ring_neighbours(group: ProcessGroup) -> tuple[int, int]:
     return ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
 
 
+def p2p_op(kind: str, tensor: torch.Tensor, peer: int, group: ProcessGroup, *,
+           label: str = "") -> dist.P2POp:
+    """A point-to-point ``send`` or ``recv`` of ``tensor`` with global rank ``peer`` as a
+    ``dist.P2POp``, recorded in the ledger now: for a runtime that posts the ops itself in one
+    ``batch_isend_irecv`` (``torch.distributed.pipelining``'s schedules: a stage boundary)."""
+    if kind not in ("send", "recv"):
+        raise ValueError(f"kind must be 'send' or 'recv', got {kind!r}")
+    with _recorded(kind, tensor, tensor.numel(), group, label):
+        return dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group)
+
+
 def broadcast_object(obj, src: int, group: ProcessGroup | None, *, label: str = ""):
     """``obj`` of global rank ``src`` on every rank of the group (pickled). Every rank passes
     something (ignored except on ``src``). Not recorded: a set-up exchange of Python objects (the

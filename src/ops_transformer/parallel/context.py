@@ -26,7 +26,7 @@ from .rendezvous import job_store
 from .teardown import DEFAULT_TEARDOWN_TIMEOUT_S, destroy_process_groups
 
 MESH_AXES = ("dp", "ep", "tp")
-CP_MESH_AXES = ("dp", "ep", "cp", "tp")  # with context parallelism (cp > 1)
+PP_AXIS = "pp"  # outermost, and in the mesh only when pp > 1: stages may span nodes
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -67,7 +67,14 @@ class ParallelContext:
     cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     # dp × ep × cp flattened (None unless cp > 1): where dense gradients average with cp
     dp_ep_cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    # Pipeline stages (outermost axis): this rank's stage among pp_size, the group of the ranks at
+    # this (dp, ep, tp) position in every stage, and their global ranks in stage order.
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    pp_ranks: tuple[int, ...] = ()
     _kv_replica_groups: dict = field(default_factory=dict, init=False, repr=False)
+    _pp_end_groups: dict = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelContext:
@@ -83,6 +90,12 @@ class ParallelContext:
         optionally ``dp`` and ``ep``. (Built this way, its collectives all run flat: the engine's
         algorithms are set up by :func:`init_parallel`.)"""
         names = tuple(mesh.mesh_dim_names or ())
+        pp_size, pp_rank, pp_group = 1, 0, None
+        pp_ranks: tuple[int, ...] = ()
+        if PP_AXIS in names:
+            pp_size, pp_rank = mesh[PP_AXIS].size(), mesh[PP_AXIS].get_local_rank()
+            pp_group = mesh[PP_AXIS].get_group() if pp_size > 1 else None
+            pp_ranks = tuple(int(r) for r in mesh[PP_AXIS].mesh.tolist())
         if "tp" not in names:
             raise ValueError(f"the device mesh needs a dimension named 'tp'; it has {names}")
 
@@ -109,7 +122,8 @@ class ParallelContext:
                    ep_group=ep_group, mesh=mesh, device=device, backend=backend,
                    dp_ep_group=dp_ep_group, ranks_per_node=ranks_per_node, profile=profile,
                    ranks_per_island=ranks_per_island, cp_size=cp_size, cp_rank=cp_rank,
-                   cp_group=cp_group, dp_ep_cp_group=dp_ep_cp_group)
+                   cp_group=cp_group, dp_ep_cp_group=dp_ep_cp_group, pp_size=pp_size,
+                   pp_rank=pp_rank, pp_group=pp_group, pp_ranks=pp_ranks)
 
     @property
     def grad_group(self) -> dist.ProcessGroup | None:
@@ -118,6 +132,17 @@ class ParallelContext:
         if self.cp_size > 1:
             return self.dp_ep_cp_group
         return self.dp_ep_group if self.ep_size > 1 else self.dp_group
+
+    @property
+    def pp_prev_rank(self) -> int | None:
+        """The global rank of the previous stage's rank at this position (``None`` on the first
+        stage): where this stage's activations come from and its input gradients go."""
+        return self.pp_ranks[self.pp_rank - 1] if self.pp_rank > 0 else None
+
+    @property
+    def pp_next_rank(self) -> int | None:
+        """The global rank of the next stage's rank at this position (``None`` on the last)."""
+        return self.pp_ranks[self.pp_rank + 1] if self.pp_rank + 1 < self.pp_size else None
 
     @property
     def dp_ep_size(self) -> int:
@@ -176,10 +201,30 @@ class ParallelContext:
             self._kv_replica_groups[replicas] = mine
         return self._kv_replica_groups[replicas]
 
+    def pp_ends_group(self) -> dist.ProcessGroup | None:
+        """The group of the first and the last stage's ranks at this (dp, ep, tp) position, over
+        which a tied embedding's two halves sum their gradients (Megatron-LM's embedding group);
+        ``None`` with one stage. The ``pp`` group itself for two stages; for more, made on first
+        use for every position at once (``new_group`` is collective: every rank asks)."""
+        if self.pp_size <= 1:
+            return None
+        if self.pp_size == 2:
+            return self.pp_group
+        if "ends" not in self._pp_end_groups:
+            mine = None
+            for column in self.mesh.mesh.reshape(self.pp_size, -1).T.tolist():
+                ends = [column[0], column[-1]]
+                group = dist.new_group(ends)
+                if self.rank in ends:
+                    mine = group
+            self._pp_end_groups["ends"] = mine
+        return self._pp_end_groups["ends"]
+
     def __str__(self) -> str:
-        return (f"rank {self.rank}/{self.world_size} (dp {self.dp_rank}/{self.dp_size}, "
-                f"ep {self.ep_rank}/{self.ep_size}, cp {self.cp_rank}/{self.cp_size}, "
-                f"tp {self.tp_rank}/{self.tp_size}) "
+        pp = f"pp {self.pp_rank}/{self.pp_size}, " if self.pp_size > 1 else ""
+        cp = f"cp {self.cp_rank}/{self.cp_size}, " if self.cp_size > 1 else ""
+        return (f"rank {self.rank}/{self.world_size} ({pp}dp {self.dp_rank}/{self.dp_size}, "
+                f"ep {self.ep_rank}/{self.ep_size}, {cp}tp {self.tp_rank}/{self.tp_size}) "
                 f"on {self.device}")
 
     def close(self, timeout: float = DEFAULT_TEARDOWN_TIMEOUT_S) -> None:
@@ -199,33 +244,36 @@ class ParallelContext:
         self.close()
 
 
-def check_degrees(world_size: int, tp: int, dp: int | None, ep: int) -> tuple[int, int, int]:
+def check_degrees(world_size: int, tp: int, dp: int | None, ep: int, *,
+                  pp: int = 1) -> tuple[int, int, int]:
     """Validate the parallel degrees against the world size; returns ``(dp, ep, tp)``."""
-    dp, ep, _, tp = check_mesh_degrees(world_size, tp=tp, dp=dp, ep=ep, cp=1)
+    dp, ep, _, tp = check_mesh_degrees(world_size, tp=tp, dp=dp, ep=ep, cp=1, pp=pp)
     return dp, ep, tp
 
 
-def check_mesh_degrees(world_size: int, *, tp: int, dp: int | None, ep: int,
-                       cp: int) -> tuple[int, int, int, int]:
-    """Validate every degree of the ``dp × ep × cp × tp`` grid against the world size, naming
-    each factor in the error; returns ``(dp, ep, cp, tp)`` (``dp=None``: the rest of the ranks)."""
-    for name, value in (("tp", tp), ("cp", cp), ("ep", ep), ("dp", dp)):
+def check_mesh_degrees(world_size: int, *, tp: int, dp: int | None, ep: int, cp: int,
+                       pp: int = 1) -> tuple[int, int, int, int]:
+    """Validate every degree of the ``pp × dp × ep × cp × tp`` grid against the world size,
+    naming each factor in the error (``pp`` and ``cp`` only when above 1); returns ``(dp, ep, cp,
+    tp)`` (``dp=None``: the rest of the ranks)."""
+    for name, value in (("pp", pp), ("tp", tp), ("cp", cp), ("ep", ep), ("dp", dp)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                   or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    fixed = tp * ep * cp
-    named = f"tp ({tp}) × ep ({ep})" + (f" × cp ({cp})" if cp > 1 else "")
+    fixed = pp * tp * ep * cp
+    pp_part = f"pp ({pp}) × " if pp > 1 else ""
+    cp_part = f" × cp ({cp})" if cp > 1 else ""
     if dp is None:
         if world_size % fixed != 0:
             raise ValueError(
-                f"world size {world_size} is not divisible by {named} = {fixed}, so dp cannot be "
-                f"inferred; choose degrees whose product divides {world_size}")
+                f"world size {world_size} is not divisible by {pp_part}tp ({tp}) × ep ({ep})"
+                f"{cp_part} = {fixed}, so dp cannot be inferred; choose degrees whose product "
+                f"divides {world_size}")
         dp = world_size // fixed
     if dp * fixed != world_size:
-        cp_part = f" × cp ({cp})" if cp > 1 else ""
         raise ValueError(
-            f"dp ({dp}) × ep ({ep}){cp_part} × tp ({tp}) = {dp * fixed} must equal the world "
-            f"size ({world_size})")
+            f"{pp_part}dp ({dp}) × ep ({ep}){cp_part} × tp ({tp}) = {dp * fixed} must equal the "
+            f"world size ({world_size})")
     return dp, ep, cp, tp
 
 
@@ -237,15 +285,18 @@ def _env_int(name: str) -> int | None:
 def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str | None = None,
                   timeout: timedelta | float = DEFAULT_TIMEOUT, ranks_per_node: int | None = None,
                   profile=None, ranks_per_island: int | None = None,
-                  cp: int = 1) -> ParallelContext:
-    """Set up the ``dp × ep × cp × tp`` rank grid and return this rank's :class:`ParallelContext`.
+                  cp: int = 1, pp: int = 1) -> ParallelContext:
+    """Set up the ``pp × dp × ep × cp × tp`` rank grid and return this rank's
+    :class:`ParallelContext`.
 
     Reuses an initialised default process group, or initialises one from the ``torchrun``
     environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
     Without either, a single process gets :meth:`ParallelContext.single`. ``backend`` defaults to
-    ``nccl`` when CUDA is available, else ``gloo``. ``dp=None`` means ``world_size // (tp·ep·cp)``;
-    ``cp``: the context-parallel degree (each sequence split over ``cp`` ranks, laid out between
-    ``ep`` and ``tp``, so a ``cp`` group holds ranks ``tp`` apart).
+    ``nccl`` when CUDA is available, else ``gloo``. ``dp=None`` means
+    ``world_size // (pp·tp·ep·cp)``; ``cp``: the context-parallel degree (each sequence split over
+    ``cp`` ranks, laid out between ``ep`` and ``tp``, so a ``cp`` group holds ranks ``tp`` apart);
+    ``pp``: pipeline stages, the outermost axis (``ranks 0..world/pp-1`` are the first stage);
+    ``ot.pipeline`` splits a model over them.
     ``timeout`` (a ``timedelta`` or seconds) bounds every collective, so a dead peer ends in an
     error instead of a hang.
 
@@ -270,11 +321,12 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
     else:
         world_size = _env_int("WORLD_SIZE")
         if world_size is None:
-            if tp * (dp or 1) * ep * cp != 1:
-                need = tp * (dp or 1) * ep * cp
-                check_mesh_degrees(need, tp=tp, dp=dp, ep=ep, cp=cp)  # bad values: name them
+            need = pp * tp * (dp or 1) * ep * cp
+            if need != 1:
+                check_mesh_degrees(need, tp=tp, dp=dp, ep=ep, cp=cp, pp=pp)  # bad values: name them
                 raise ValueError(
-                    f"tp ({tp}) × dp ({dp or 1}) × ep ({ep}) × cp ({cp}) needs {need} "
+                    f"{f'pp ({pp}) × ' if pp > 1 else ''}tp ({tp}) × dp ({dp or 1}) × ep ({ep})"
+                    f"{f' × cp ({cp})' if cp > 1 else ''} needs {need} "
                     f"processes, but this is a single process with no torchrun environment: start "
                     f"it with `torchrun --nproc-per-node N` or `ops_transformer.launch(fn, N)`")
             backend = backend or _default_backend()
@@ -289,7 +341,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
                              "ops_transformer.launch")
         backend = backend or _default_backend()
         # fail before any rendezvous
-        dp, ep, cp, tp = check_mesh_degrees(world_size, tp=tp, dp=dp, ep=ep, cp=cp)
+        dp, ep, cp, tp = check_mesh_degrees(world_size, tp=tp, dp=dp, ep=ep, cp=cp, pp=pp)
         device_id = None
         if backend == "nccl":
             device_id = torch.device("cuda", _local_rank(rank))
@@ -298,7 +350,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device_id,
                                 **({} if store is None else {"store": store}))
-    dp, ep, cp, tp = check_mesh_degrees(world_size, tp=tp, dp=dp, ep=ep, cp=cp)
+    dp, ep, cp, tp = check_mesh_degrees(world_size, tp=tp, dp=dp, ep=ep, cp=cp, pp=pp)
     rank = dist.get_rank()
     declared = ranks_per_node is not None
     if not declared:
@@ -316,10 +368,12 @@ def init_parallel(tp: int = 1, dp: int | None = None, ep: int = 1, backend: str 
               else torch.device("cpu"))
     from torch.distributed.device_mesh import init_device_mesh
 
-    if cp > 1:  # at cp 1 the mesh keeps its three axes, as before context parallelism
-        mesh = init_device_mesh(device.type, (dp, ep, cp, tp), mesh_dim_names=CP_MESH_AXES)
-    else:
-        mesh = init_device_mesh(device.type, (dp, ep, tp), mesh_dim_names=MESH_AXES)
+    # pp (outermost) and cp (before tp) are axes only when above 1: at 1 the mesh keeps the
+    # three axes it had before them
+    axes = [(PP_AXIS, pp)] * (pp > 1) + [("dp", dp), ("ep", ep)] + [("cp", cp)] * (cp > 1) \
+        + [("tp", tp)]
+    mesh = init_device_mesh(device.type, tuple(n for _, n in axes),
+                            mesh_dim_names=tuple(name for name, _ in axes))
     # from_mesh may create more (flattened) groups, build_engine the engine's sub-groups
     ctx = ParallelContext.from_mesh(mesh, device, backend, ranks_per_node=layout.ranks_per_node,
                                     profile=agreed, ranks_per_island=layout.ranks_per_island)

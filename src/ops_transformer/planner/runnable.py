@@ -17,8 +17,9 @@ ZeRO stage 1, 2 or 3           ``dp × ep > 1`` (each parameter sharded over its
                                the experts; stage 3 through FSDP2)
 ``recompute="selective"``      not with ``attention="kv_split"`` at ``tp > 1`` (its attention
                                core communicates)
-``pp > 1``                     not yet: pipeline parallelism is priced and searched by the
-                               planner but not implemented in ``train`` (SPEC F19)
+``pp > 1``                     the reference GPT with TP and plain dp inside each stage
+                               (``parallelize.pipeline``); not yet with ZeRO, sequence
+                               parallelism, recompute, MoE / ``ep > 1`` or ``cp > 1``
 ``cp > 1``                     ``train --cp`` (SPEC F18), not yet with ZeRO, sequence
                                parallelism, MoE or ``recompute="selective"``; ``train --plan``
                                does not take a context-parallel layout yet
@@ -40,7 +41,12 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
                     model: str = "the model") -> str | None:
     """Why ``train`` cannot run this combination, or ``None`` when it can."""
     if pp > 1:
-        return f"--pp {pp}: pipeline parallelism is not implemented in train yet"
+        problem = _pipeline_problem(pp, ep=ep, experts=experts, sequence_parallel=sequence_parallel,
+                                    recompute=recompute, zero_stage=zero_stage, model=model)
+        if problem:
+            return problem
+        if cp > 1:
+            return f"--pp {pp} does not combine with --cp yet: drop one of them"
     if cp > 1:
         for flag, on in (("--zero", zero_stage), ("--sequence-parallel", sequence_parallel),
                          ("an MoE model", experts > 1),
@@ -66,4 +72,16 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
         return ("--recompute selective replays the attention core, which --attention kv_split "
                 "spreads over the ranks with communication: use --recompute full or another "
                 "attention strategy")
+    return None
+
+
+def _pipeline_problem(pp: int, *, ep: int, experts: int, sequence_parallel: bool, recompute: str,
+                      zero_stage: int, model: str) -> str | None:
+    """What ``train --pp`` does not combine with yet (docs/pipeline.md)."""
+    for flag, on in (("--zero", zero_stage), ("--sequence-parallel", sequence_parallel),
+                     ("--recompute", recompute != "none")):
+        if on:
+            return f"--pp {pp} does not combine with {flag} yet: drop one of them"
+    if ep > 1 or experts > 1:
+        return f"--pp {pp} does not split {model} yet (MoE): use a dense preset or --pp 1"
     return None

@@ -351,8 +351,10 @@ def chosen_layout(data) -> dict:
         raise ValueError("not a planner result: it has neither a 'best' layout nor 'tp', 'dp' "
                          "and 'attention'")
     pp, cp = int(data.get("pp", 1)), int(data.get("cp", 1))
-    if pp > 1:
-        raise ValueError(runtime_problem(tp=data["tp"], dp=data["dp"], pp=pp, cp=cp))
+    if pp > 1:  # its schedule and micro-batches are not read from a plan yet
+        problem = runtime_problem(tp=data["tp"], dp=data["dp"], pp=pp, cp=cp)
+        raise ValueError(problem or f"--plan: a pipelined plan (pp {pp}) is not run from the plan "
+                         f"file yet: start it with --pp {pp} --pp-schedule S --microbatches M")
     if cp > 1:
         raise ValueError(f"--cp {cp}: train --plan does not take a context-parallel layout yet; "
                          f"run train --cp {cp} with the plan's other degrees")

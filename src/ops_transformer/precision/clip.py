@@ -47,6 +47,8 @@ def _counted_here(param: torch.Tensor, ctx) -> bool:
     """Whether this rank adds ``param``'s gradient to the dense norm (see the module docstring).
     (ZeRO's sharded gradients differ across dp ranks and count on each:
     :meth:`~ops_transformer.memory.zero.ZeroOptimizer.grad_norm_partial`.)"""
+    if getattr(param, "pipeline_tied_copy", False):  # a tied embedding's last-stage half:
+        return False  # counted once, on the first stage (parallelize/pipeline.py)
     if local_tensor(param) is not param:  # sharded over data-parallel ranks: own rows
         return counted_on_tp_rank(param, ctx)
     expert = getattr(param, "expert_shard", None) is not None  # differs across EP ranks

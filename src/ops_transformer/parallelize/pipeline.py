@@ -1,0 +1,255 @@
+"""Pipeline parallelism for the reference GPT on ``torch.distributed.pipelining`` (no scheduler of
+our own): :func:`pipeline` splits the model into stages by layers over ``ctx``'s ``pp`` axis.
+
+Each rank keeps the **dense** model object with only its stages' parts in it: the other layers
+become parameter-less ``nn.Identity`` entries of ``model.layers`` (so ``layers.5.attn.wq.weight``
+keeps its name on the rank that holds it), the embedding is kept on stage 0 only, the final norm
+and the head on the last stage only. Checkpoints and ``gather_full_state_dict`` see dense names.
+Whatever ``parallelize`` did inside a stage (TP layers, the data-parallel gradient reducers over
+that stage's ``dp``) stays as it is; the reducers are rebuilt over the parameters the rank kept.
+
+One step (:meth:`Pipeline.step`), ``m`` micro-batches of ``b`` rows::
+
+    schedule (pipelining)  : m forwards and m backwards per stage, in the schedule's order;
+                             stage boundaries: one send/recv of (b, s, h) per micro-batch and
+                             direction (activations forward, their gradients backward)
+    loss (last stage)      : Σ_i CE_i / m — each micro-batch's mean token loss over m, so the
+                             summed gradient is the dense mean (scale_grads=False: pipelining's
+                             default would divide the gradients by m once more)
+    after the schedule     : the stage's gradient reducers (dp averaging, partial sums over tp),
+                             then a tied embedding's gradient summed between the first and the last
+                             stage (``ctx.pp_ends_group()``)
+
+The boundary transfers are recorded in the communication ledger as ``send``/``recv`` records
+(label ``pp_boundary``) when pipelining posts them: its schedules run the ops in their own
+``batch_isend_irecv``, so :class:`RecordedStage` builds each op through
+:func:`~ops_transformer.comm.collectives.p2p_op`. (The schedule's one-time warm-up vote between
+neighbours, on the first step, is not recorded.)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import pipelining as _pp
+
+from ..comm import collectives as C
+from ..models.gpt import GPT, rope_tables
+from ..parallel.state import no_sync, parallel_state_of
+from .options import ParallelOptions
+from .pipeline_split import SCHEDULES, check_pipeline, rank_stages, stage_layers
+from .reducers import gradient_reducers
+
+log = logging.getLogger("ops_transformer")
+BOUNDARY_LABEL = "pp_boundary"
+
+
+class GPTStage(nn.Module):
+    """Layers ``layers`` of a GPT as one pipeline stage: ``idx (B, T)`` → hidden ``(B, T, d)`` on
+    the first stage, hidden → hidden in the middle, hidden → logits ``(B, T, V)`` on the last.
+    It holds the GPT's own modules (shared, not copied)."""
+
+    def __init__(self, model: GPT, layers: range, *, first: bool, last: bool):
+        super().__init__()
+        self.cfg, self.first, self.last = model.cfg, first, last
+        self.layer_ids = layers
+        self.tok_emb = model.tok_emb if first else None
+        self.pos_emb = model.pos_emb if first else None
+        self.drop = model.drop if first else None
+        self.blocks = nn.ModuleList(model.layers[i] for i in layers)
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x):
+        if self.first:
+            T = x.shape[1]
+            h = self.tok_emb(x)  # (B, T, d)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(torch.arange(T, device=x.device))
+            x = self.drop(h)
+        rope = None
+        if self.cfg.pos == "rope":
+            rope = rope_tables(self.cfg.head_dim, x.shape[1], self.cfg.rope_theta, x.device)
+        for block in self.blocks:
+            x = block(x, rope)
+        if self.last:
+            return self.lm_head(self.norm(x))[0]  # (B, T, V): full logits
+        return x
+
+    def extra_repr(self) -> str:
+        ends = "embedding, " if self.first else ""
+        return (f"{ends}layers {self.layer_ids.start}..{self.layer_ids.stop - 1}"
+                f"{', norm, head' if self.last else ''}")
+
+
+class RecordedStage(_pp.PipelineStage):
+    """pipelining's ``PipelineStage`` whose boundary sends and receives are built through
+    :func:`~ops_transformer.comm.collectives.p2p_op`, which records each in the ledger."""
+
+    def _recorded(self, ops):
+        return [C.p2p_op("send" if op.op is dist.isend else "recv", op.tensor, op.peer, op.group,
+                         label=BOUNDARY_LABEL) for op in ops]
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        return self._recorded(super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        return self._recorded(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        return self._recorded(super().get_bwd_recv_ops(bwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        return self._recorded(super().get_bwd_send_ops(bwd_chunk_id))
+
+
+class MicroBatchLoss:
+    """The last stage's loss function: ``scale · CE_i / m`` for micro-batch ``i`` (its mean token
+    loss over the ``m`` micro-batches; ``scale``: the fp16 loss scale of this step, else 1)."""
+
+    def __init__(self, microbatches: int):
+        self.microbatches, self.scale = microbatches, 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return loss * (self.scale / self.microbatches)
+
+
+@dataclass
+class Pipeline:
+    """A GPT split over ``ctx``'s ``pp`` axis: ``model`` (this rank's parts, dense names),
+    ``stages`` (this rank's :class:`GPTStage` s), ``schedule`` (pipelining's). :meth:`step`
+    runs one step's forwards and backwards."""
+
+    model: GPT
+    ctx: object
+    schedule_name: str
+    microbatches: int
+    stages_per_rank: int
+    stages: list[GPTStage]
+    schedule: object = field(repr=False)
+    tied: nn.Parameter | None = field(default=None, repr=False)
+    loss_fn: MicroBatchLoss | None = field(default=None, repr=False)
+
+    @property
+    def has_first(self) -> bool:
+        return any(s.first for s in self.stages)
+
+    @property
+    def has_last(self) -> bool:
+        return any(s.last for s in self.stages)
+
+    def step(self, idx: torch.Tensor, targets: torch.Tensor, *,
+             scaler=None) -> torch.Tensor | None:
+        """Forward and backward of one batch ``idx, targets (B, T)`` in ``microbatches`` pieces of
+        ``B / microbatches`` rows; gradients accumulate into ``.grad`` (zero them between steps),
+        reduced over the stage's data-parallel ranks and between tied stages. Returns the loss
+        (the dense model's: the mean over the batch) on the ranks holding the last stage, else
+        ``None``. Every rank of the job calls it with its own rows (``idx`` is read on the first
+        stage, ``targets`` on the last). ``scaler``: a
+        :class:`~ops_transformer.precision.DynamicLossScaler` whose scale multiplies the backward's
+        loss (``optimizer_step(scaler=)`` unscales and agrees on an overflow over every stage)."""
+        if idx.shape[0] % self.microbatches:
+            raise ValueError(f"the batch ({idx.shape[0]} rows) is not divisible by microbatches "
+                             f"({self.microbatches})")
+        losses: list[torch.Tensor] = []
+        self.loss_fn.scale = 1.0 if scaler is None else scaler.scale_value
+        with no_sync(self.model):  # the reducers run once, after every micro-batch
+            self.schedule.step(*((idx,) if self.has_first else ()), target=targets,
+                               losses=losses)
+        state = parallel_state_of(self.model)
+        for reducer in (state.reducers if state is not None else ()):
+            reducer.finish()
+        if self.tied is not None and self.tied.grad is not None:
+            C.all_reduce(self.tied.grad, self.ctx.pp_ends_group(), label="pp_tied_embedding")
+        if not losses:
+            return None
+        return torch.stack(losses).sum().detach() / self.loss_fn.scale
+
+    def step_metrics(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None) -> dict:
+        """:meth:`step` for ``optimizer_step(metrics=...)``, which averages each metric over the
+        ``pp × dp × ep`` ranks of a TP position: the last stage's loss counts ``pp`` times, the
+        other stages' 0, so the average is the dense loss on every rank (no extra collective)."""
+        loss = self.step(idx, targets, scaler=scaler)
+        weight = float(self.ctx.pp_size) if loss is not None else 0.0
+        return {"loss": (loss if loss is not None else torch.zeros(())) * weight}
+
+
+def pipeline(model: GPT, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
+             stages_per_rank: int = 1) -> Pipeline:
+    """Split the reference GPT over ``ctx``'s ``pp`` axis by layers and return its
+    :class:`Pipeline` (module docstring). Call it after ``parallelize`` (TP and dp inside each
+    stage stay as they are) or on a plain model. ``schedule``: one of
+    :data:`~.pipeline_split.SCHEDULES` (``gpipe``, ``1f1b``, ``interleaved``, ``looped_bfs``,
+    ``zero_bubble``, ``zbv``); ``microbatches`` per step; ``stages_per_rank`` (``v``) for the
+    interleaved, looped and zero-bubble schedules. A split the layers do not divide is a
+    ``ValueError`` here, on every rank alike, before any stage communicates."""
+    if not isinstance(model, GPT):
+        raise ValueError(f"pipeline splits the reference GPT (ops_transformer.GPT); got "
+                         f"{type(model).__name__} (Hugging Face models are not split yet)")
+    if model.cfg.n_experts:
+        raise ValueError("pipeline does not split MoE models yet (n_experts "
+                         f"{model.cfg.n_experts}): their auxiliary loss spans every stage")
+    if ctx.pp_size < 2:
+        raise ValueError(f"pipeline needs a pp axis of 2 or more stages, but ctx has pp "
+                         f"{ctx.pp_size}: use init_parallel(pp=2, ...) (pp 1 is the model itself)")
+    check_pipeline(model.cfg.n_layers, ctx.pp_size, schedule=schedule,
+                   microbatches=microbatches, stages_per_rank=stages_per_rank)
+    state = parallel_state_of(model)
+    options = state.options if state is not None and state.options else ParallelOptions()
+    if options.loss_parallel:
+        raise ValueError("pipeline computes the loss from the last stage's full logits; "
+                         "loss_parallel=True is not supported with pp yet")
+    cls_name, _, placement = SCHEDULES[schedule]
+    n_stages = ctx.pp_size * stages_per_rank
+    mine = rank_stages(ctx.pp_rank, ctx.pp_size, stages_per_rank, placement)
+    first, last = 0 in mine, n_stages - 1 in mine
+    tied = _tied_weight(model, first, last, ctx)
+    stages = [GPTStage(model, stage_layers(model.cfg.n_layers, n_stages, s), first=s == 0,
+                       last=s == n_stages - 1) for s in mine]
+    _prune(model, {i for s in stages for i in s.layer_ids}, first=first, last=last)
+    if state is not None:  # the reducers over what this rank kept
+        for reducer in state.reducers:
+            reducer.remove()
+        state.reducers = gradient_reducers(model, ctx, options)
+    runtime = [RecordedStage(stage, s, n_stages, ctx.device, group=ctx.pp_group)
+               for stage, s in zip(stages, mine)]
+    m = microbatches
+    loss_fn = MicroBatchLoss(m)
+    cls = getattr(_pp, cls_name)
+    sched = (cls(runtime[0], m, loss_fn=loss_fn, scale_grads=False) if len(runtime) == 1
+             and SCHEDULES[schedule][1] == "one" else
+             cls(runtime, m, loss_fn=loss_fn, scale_grads=False))
+    log.info("pipeline: pp=%d schedule=%s microbatches=%d stages %s on pp rank %d", ctx.pp_size,
+             schedule, m, mine, ctx.pp_rank)
+    return Pipeline(model, ctx, schedule, m, stages_per_rank, stages, sched, tied, loss_fn)
+
+
+def _tied_weight(model: GPT, first: bool, last: bool, ctx) -> nn.Parameter | None:
+    """The tied embedding whose two halves live on different ranks (first xor last stage here),
+    else ``None``: with both on this rank the one parameter already sums both gradients."""
+    if not model.cfg.tie_embeddings or ctx.pp_size == 1:
+        return None
+    ctx.pp_ends_group()  # made on every rank alike (new_group is collective)
+    if first == last:
+        return None
+    if last:  # the gradient norm counts the tied weight once, on the first stage
+        model.lm_head.weight.pipeline_tied_copy = True
+        return model.lm_head.weight
+    return model.tok_emb.weight
+
+
+def _prune(model: GPT, layers: set[int], *, first: bool, last: bool) -> None:
+    """Drop what this rank's stages do not hold, keeping the dense names of the rest."""
+    for i in range(len(model.layers)):
+        if i not in layers:
+            model.layers[i] = nn.Identity()
+    if not first:
+        model.tok_emb = model.pos_emb = None
+    if not last:
+        model.norm = model.lm_head = None

@@ -1,0 +1,236 @@
+"""Pipeline parallelism (``ot.pipeline`` on ``torch.distributed.pipelining``) against the dense
+model: the per-step loss and every gradient at pp 2 with each schedule, pp 2 × tp 2 over steps,
+tied embeddings across the first and last stage, and the stage-boundary transfers in the ledger."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_rel, local_part
+from ops_transformer import GPT, CommLedger, init_parallel, parallelize, pipeline
+from ops_transformer.models.gpt import GPTConfig
+from ops_transformer.parallelize.pipeline_split import SCHEDULES, check_pipeline, stage_rank
+
+RTOL = 1e-6  # fp32: the stages run the dense ops on the same rows, only summed in another order
+CFG = GPTConfig(vocab_size=64, n_layers=4, d_model=32, n_heads=4, d_ff=64, max_seq_len=16)
+B, T = 8, 8
+
+
+def _data(steps):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, CFG.vocab_size, (B, T), generator=g),
+             torch.randint(0, CFG.vocab_size, (B, T), generator=g)) for _ in range(steps)]
+
+
+def _dense(cfg, steps, lr=0.5):
+    """Per-step loss and the first step's gradients (by name) of the one-device model."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], None
+    for idx, y in _data(steps):
+        opt.zero_grad()
+        loss = model(idx, y)[1]
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        losses.append(loss.item())
+        opt.step()
+    return losses, grads
+
+
+def _piped(cfg, schedule, v, m, tp, steps, dense_grads, lr=0.5, dp=1):
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=2, tp=tp, dp=dp)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if tp * dp > 1:
+        model = parallelize(model, ctx)
+    pipe = pipeline(model, ctx, schedule, microbatches=m, stages_per_rank=v)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads, ledger = [], None, None
+    for step, (idx, y) in enumerate(_data(steps)):
+        opt.zero_grad()
+        idx, y = idx.chunk(dp)[ctx.dp_rank], y.chunk(dp)[ctx.dp_rank]  # this replica's rows
+        with CommLedger() as led:
+            loss = pipe.step(idx, y)
+        if loss is not None and dp > 1:  # the dense loss: the mean over the replicas' rows
+            loss = torch.tensor(run_mean(loss, ctx))
+        if step == 1:
+            ledger = [(r.kind, r.elements, r.label) for r in led.records if r.label == "pp_boundary"]
+        if grads is None:
+            grads = {n: (p.grad.clone(), local_part(p, dense_grads[_dense_name(n, cfg)]))
+                     for n, p in model.named_parameters()}
+        losses.append(None if loss is None else loss.item())
+        opt.step()
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return ctx.pp_rank, losses, grads, ledger, names
+
+
+def run_mean(loss, ctx):
+    from ops_transformer.comm import collectives as C
+
+    total = loss.clone()
+    C.all_reduce(total, ctx.dp_group)
+    return total.item() / ctx.dp_size
+
+
+def _dense_name(name, cfg):
+    return "tok_emb.weight" if name == "lm_head.weight" and cfg.tie_embeddings else name
+
+
+def _check(results, dense_losses, dense_grads, cfg):
+    seen = set()
+    for pp_rank, losses, grads, _, names in results:
+        seen |= names
+        if losses[0] is not None:
+            for got, want in zip(losses, dense_losses):
+                assert abs(got - want) <= RTOL * abs(want), (got, want)
+        for name, (grad, want) in grads.items():
+            assert_rel(grad, want, RTOL, f"pp rank {pp_rank}: {name}")
+    dense_names = set(dense_grads) | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    assert seen == dense_names  # dense names, every parameter on some stage
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_pp2_every_schedule_equals_dense(run_ranks, schedule):
+    v = 1 if SCHEDULES[schedule][1] == "one" else 2
+    m = 4
+    dense_losses, dense_grads = _dense(CFG, 2)
+    results = run_ranks(_piped, 2, CFG, schedule, v, m, 1, 2, dense_grads)
+    _check(results, dense_losses, dense_grads, CFG)
+    # the ledger: 2·m boundary transfers per boundary per step, (b/m)·s·h elements each
+    placement = SCHEDULES[schedule][2]
+    boundaries = sum(stage_rank(k, 2, placement) != stage_rank(k + 1, 2, placement)
+                     for k in range(2 * v - 1))  # neighbours on one rank hand over locally
+    sends = [r for res in results for r in res[3] if r[0] == "send"]
+    recvs = [r for res in results for r in res[3] if r[0] == "recv"]
+    assert len(sends) == len(recvs) == 2 * m * boundaries
+    assert {r[1] for r in sends + recvs} == {B // m * T * CFG.d_model}
+
+
+def test_pp2_tp2_equals_one_device(run_ranks):
+    cfg = CFG.with_(tie_embeddings=False, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    dense_losses, dense_grads = _dense(cfg, 3)
+    results = run_ranks(_piped, 4, cfg, "1f1b", 1, 2, 2, 3, dense_grads)
+    _check(results, dense_losses, dense_grads, cfg)
+
+
+def test_pp2_dp2_equals_dense(run_ranks):
+    """dp inside each stage: parallelize's reducers average the stage's gradients over its dp."""
+    dense_losses, dense_grads = _dense(CFG, 2)
+    results = run_ranks(_piped, 4, CFG, "1f1b", 1, 2, 1, 2, dense_grads, dp=2)
+    _check(results, dense_losses, dense_grads, CFG)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_ten_steps(run_ranks):
+    dense_losses, dense_grads = _dense(CFG, 10)
+    results = run_ranks(_piped, 4, CFG, "interleaved", 2, 2, 2, 10, dense_grads)
+    _check(results, dense_losses, dense_grads, CFG)
+
+
+def test_tied_embedding_gradient_summed_across_stages(run_ranks):
+    """The tied weight lives on stage 0 (embedding) and stage 1 (head): each half's gradient
+    alone is not the dense one; after the step both hold the sum."""
+    assert CFG.tie_embeddings
+    dense_losses, dense_grads = _dense(CFG, 1)
+    results = run_ranks(_piped, 2, CFG, "gpipe", 1, 2, 1, 1, dense_grads)
+    first = next(r for r in results if r[0] == 0)[2]["tok_emb.weight"][0]
+    last = next(r for r in results if r[0] == 1)[2]["lm_head.weight"][0]
+    assert_rel(first, dense_grads["tok_emb.weight"], RTOL, "embedding half")
+    assert torch.equal(first, last)
+
+
+@pytest.mark.parametrize("layers, pp, kwargs, match", [
+    (4, 3, {}, r"3 stages do not divide the model's 4 layers"),
+    (2, 2, {"schedule": "interleaved", "stages_per_rank": 2, "microbatches": 2},
+     r"4 stages, more than the model's 2 layers"),
+    (4, 2, {"schedule": "1f1b", "stages_per_rank": 2}, r"one stage per rank"),
+    (4, 2, {"schedule": "zbv", "stages_per_rank": 1}, r"exactly 2 stages per rank"),
+    (4, 2, {"schedule": "pipedream"}, r"schedule must be one of"),
+    (4, 2, {"schedule": "1f1b", "microbatches": 1}, r"at least as many microbatches"),
+    (4, 2, {"schedule": "interleaved", "stages_per_rank": 2, "microbatches": 3},
+     r"multiple of pp \(2\)"),
+])
+def test_bad_split_is_one_line_error(layers, pp, kwargs, match):
+    with pytest.raises(ValueError, match=match) as err:
+        check_pipeline(layers, pp, **kwargs)
+    assert "\n" not in str(err.value)
+
+
+def _grid():
+    ctx = init_parallel(pp=2, tp=2)
+    return (ctx.rank, ctx.pp_rank, ctx.pp_size, ctx.tp_rank, ctx.dp_size, ctx.pp_prev_rank,
+            ctx.pp_next_rank, ctx.pp_ranks, ctx.pp_group is not None)
+
+
+def test_pp_is_the_outermost_axis(run_ranks):
+    got = run_ranks(_grid, 4)
+    # ranks 0, 1 are stage 0 (a TP pair), ranks 2, 3 stage 1; rank r's neighbour is r ± 2
+    assert got == [(0, 0, 2, 0, 1, None, 2, (0, 2), True), (1, 0, 2, 1, 1, None, 3, (1, 3), True),
+                   (2, 1, 2, 0, 1, 0, None, (0, 2), True), (3, 1, 2, 1, 1, 1, None, (1, 3), True)]
+
+
+def test_degrees_name_every_factor():
+    from ops_transformer.parallel.context import check_degrees
+
+    with pytest.raises(ValueError, match=r"pp \(2\) × dp \(1\) × ep \(1\) × tp \(2\) = 4 must "
+                                         r"equal the world size \(8\)"):
+        check_degrees(8, 2, 1, 1, pp=2)
+    with pytest.raises(ValueError, match=r"not divisible by pp \(3\) × tp \(2\) × ep \(1\) = 6"):
+        check_degrees(8, 2, None, 1, pp=3)
+    with pytest.raises(ValueError, match=r"pp must be a positive integer, got 0"):
+        check_degrees(8, 2, None, 1, pp=0)
+    assert check_degrees(8, 2, None, 1, pp=2) == (2, 1, 2)
+
+
+def _overflow(poison):
+    """pp 2 with a loss scaler: a clean step equals the dense gradients once unscaled; an inf
+    planted in one stage's gradient skips the step on both stages."""
+    from ops_transformer import DynamicLossScaler, optimizer_step
+
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=2)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    pipe = pipeline(model, ctx, "1f1b", microbatches=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(ctx, init_scale=2.0 ** 8)
+    idx, y = _data(1)[0]
+    pipe.step(idx, y, scaler=scaler)
+    if ctx.pp_rank == poison:
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() / 2.0 ** 8 for n, p in model.named_parameters()}
+    report = optimizer_step(model, opt, ctx, scaler=scaler, max_norm=1.0)
+    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    return ctx.pp_rank, report.stepped, unchanged, scaler.scale_value, grads
+
+
+def test_fp16_overflow_on_one_stage_skips_every_stage(run_ranks):
+    for rank, stepped, unchanged, scale, _ in run_ranks(_overflow, 2, 1):
+        assert not stepped and unchanged, rank  # (the scale backs off after its hysteresis)
+    _, dense_grads = _dense(CFG, 1)
+    for rank, stepped, unchanged, _, grads in run_ranks(_overflow, 2, -1):
+        assert stepped and not unchanged
+        for name, grad in grads.items():  # the scaled backward, unscaled: the dense gradient
+            assert_rel(grad, dense_grads[_dense_name(name, CFG)], RTOL, f"rank {rank}: {name}")
+
+
+@pytest.mark.parametrize("model, match", [
+    (torch.nn.Linear(2, 2), r"pipeline splits the reference GPT .* got Linear"),
+    ("moe", r"does not split MoE models yet \(n_experts 4\)"),
+    ("dense", r"pipeline needs a pp axis of 2 or more stages, but ctx has pp 1"),
+])
+def test_pipeline_refuses_what_it_cannot_split(model, match):
+    from ops_transformer import ParallelContext
+    from ops_transformer.models.gpt import preset
+
+    if model == "moe":
+        model = GPT(preset("moe-tiny"))
+    elif model == "dense":
+        model = GPT(CFG)
+    with pytest.raises(ValueError, match=match):
+        pipeline(model, ParallelContext.single(), "1f1b")

@@ -226,6 +226,8 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
     """``--pp``: the split (:func:`check_pipeline`, flags named) and what it runs with."""
     if cfg.cp > 1:
         raise ValueError(f"--pp {cfg.pp} does not combine with --cp yet: drop one of them")
+    if not cfg.model and cfg.model_config().dropout > 0:  # micro-batches draw other masks
+        raise ValueError(f"--pp {cfg.pp} does not combine with --dropout yet: drop one of them")
     if cfg.model or cfg.lora_rank or cfg.ckpt_dir or cfg.precision != "fp32" \
             or cfg.grad_accum > 1:
         raise ValueError("--pp runs a reference preset in fp32 without --model, --lora-rank, "

@@ -102,6 +102,8 @@ class TrainConfig:
     cp: int = 1  # context-parallel degree: each sequence split over cp ranks (SPEC F18)
     cp_strategy: str = ParallelOptions.context_parallel  # "auto", "ring" or "allgather_kv"
     pack: str = "docs"  # train --model: "docs" (attention inside each packed document), "naive"
+    compile: bool = ParallelOptions.compile  # each Transformer block through torch.compile
+    compile_backend: str = ParallelOptions.compile_backend  # "inductor", "aot_eager", "eager"
 
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
@@ -111,7 +113,8 @@ class TrainConfig:
                                recompute=self.recompute, activation_cache=self.activation_cache,
                                overlap=self.overlap_mode, chunks=self.chunks,
                                moe_statistics=self.moe_statistics,
-                               context_parallel=self.cp_strategy, **more)
+                               context_parallel=self.cp_strategy, compile=self.compile,
+                               compile_backend=self.compile_backend, **more)
 
     @property
     def overlap_mode(self) -> str:

@@ -19,7 +19,6 @@ CONFIGS = {"gpt2": preset("tiny", vocab_size=250, max_seq_len=T),
 OPTIONS = {  # a test per option: the block compiled at tp 2 under it
     "plain": {},
     "sequence_parallel": {"sequence_parallel": True},
-    "regather": {"sequence_parallel": "regather"},
     "recompute_selective": {"recompute": "selective"},
     "recompute_full": {"recompute": "full"},
     "int8_cache": {"activation_cache": "int8"},
@@ -44,9 +43,9 @@ def _model(config, compile, backend="aot_eager", **options):
 
 
 def _block_input(model, ctx, options):
+    """The block's input as the model passes it (under sequence parallelism the first region's
+    entry takes the whole sequence and scatters it)."""
     x = torch.randn(B, T, model.cfg.d_model, generator=torch.Generator().manual_seed(1))
-    if options.get("sequence_parallel"):
-        x = x.chunk(ctx.tp_size, dim=1)[ctx.tp_rank].contiguous()
     return x.requires_grad_()
 
 
@@ -127,3 +126,13 @@ def test_bad_backend_is_one_clear_error():
     with pytest.raises(ValueError, match="compile_backend must be one of"):
         parallelize(GPT(CONFIGS["gpt2"]), init_parallel(tp=1), compile=True,
                     compile_backend="tensorrt")
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"overlap": "chunked"}, "overlap='chunked'"),
+    ({"sequence_parallel": "regather"}, "sequence_parallel='regather'")])
+def test_unsupported_combinations_are_refused(options, match):
+    from ops_transformer.parallelize import ParallelOptions
+    with pytest.raises(ValueError, match=match):
+        ParallelOptions(compile=True, **options)
+    assert ParallelOptions(compile=True).overlap == "none"  # auto runs as none under compile

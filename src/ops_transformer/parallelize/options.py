@@ -152,6 +152,10 @@ class ParallelOptions:
             raise ValueError("compile=True runs with overlap='none' (or 'auto', which then runs as "
                              "'none'): the chunked regions issue async collectives, which "
                              "torch.compile cannot trace; got overlap='chunked'")
+        if self.compile and self.sequence_parallel == "regather":
+            raise ValueError("compile=True does not support sequence_parallel='regather' yet (its "
+                             "regions read grad_fn, which torch.compile cannot trace); use "
+                             "sequence_parallel=True")
         if self.compile and self.overlap == "auto":  # the compiler schedules; see above
             object.__setattr__(self, "overlap", "none")
         if isinstance(self.lora, Mapping):

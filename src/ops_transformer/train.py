@@ -35,6 +35,7 @@ from .models.moe import moe_stats
 from .parallel.context import check_mesh_degrees, init_parallel
 from .parallel.state import no_sync
 from .parallelize import ParallelOptions, parallelize
+from .parallelize.compile import check_compile
 from .parallelize.gpt_plan import gpt_plan
 from .parallelize.moe_plan import n_experts_of
 from .planner.context_parallel import CP_CHOICES, check_sequence
@@ -169,6 +170,7 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
             raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; "
                              f"byte-level data needs at least {VOCAB_SIZE}")
     check_batch(cfg.batch, dp, ep, cfg.grad_accum)
+    check_compile(cfg.compile, cp=cfg.cp, moe=bool(getattr(model_cfg, "n_experts", 0)))
     check_memory_flags(cfg, dp, tp)
     try:
         cfg.parallel_options()  # every option checked once (--overlap, --chunks)

@@ -34,11 +34,25 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
                      f"model.layers or transformer.h) in {type(model).__name__}")
 
 
+def check_compile(compile: bool, *, cp: int = 1, moe: bool = False) -> None:
+    """A one-line ``ValueError`` for what ``compile`` does not combine with yet: context
+    parallelism (its ring posts async point-to-point exchanges) and MoE layers (their routing
+    reads the token counts on the host, ``.tolist()``, a graph break)."""
+    if compile and cp > 1:
+        raise ValueError(f"--compile does not combine with --cp {cp} yet (the ring's async "
+                         f"exchanges cannot be traced); drop one of them")
+    if compile and moe:
+        raise ValueError("--compile does not combine with an MoE preset yet (expert routing "
+                         "reads token counts on the host, a graph break); drop one of them")
+
+
 def apply_compile(model: nn.Module, backend: str = "inductor") -> list[nn.Module]:
     """Compile each Transformer block of ``model`` in place with ``fullgraph=True``; returns
     the blocks."""
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"compile_backend must be one of {COMPILE_BACKENDS}, got {backend!r}")
+    if getattr(getattr(model, "cfg", None), "n_experts", 0):
+        check_compile(True, moe=True)
     blocks = transformer_blocks(model)
     for block in blocks:
         block.compile(backend=backend, fullgraph=True)

@@ -149,11 +149,11 @@ class ParallelOptions:
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise ValueError(f"chunks must be an integer >= 1, got {self.chunks!r}")
         if self.compile and self.overlap == "chunked":
-            raise ValueError("compile=True runs with overlap='none' (or 'auto', which then runs as "
-                             "'none'): the chunked regions issue async collectives, which "
-                             "torch.compile cannot trace; got overlap='chunked'")
+            raise ValueError("compile does not combine with overlap='chunked' (use 'none', or "
+                             "'auto', which then runs as 'none'): the chunked regions issue "
+                             "async collectives, which torch.compile cannot trace")
         if self.compile and self.sequence_parallel == "regather":
-            raise ValueError("compile=True does not support sequence_parallel='regather' yet (its "
+            raise ValueError("compile does not combine with sequence_parallel='regather' yet (its "
                              "regions read grad_fn, which torch.compile cannot trace); use "
                              "sequence_parallel=True")
         if self.compile and self.overlap == "auto":  # the compiler schedules; see above

@@ -47,7 +47,8 @@ def to_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-               weight_group: C.ProcessGroup | None = None, input_group: C.ProcessGroup | None = None,
+               weight_group: C.ProcessGroup | None = None,
+               input_group: C.ProcessGroup | None = None,
                out_dtype: torch.dtype = torch.float32, return_scales: bool = False):
     """``F.linear(x, weight, bias)`` as an fp8 matmul (forward only: no autograd graph through
     the cast): ``x`` and ``weight`` each scaled by its dense tensor's amax — ``weight_group`` is

@@ -63,6 +63,7 @@ KNOWN_LIMITS = {
     ("overlap-chunked", "compile"): "--compile does not combine with overlap='chunked'",
     ("moe-ep", "compile"): "--compile does not combine with an MoE preset",
     ("cp", "compile"): "--compile does not combine with --cp 2",
+    ("int8-cache", "compile"): "--compile does not combine with activation_cache='int8'",
 }
 # What the matrix does not show, listed with it in docs/composition.md.
 LIMITS = (

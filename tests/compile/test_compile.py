@@ -21,7 +21,6 @@ OPTIONS = {  # a test per option: the block compiled at tp 2 under it
     "sequence_parallel": {"sequence_parallel": True},
     "recompute_selective": {"recompute": "selective"},
     "recompute_full": {"recompute": "full"},
-    "int8_cache": {"activation_cache": "int8"},
     "attention_heads_allgather": {"attention": "heads_allgather"},
     "attention_kv_split": {"attention": "kv_split"},
     "vocab_replicated": {"vocab": "replicated"},
@@ -65,7 +64,8 @@ def _graph_breaks(config, options):
 
     explained = torch._dynamo.explain(lambda x: block(x, rope) if rope is not None
                                       else block(x))(x)
-    step(x)  # the eager block still runs after explain
+    block.compile(backend="aot_eager", fullgraph=True)  # and it runs: a break would raise
+    step(x)
     return explained.graph_break_count, [str(r) for r in explained.break_reasons]
 
 
@@ -130,7 +130,8 @@ def test_bad_backend_is_one_clear_error():
 
 @pytest.mark.parametrize("options,match", [
     ({"overlap": "chunked"}, "overlap='chunked'"),
-    ({"sequence_parallel": "regather"}, "sequence_parallel='regather'")])
+    ({"sequence_parallel": "regather"}, "sequence_parallel='regather'"),
+    ({"activation_cache": "int8"}, "activation_cache='int8'")])
 def test_unsupported_combinations_are_refused(options, match):
     from ops_transformer.parallelize import ParallelOptions
     with pytest.raises(ValueError, match=match):

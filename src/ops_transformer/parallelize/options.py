@@ -156,6 +156,10 @@ class ParallelOptions:
             raise ValueError("compile does not combine with sequence_parallel='regather' yet (its "
                              "regions read grad_fn, which torch.compile cannot trace); use "
                              "sequence_parallel=True")
+        if self.compile and self.activation_cache != "none":
+            raise ValueError(f"compile does not combine with activation_cache="
+                             f"{self.activation_cache!r} yet (Dynamo cannot enter the cache's "
+                             f"saved-tensor hooks); use activation_cache='none'")
         if self.compile and self.overlap == "auto":  # the compiler schedules; see above
             object.__setattr__(self, "overlap", "none")
         if isinstance(self.lora, Mapping):

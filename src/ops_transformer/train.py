@@ -36,6 +36,7 @@ from .models.moe import moe_stats
 from .parallel.context import check_mesh_degrees, init_parallel
 from .parallel.state import no_sync
 from .parallelize import ParallelOptions, parallelize
+from .parallelize.compile import check_compile
 from .parallelize.gpt_plan import gpt_plan
 from .parallelize.moe_plan import n_experts_of
 from .planner.context_parallel import CP_CHOICES, check_sequence
@@ -109,6 +110,8 @@ class TrainConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | looped_bfs | zero_bubble | zbv
     microbatches: int = 1  # pipeline micro-batches per step and data-parallel rank
     stages_per_rank: int | None = None  # None: 1, or 2 for the multi-stage schedules
+    compile: bool = ParallelOptions.compile  # each Transformer block through torch.compile
+    compile_backend: str = ParallelOptions.compile_backend  # "inductor", "aot_eager", "eager"
 
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
@@ -118,7 +121,8 @@ class TrainConfig:
                                recompute=self.recompute, activation_cache=self.activation_cache,
                                overlap=self.overlap_mode, chunks=self.chunks,
                                moe_statistics=self.moe_statistics,
-                               context_parallel=self.cp_strategy, **more)
+                               context_parallel=self.cp_strategy, compile=self.compile,
+                               compile_backend=self.compile_backend, **more)
 
     @property
     def overlap_mode(self) -> str:
@@ -183,6 +187,7 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
             raise ValueError(f"preset {cfg.preset!r} has vocab_size {model_cfg.vocab_size}; "
                              f"byte-level data needs at least {VOCAB_SIZE}")
     check_batch(cfg.batch, dp, ep, cfg.grad_accum)
+    check_compile(cfg.compile, cp=cfg.cp, moe=bool(getattr(model_cfg, "n_experts", 0)))
     check_memory_flags(cfg, dp, tp)
     try:
         cfg.parallel_options()  # every option checked once (--overlap, --chunks)

@@ -37,6 +37,7 @@ from ..memory.apply import ACTIVATION_CACHES
 from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..planner.context_parallel import CP_CHOICES
+from ..parallelize.compile import COMPILE_BACKENDS
 from ..planner.overlap import OVERLAP_MODES
 from ..utils.progress import format_duration, format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, missing_dirs,
@@ -153,6 +154,12 @@ def add_training_arguments(p) -> None:
                    f"where the cost model says it pays (auto), or never (default {D.overlap})")
     p.add_argument("--chunks", type=int, default=D.chunks,
                    help=f"the chunks of --overlap (at most, for auto; default {D.chunks})")
+    p.add_argument("--compile", action="store_true", help="compile each Transformer block "
+                   "with torch.compile(fullgraph=True) (needs --overlap none or auto, which then "
+                   "runs as none; the first steps pay the compile time)")
+    p.add_argument("--compile-backend", default=D.compile_backend, choices=COMPILE_BACKENDS,
+                   help=f"the torch.compile backend of --compile (default {D.compile_backend}; "
+                   "aot_eager compiles fast and runs eager kernels)")
     p.add_argument("--dropout", type=float, metavar="P", help="the preset's dropout probability "
                    "(one-device masks at any dp × tp; default: the preset's own)")
     p.add_argument("--moe-statistics", default=D.moe_statistics, choices=("local", "global"),
@@ -275,6 +282,8 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        cp=getattr(args, "cp", None) or D.cp,
                        cp_strategy=getattr(args, "cp_strategy", None) or D.cp_strategy,
                        pack=getattr(args, "pack", None) or D.pack,
+                       compile=getattr(args, "compile", D.compile),
+                       compile_backend=getattr(args, "compile_backend", D.compile_backend),
                        **checkpoint_settings(args), **lora_settings(args),
                        **pipeline_settings(args))
 

@@ -66,13 +66,32 @@ class _ProfiledWork:
         return getattr(self._work, name)
 
 
+class _Completed:
+    """The handle of an ``async_op`` call inside a compiled graph: the graph ran it synchronously
+    (Dynamo cannot trace an async collective; the compiler schedules the graph's collectives), so
+    ``wait()`` has nothing to wait for."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+
+def _async(async_op: bool) -> bool:
+    """Whether to issue the call asynchronously: never while ``torch.compile`` traces."""
+    return async_op and not torch.compiler.is_compiling()
+
+
 def _handle(work, kind: str):
     """``work`` (``None`` for a synchronous call), made visible to the profiler when it records."""
+    if torch.compiler.is_compiling():
+        return _Completed() if work is None else work
     return _ProfiledWork(work, kind) if work is not None and _profiler_enabled() else work
 
 
 def _recorded(kind: str, tensor: torch.Tensor, elements: int, group: ProcessGroup, label: str,
               *, algorithm: str = "flat", level: str | None = None, steps=()):
+    if torch.compiler.is_compiling():  # recorded by the graph on every call, not at trace time
+        _ledger.record_compiled(kind, tensor, elements, _compiled_ranks(group), label, "")
+        return _NO_RANGE
     if _ledger.ledger_active():
         if level is None:
             found = _engine.lookup(group)
@@ -84,9 +103,15 @@ def _recorded(kind: str, tensor: torch.Tensor, elements: int, group: ProcessGrou
     return _NO_RANGE
 
 
+def _compiled_ranks(group: ProcessGroup) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group))
+
+
 def _algorithm(group: ProcessGroup, kind: str, tensor: torch.Tensor, elements: int, op):
     """``(name, GroupAlgorithms)`` the engine runs this collective with; ``("flat", …)`` for a
     group it does not know, for empty tensors and for reductions other than sum / max / min."""
+    if torch.compiler.is_compiling():  # a traced graph runs its collectives flat
+        return "flat", None
     found = _engine.lookup(group)
     if found is None or elements == 0 or op not in _A.REDUCE_OPS:
         return "flat", found
@@ -103,7 +128,7 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, *, op=ReduceOp.
         pending = _A.run(algorithm, "all_reduce", found, tensor, None, op, async_op, label)
         return _handle(pending, "all_reduce")
     with _recorded("all_reduce", tensor, tensor.numel(), group, label):
-        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=_async(async_op))
         return _handle(work, "all_reduce")
 
 
@@ -118,7 +143,7 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGro
         pending = _A.run(algorithm, "all_gather", found, output, input, None, async_op, label)
         return _handle(pending, "all_gather")
     with _recorded("all_gather", output, output.numel(), group, label):
-        work = _all_gather_single(output, input, group=group, async_op=async_op)
+        work = _all_gather_single(output, input, group=group, async_op=_async(async_op))
         return _handle(work, "all_gather")
 
 
@@ -133,7 +158,8 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: Proces
         pending = _A.run(algorithm, "reduce_scatter", found, output, input, op, async_op, label)
         return _handle(pending, "reduce_scatter")
     with _recorded("reduce_scatter", input, input.numel(), group, label):
-        work = _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        work = _reduce_scatter_single(output, input, op=op, group=group,
+                                      async_op=_async(async_op))
         return _handle(work, "reduce_scatter")
 
 
@@ -155,13 +181,14 @@ def run_all_reduce(tensor: torch.Tensor, group: ProcessGroup, op, name: str):
 def run_all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, name: str,
                    async_op: bool = False):
     with _step_range(name):
-        return _all_gather_single(output, input, group=group, async_op=async_op)
+        return _all_gather_single(output, input, group=group, async_op=_async(async_op))
 
 
 def run_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, op,
                        name: str, async_op: bool = False):
     with _step_range(name):
-        return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        return _reduce_scatter_single(output, input, op=op, group=group,
+                                      async_op=_async(async_op))
 
 
 def run_swap(send: torch.Tensor, recv: torch.Tensor, peer: int, group: ProcessGroup, name: str):
@@ -184,7 +211,8 @@ def all_to_all_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGro
         return None
     with _recorded("all_to_all", input, input.numel(), group, label):
         return _handle(dist.all_to_all_single(output, input, output_split_sizes,
-                                              input_split_sizes, group=group, async_op=async_op),
+                                              input_split_sizes, group=group,
+                                              async_op=_async(async_op)),
                        "all_to_all")
 
 
@@ -194,7 +222,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, *,
     if group_size(group) == 1:
         return None
     with _recorded("broadcast", tensor, tensor.numel(), group, label):
-        return _handle(dist.broadcast(tensor, src=src, group=group, async_op=async_op), "broadcast")
+        return _handle(dist.broadcast(tensor, src=src, group=group, async_op=_async(async_op)),
+                       "broadcast")
 
 
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None, *, label: str = ""):

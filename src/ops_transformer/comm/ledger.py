@@ -209,3 +209,31 @@ def record(kind: str, tensor: torch.Tensor, elements: int, group_ranks: tuple[in
     with _lock:
         for ledger in _open_ledgers:
             ledger.add(rec, tensor)
+
+
+# Under ``torch.compile`` the ledger cannot record in Python while the graph is traced (that would
+# count once, at trace time, with fake tensors): the collectives report through this custom op,
+# which the compiled graph keeps (it is marked side-effecting) and calls on every run. Its fake
+# (tracing) form records nothing; its real form is :func:`record`, on the real tensor.
+
+@torch.library.custom_op("ops_transformer::ledger_record", mutates_args=())
+def _ledger_record(tensor: torch.Tensor, kind: str, elements: int, group_ranks: list[int],
+                   label: str, level: str) -> None:
+    if ledger_active():
+        record(kind, tensor, elements, tuple(group_ranks), label, level=level)
+
+
+@_ledger_record.register_fake
+def _(tensor, kind, elements, group_ranks, label, level) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.ops_transformer.ledger_record.default)
+
+
+def record_compiled(kind: str, tensor: torch.Tensor, elements: int, group_ranks: tuple[int, ...],
+                    label: str = "", level: str = "") -> None:
+    """:func:`record` from inside a compiled graph: one call of the graph, one record (the op
+    runs on every call; the collectives of a compiled graph run flat)."""
+    torch.ops.ops_transformer.ledger_record(tensor, kind, int(elements), list(group_ranks),
+                                            label, level)

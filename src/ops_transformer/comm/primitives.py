@@ -180,7 +180,7 @@ def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup | None, *,
     """
     if group_size(group) == 1:
         return x
-    if inplace and x.is_contiguous():
+    if inplace and x.is_contiguous() and not torch.compiler.is_compiling():  # a graph: a copy
         return _ReduceFromRegionInplace.apply(x, group)
     return _ReduceFromRegion.apply(x, group, label)
 

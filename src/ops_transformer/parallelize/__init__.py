@@ -16,6 +16,7 @@ from ..models.gpt import GPT
 from ..models.hf import is_hf
 from ..parallel.state import ParallelState, no_sync
 from ..planner.search import chosen_layout, is_planner_output
+from .compile import apply_compile
 from .context_plan import apply_context_parallel, check_context_parallel
 from .dropout import apply_dropout
 from .gpt_plan import gpt_plan
@@ -126,6 +127,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     model.parallel_state.context_parallel = apply_context_parallel(model, ctx, options)
     apply_memory_options(model, recompute=options.recompute,
                          activation_cache=options.activation_cache)
+    if options.compile:  # last: the graphs see every other option
+        apply_compile(model, options.compile_backend)
     log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
              ctx.ep_size, resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model

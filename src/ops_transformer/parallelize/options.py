@@ -29,6 +29,7 @@ from ..planner.context_parallel import CP_CHOICES
 from ..planner.overlap import OVERLAP_MODES
 from ..planner.strategies import VOCAB_MODES
 from ..precision.policy import check_grad_reduce_dtype
+from .compile import COMPILE_BACKENDS
 from .gpt_plan import ATTENTION_CHOICES
 
 VOCAB_CHOICES = ("auto",) + VOCAB_MODES
@@ -108,6 +109,9 @@ class ParallelOptions:
       split sequence (SPEC F18): ``ring``, ``allgather_kv`` or ``auto`` (the cost model chooses,
       the reason recorded in ``model.parallel_state.context_parallel``); ignored at ``cp = 1``.
       :mod:`ops_transformer.parallelize.context_plan`.
+    * ``compile`` — each Transformer block compiled with ``torch.compile(fullgraph=True)`` after
+      every other option is applied (SPEC F20; :mod:`ops_transformer.parallelize.compile`), with
+      ``compile_backend``: ``inductor``, ``aot_eager`` or ``eager``.
     * ``tp_plan`` — Hugging Face style names (``{pattern: style}``, as in ``transformers``) merged
       over a Hugging Face model's own plan and translated (``plan="auto"`` only).
     """
@@ -126,6 +130,8 @@ class ParallelOptions:
     moe_statistics: str = "local"
     lora: LoRAOptions | None = None
     context_parallel: str = "auto"
+    compile: bool = False
+    compile_backend: str = "inductor"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -142,6 +148,20 @@ class ParallelOptions:
             raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise ValueError(f"chunks must be an integer >= 1, got {self.chunks!r}")
+        if self.compile and self.overlap == "chunked":
+            raise ValueError("compile does not combine with overlap='chunked' (use 'none', or "
+                             "'auto', which then runs as 'none'): the chunked regions issue "
+                             "async collectives, which torch.compile cannot trace")
+        if self.compile and self.sequence_parallel == "regather":
+            raise ValueError("compile does not combine with sequence_parallel='regather' yet (its "
+                             "regions read grad_fn, which torch.compile cannot trace); use "
+                             "sequence_parallel=True")
+        if self.compile and self.activation_cache != "none":
+            raise ValueError(f"compile does not combine with activation_cache="
+                             f"{self.activation_cache!r} yet (Dynamo cannot enter the cache's "
+                             f"saved-tensor hooks); use activation_cache='none'")
+        if self.compile and self.overlap == "auto":  # the compiler schedules; see above
+            object.__setattr__(self, "overlap", "none")
         if isinstance(self.lora, Mapping):
             object.__setattr__(self, "lora", LoRAOptions(**self.lora))
         if self.lora is not None and not isinstance(self.lora, LoRAOptions):
@@ -187,4 +207,5 @@ CHOICES = {"attention": ATTENTION_CHOICES, "vocab": VOCAB_CHOICES,
            "loss_parallel": (False, True), "sequence_parallel": SEQUENCE_PARALLEL_VALUES,
            "recompute": RECOMPUTE, "activation_cache": ACTIVATION_CACHES,
            "overlap": OVERLAP_MODES, "moe_statistics": MOE_STATISTICS,
-           "context_parallel": CP_CHOICES}
+           "context_parallel": CP_CHOICES, "compile": (False, True),
+           "compile_backend": COMPILE_BACKENDS}

@@ -115,13 +115,19 @@ def check_out_file(path: str | os.PathLike, flag: str = "--out") -> Path:
     if out.is_dir():
         raise ValueError(f"{flag} {str(path)!r} is a directory; name a file, e.g. "
                          f"{str(out / 'profile.json')!r}")
+    _writable_parent(out, flag, path)
+    return out
+
+
+def _writable_parent(out: Path, flag: str, path) -> None:
+    """Create ``out``'s parent directories and check that they can be written: one line naming
+    ``flag`` otherwise."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"{flag} {str(path)!r}: its directory cannot be created: "
                          f"{_reason(exc)}") from None
     _check_writable(out.parent, flag, path)
-    return out
 
 
 @contextlib.contextmanager
@@ -143,12 +149,7 @@ def replacing_output(path: str | os.PathLike, *, directory: bool, overwrite: boo
                          f"{'directory' if directory else 'file'}, or pass --overwrite to "
                          f"replace it")
     created = missing_dirs(out.parent)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{flag} {str(path)!r}: its directory cannot be created: "
-                         f"{_reason(exc)}") from None
-    _check_writable(out.parent, flag, path)
+    _writable_parent(out, flag, path)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     target = work if directory else work / out.name
     try:

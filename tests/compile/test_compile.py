@@ -69,7 +69,12 @@ def _graph_breaks(config, options):
     return explained.graph_break_count, [str(r) for r in explained.break_reasons]
 
 
-@pytest.mark.parametrize("name", list(OPTIONS))
+# ~10 s each on 2 cores: plain TP and SP in the default suite, the other options in the slow set
+QUICK_OPTIONS = ("plain", "sequence_parallel")
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK_OPTIONS else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in OPTIONS])
 def test_block_compiles_without_graph_breaks(run_ranks, name):
     for config in ("gpt2", "llama"):
         for breaks, reasons in run_ranks(_graph_breaks, 2, config, OPTIONS[name]):
@@ -92,7 +97,8 @@ def _train(config, compile, steps, backend="aot_eager", **options):
     return torch.stack(losses), grads, ledgers
 
 
-@pytest.mark.parametrize("config,options", [("llama", {}), ("gpt2", {"sequence_parallel": True})])
+@pytest.mark.parametrize("config,options", [
+    ("llama", {}), pytest.param("gpt2", {"sequence_parallel": True}, marks=pytest.mark.slow)])
 def test_compiled_training_equals_eager(run_ranks, config, options):
     eager = run_ranks(_train, 2, config, False, 5, **options)
     compiled = run_ranks(_train, 2, config, True, 5, **options)

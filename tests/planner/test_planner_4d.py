@@ -229,6 +229,7 @@ def test_the_dataset_has_pp_and_cp_runs_each_with_the_planners_choice(validation
         assert r["planner_choice"]["predicted_step_s"] > 0 and r["predicted_step_s"] > 0
 
 
+@pytest.mark.slow  # the command recomputes the whole validation (~12 s); the figures are tested above
 def test_validate_published_command(validation, capsys):
     out = "\n".join(P.validation_lines(validation))  # what the command prints
     assert "held-out median |step-time error|" in out and "'holdout' rows" in out

@@ -243,8 +243,9 @@ def write_table(path: Path, only: str | None = None) -> None:
     refusals = sorted({v for v in cells.values() if v.startswith("refused")})
     lines += ["", "## Refused cells", "",
               "Two values of one flag, and the options context parallelism (`cp`, "
-              "docs/context_parallel.md) and pipeline parallelism (`pp`, docs/pipeline.md) do "
-              "not compose with yet; no other pair of features is refused.", ""]
+              "docs/context_parallel.md), pipeline parallelism (`pp`, docs/pipeline.md) and "
+              "`torch.compile` (`compile`, docs/compile.md) do not compose with yet; no other "
+              "pair of features is refused.", ""]
     lines += [f"- {', '.join('+'.join(p) for p, v in cells.items() if v == r)}: "
               f"{r[len('refused: '):]}" for r in refusals] or ["- none"]
     lines += ["", "## Known limits (not in the matrix, or not exact in every resource)", "",

@@ -48,11 +48,11 @@ TP_ONLY = ("sequence_parallel", "overlap", "cp", "pp", "microbatches")
 NEEDS_DP = ("zero1", "zero2", "zero3")
 # The refusals the docs list (docs/composition.md, "Known limits"): cell → the start of the line.
 KNOWN_LIMITS = {
-    ("sp", "regather"): "both set --sequence-parallel",
-    ("bf16", "fp16"): "both set --precision",
-    ("zero1", "zero2"): "both set --zero", ("zero1", "zero3"): "both set --zero",
-    ("zero2", "zero3"): "both set --zero",
-    ("recompute-selective", "recompute-full"): "both set --recompute",
+    # two values of one flag: "<a> and <b> both set --<flag>" (cell_config)
+    **{pair: f"{pair[0]} and {pair[1]} both set --{flag}" for pair, flag in (
+        (("sp", "regather"), "sequence-parallel"), (("bf16", "fp16"), "precision"),
+        (("zero1", "zero2"), "zero"), (("zero1", "zero3"), "zero"), (("zero2", "zero3"), "zero"),
+        (("recompute-selective", "recompute-full"), "recompute"))},
     # context parallelism (SPEC F18) does not compose with these yet (docs/context_parallel.md)
     **{(name, "cp"): f"--cp 2 does not combine with {flag} yet" for name, flag in (
         ("sp", "--sequence-parallel"), ("regather", "--sequence-parallel"),

@@ -73,7 +73,7 @@ class TrainConfig:
     layers: int | None = None  # overrides the preset's n_layers
     ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
     ranks_per_island: int | None = None  # PCIe islands in a node; None: detected (GPU) or one
-    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16: with a dynamic loss scaler)
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (with a dynamic loss scaler) | "fp8"
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
     ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
     tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
@@ -122,7 +122,8 @@ class TrainConfig:
                                overlap=self.overlap_mode, chunks=self.chunks,
                                moe_statistics=self.moe_statistics,
                                context_parallel=self.cp_strategy, compile=self.compile,
-                               compile_backend=self.compile_backend, **more)
+                               compile_backend=self.compile_backend,
+                               precision="fp8" if self.precision == "fp8" else "fp32", **more)
 
     @property
     def overlap_mode(self) -> str:

@@ -16,7 +16,8 @@ from ..models.gpt import GPT
 from ..models.hf import is_hf
 from ..parallel.state import ParallelState, no_sync
 from ..planner.search import chosen_layout, is_planner_output
-from .compile import apply_compile
+from ..layers.fp8_linear import convert_to_fp8
+from .compile import apply_compile, transformer_blocks
 from .context_plan import apply_context_parallel, check_context_parallel
 from .dropout import apply_dropout
 from .gpt_plan import gpt_plan
@@ -122,6 +123,10 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options),
                                          lora=adapters)
     model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
+    if options.precision == "fp8":  # the blocks' linear layers: their matmuls in fp8
+        if getattr(getattr(model, "cfg", None), "n_experts", 0):
+            raise ValueError("precision='fp8' does not combine with an MoE model yet")
+        convert_to_fp8(transformer_blocks(model))
     apply_dropout(model, ctx, attention=resolved.attention,  # before recompute wraps the core
                   sequence_parallel=bool(options.sequence_parallel) and ctx.tp_size > 1)
     model.parallel_state.context_parallel = apply_context_parallel(model, ctx, options)

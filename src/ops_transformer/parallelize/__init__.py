@@ -124,9 +124,7 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
                                          lora=adapters)
     model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
     if options.precision == "fp8":  # the blocks' linear layers: their matmuls in fp8
-        if getattr(getattr(model, "cfg", None), "n_experts", 0):
-            raise ValueError("precision='fp8' does not combine with an MoE model yet")
-        convert_to_fp8(transformer_blocks(model))
+        apply_fp8(model)
     apply_dropout(model, ctx, attention=resolved.attention,  # before recompute wraps the core
                   sequence_parallel=bool(options.sequence_parallel) and ctx.tp_size > 1)
     model.parallel_state.context_parallel = apply_context_parallel(model, ctx, options)
@@ -137,6 +135,14 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
              ctx.ep_size, resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model
+
+
+def apply_fp8(model: nn.Module) -> None:
+    """``precision="fp8"``: every Transformer block's linear layers swapped for their fp8 form
+    (:func:`~ops_transformer.layers.fp8_linear.convert_to_fp8`); MoE models are refused."""
+    if getattr(getattr(model, "cfg", None), "n_experts", 0):
+        raise ValueError("precision='fp8' does not combine with an MoE model yet")
+    convert_to_fp8(transformer_blocks(model))
 
 
 def adapt_layers(model: nn.Module, ctx, options: ParallelOptions):

@@ -123,8 +123,6 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options),
                                          lora=adapters)
     model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
-    if options.precision == "fp8":  # the blocks' linear layers: their matmuls in fp8
-        apply_fp8(model)
     apply_dropout(model, ctx, attention=resolved.attention,  # before recompute wraps the core
                   sequence_parallel=bool(options.sequence_parallel) and ctx.tp_size > 1)
     model.parallel_state.context_parallel = apply_context_parallel(model, ctx, options)
@@ -137,9 +135,12 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     return model
 
 
-def apply_fp8(model: nn.Module) -> None:
-    """``precision="fp8"``: every Transformer block's linear layers swapped for their fp8 form
-    (:func:`~ops_transformer.layers.fp8_linear.convert_to_fp8`); MoE models are refused."""
+def apply_fp8(model: nn.Module, precision: str) -> None:
+    """With ``precision="fp8"``: every Transformer block's linear layers swapped for their fp8 form
+    (:func:`~ops_transformer.layers.fp8_linear.convert_to_fp8`); MoE models are refused.
+    Other precisions: nothing here (16 bits: the caller's autocast)."""
+    if precision != "fp8":
+        return
     if getattr(getattr(model, "cfg", None), "n_experts", 0):
         raise ValueError("precision='fp8' does not combine with an MoE model yet")
     convert_to_fp8(transformer_blocks(model))
@@ -147,10 +148,12 @@ def apply_fp8(model: nn.Module) -> None:
 
 def adapt_layers(model: nn.Module, ctx, options: ParallelOptions):
     """The changes to the parallel layers that come before the gradient reducers, in order: MoE
-    statistics over the global batch, then the LoRA adapters of ``options.lora`` (their
+    statistics over the global batch, the fp8 linear layers of ``precision="fp8"``
+    (:func:`apply_fp8`), then the LoRA adapters of ``options.lora`` (their
     :class:`~.lora.LoRAConfig`, or ``None``)."""
     if options.moe_statistics == "global":
         use_global_statistics(model, ctx)
+    apply_fp8(model, options.precision)
     if options.lora is None:
         return None
     return add_lora(model, ctx, **dataclasses.asdict(options.lora))

@@ -190,6 +190,7 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     check_batch(cfg.batch, dp, ep, cfg.grad_accum)
     check_compile(cfg.compile, cp=cfg.cp, moe=bool(getattr(model_cfg, "n_experts", 0)))
     check_memory_flags(cfg, dp, tp)
+    check_fp8(cfg, model_cfg)
     try:
         cfg.parallel_options()  # every option checked once (--overlap, --chunks)
     except ValueError as exc:  # "chunks must be ..." → "--chunks must be ..."
@@ -203,6 +204,17 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
         check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
     return dp, tp
+
+
+def check_fp8(cfg: TrainConfig, model_cfg) -> None:
+    """``--precision fp8``: what it does not combine with yet (the rest: ``ParallelOptions``)."""
+    if cfg.precision != "fp8":
+        return
+    for flag, on in (("--lora-rank", cfg.lora_rank is not None), ("--zero 3", cfg.zero == 3),
+                     ("--cp", cfg.cp > 1), ("--model", bool(cfg.model)),
+                     ("an MoE preset", bool(getattr(model_cfg, "n_experts", 0)))):
+        if on:
+            raise ValueError(f"--precision fp8 does not combine with {flag} yet: drop one of them")
 
 
 PACKS = ("docs", "naive")

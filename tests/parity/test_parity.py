@@ -186,7 +186,6 @@ def test_check_parity_at_cp2_compares_whole_sequences(run_ranks, name, strategy)
     assert report.loss["rel"] <= 1e-6 and report.kl <= 1e-9
 
 
-@pytest.mark.slow
 def test_check_parity_at_tp2_cp2(run_ranks):
     reports = run_ranks(_check_cp, 4, 2, 2, "llama-tiny", "ring")
     assert reports[0].ok, reports[0].table()

@@ -217,14 +217,16 @@ def check_train_cp(cfg: TrainConfig) -> None:
     if cfg.cp == 1:
         return
     preset_cfg = None if cfg.model else cfg.model_config()  # --model: parallelize checks it
-    for flag, on in (("--zero", cfg.zero), ("--sequence-parallel", cfg.sequence_parallel),
-                     ("--lora-rank", cfg.lora_rank is not None),
-                     ("--recompute selective", cfg.recompute == "selective"),
+    for flag, on in (("--zero", cfg.zero), ("--lora-rank", cfg.lora_rank is not None),
                      ("an MoE preset", preset_cfg is not None and preset_cfg.n_experts > 0),
                      ("--dropout", preset_cfg is not None and preset_cfg.dropout > 0)):
         if on:
             raise ValueError(f"--cp {cfg.cp} does not combine with {flag} yet")
     check_sequence(cfg.seq, cfg.cp)
+    if cfg.sequence_parallel and (cfg.seq // cfg.cp) % cfg.tp:
+        raise ValueError(f"--sequence-parallel with --cp splits each rank's s/cp = "
+                         f"{cfg.seq // cfg.cp} tokens over tp ({cfg.tp}): --seq ({cfg.seq}) must "
+                         f"be divisible by cp × tp ({cfg.cp * cfg.tp})")
 
 
 def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:

@@ -75,9 +75,7 @@ def check_context_parallel(model: nn.Module, ctx, options):
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) supports the reference GPT and "
                          f"Hugging Face {', '.join(CP_FAMILIES)}; got {type(model).__name__}")
     dropout, experts = _dropout_and_experts(model)
-    unsupported = {"dropout > 0": dropout > 0, "MoE (n_experts > 0)": experts > 0,
-                   "sequence_parallel": bool(options.sequence_parallel),
-                   "recompute='selective'": options.recompute == "selective"}
+    unsupported = {"dropout > 0": dropout > 0, "MoE (n_experts > 0)": experts > 0}
     for what, present in unsupported.items():
         if present:
             raise ValueError(f"context parallelism (cp={ctx.cp_size}) does not compose with "

@@ -20,9 +20,10 @@ ZeRO stage 1, 2 or 3           ``dp × ep > 1`` (each parameter sharded over its
 ``pp > 1``                     the reference GPT with TP and plain dp inside each stage
                                (``parallelize.pipeline``); not yet with ZeRO, sequence
                                parallelism, recompute, MoE / ``ep > 1`` or ``cp > 1``
-``cp > 1``                     ``train --cp`` (SPEC F18), not yet with ZeRO, sequence
-                               parallelism, MoE or ``recompute="selective"``; ``train --plan``
-                               does not take a context-parallel layout yet
+``cp > 1``                     ``train --cp`` (SPEC F18), with sequence parallelism (each
+                               rank's ``s/cp`` tokens split over ``tp``) and recompute; not yet
+                               with ZeRO or MoE; ``train --plan`` does not take a
+                               context-parallel layout yet
 =============================  ===============================================================
 
 Messages name the command-line flags, which ``train`` and ``plan`` share.
@@ -48,9 +49,7 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
         if cp > 1:
             return f"--pp {pp} does not combine with --cp yet: drop one of them"
     if cp > 1:
-        for flag, on in (("--zero", zero_stage), ("--sequence-parallel", sequence_parallel),
-                         ("an MoE model", experts > 1),
-                         ("--recompute selective", recompute == "selective")):
+        for flag, on in (("--zero", zero_stage), ("an MoE model", experts > 1)):
             if on:
                 return f"--cp {cp} does not combine with {flag} yet"
     if zero_stage not in ZERO_STAGES:
@@ -63,6 +62,10 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
         if tp == 1:
             return ("--sequence-parallel splits the sequence over tensor-parallel ranks, but tp "
                     "is 1: set --tp 2 or more, or drop --sequence-parallel")
+        if seq is not None and cp > 1 and (seq // cp) % tp:
+            return (f"--sequence-parallel with --cp splits each rank's s/cp = {seq // cp} "
+                    f"tokens over tp ({tp}): the sequence length s ({seq}) must be divisible by "
+                    f"cp × tp ({cp * tp})")
         if seq is not None and seq % tp:
             return (f"--sequence-parallel splits the sequence over tp ({tp}) ranks: the sequence "
                     f"length s ({seq}) must be divisible by tp ({tp})")

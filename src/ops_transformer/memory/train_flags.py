@@ -35,7 +35,7 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
                          f"again in backward), got {cfg.sequence_parallel!r}") from None
     model = f"the MoE preset {cfg.preset!r}"
     problem = runtime_problem(tp=tp, dp=dp, ep=getattr(cfg, "ep", 1), pp=getattr(cfg, "pp", 1),
-                              attention=cfg.attention,
+                              cp=getattr(cfg, "cp", 1), attention=cfg.attention,
                               sequence_parallel=bool(cfg.sequence_parallel),
                               recompute=cfg.recompute, zero_stage=cfg.zero,
                               experts=getattr(cfg.model_config(), "n_experts", 0) or 1,

@@ -12,18 +12,18 @@ sequence parallelism           ``tp > 1``, ``attention="heads"`` (the one strate
                                sequence-parallel form), the sequence divisible by ``tp`` (an
                                MoE layer runs on the gathered sequence:
                                ``layers.regions.FullSequenceRegion``)
-ZeRO stage 1, 2 or 3           ``dp × ep > 1`` (each parameter sharded over its own
-                               data-parallel group: ``dp × ep`` for the dense ones, ``dp`` for
-                               the experts; stage 3 through FSDP2)
+ZeRO stage 1, 2 or 3           ``dp × ep × cp > 1`` (each parameter sharded over its own
+                               data-parallel group: ``dp × ep × cp`` for the dense ones, ``dp``
+                               for the experts; stage 3 through FSDP2)
 ``recompute="selective"``      not with ``attention="kv_split"`` at ``tp > 1`` (its attention
                                core communicates)
 ``pp > 1``                     the reference GPT with TP and plain dp inside each stage
                                (``parallelize.pipeline``); not yet with ZeRO, sequence
                                parallelism, recompute, MoE / ``ep > 1`` or ``cp > 1``
 ``cp > 1``                     ``train --cp`` (SPEC F18), with sequence parallelism (each
-                               rank's ``s/cp`` tokens split over ``tp``) and recompute; not yet
-                               with ZeRO or MoE; ``train --plan`` does not take a
-                               context-parallel layout yet
+                               rank's ``s/cp`` tokens split over ``tp``), recompute and ZeRO
+                               (over ``dp × ep × cp``); not yet with MoE; ``train --plan``
+                               does not take a context-parallel layout yet
 =============================  ===============================================================
 
 Messages name the command-line flags, which ``train`` and ``plan`` share.
@@ -49,12 +49,12 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
         if cp > 1:
             return f"--pp {pp} does not combine with --cp yet: drop one of them"
     if cp > 1:
-        for flag, on in (("--zero", zero_stage), ("an MoE model", experts > 1)):
+        for flag, on in (("an MoE model", experts > 1),):
             if on:
                 return f"--cp {cp} does not combine with {flag} yet"
     if zero_stage not in ZERO_STAGES:
         return f"--zero must be 0, 1, 2 or 3, got {zero_stage!r}"
-    if zero_stage and dp * ep == 1:
+    if zero_stage and dp * ep * cp == 1:
         what = "" if zero_stage == 3 else "the optimizer "  # ZeRO-3 shards the parameters too
         return (f"--zero {zero_stage} shards {what}over data-parallel ranks, but dp is 1: run "
                 f"more processes than --tp ({tp}), or drop --zero")

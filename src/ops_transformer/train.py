@@ -217,7 +217,7 @@ def check_train_cp(cfg: TrainConfig) -> None:
     if cfg.cp == 1:
         return
     preset_cfg = None if cfg.model else cfg.model_config()  # --model: parallelize checks it
-    for flag, on in (("--lora-rank", cfg.lora_rank is not None),
+    for flag, on in (("--lora-dropout", cfg.lora_dropout > 0),
                      ("an MoE preset", preset_cfg is not None and preset_cfg.n_experts > 0),
                      ("--dropout", preset_cfg is not None and preset_cfg.dropout > 0)):
         if on:

@@ -157,3 +157,66 @@ def test_zero_shards_over_dp_times_cp(run_ranks, dp, stage):
         labels = {r.label: r.group_size for r in ledger.records
                   if r.label.startswith(ZERO_TRAFFIC[stage])}
         assert labels == dict.fromkeys(ZERO_TRAFFIC[stage], 2 * dp), labels
+
+
+def lora_steps(tp, cp, steps=3, **lora):
+    """``(losses, dense losses, worst error of the adapters after the steps)``: LoRA added by
+    ``parallelize(lora=...)`` at ``tp × cp`` and on one process (``ParallelContext.single``)."""
+    from ops_transformer import ParallelContext
+
+    torch.set_num_threads(1)
+    ctx = init_parallel(tp=tp, cp=cp)
+    torch.manual_seed(0)
+    dense = GPT(preset("llama-tiny", n_layers=2, max_seq_len=32))
+    lora = {"rank": 4, **lora}
+    model = parallelize(copy.deepcopy(dense), ctx, context_parallel="ring", lora=lora)
+    ref_model = parallelize(dense, ParallelContext.single(), lora=lora)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ref_opt = torch.optim.SGD([p for p in ref_model.parameters() if p.requires_grad], lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        batch = torch.randint(0, 256, (B, S + 1), generator=g)
+        for m, o, out in ((model, opt, losses), (ref_model, ref_opt, ref_losses)):
+            with CommLedger() as step_ledger:
+                _, loss = m(batch[:, :-1], batch[:, 1:])
+                loss.backward()
+            ledger = step_ledger if m is model else ledger
+            o.step()
+            o.zero_grad()
+            out.append(float(loss.detach()))
+    weights = gather_full_state_dict(model, ctx)
+    worst = max((rel_err(weights[k], v), k) for k, v in ref_model.state_dict().items()
+                if "lora" in k)
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    trainable = sum(p.numel() for p in adapters) + len(adapters)  # + one presence flag each
+    averaged = [(r.group_size, r.elements) for r in ledger.records if r.label == "dp_grads"]
+    return losses, ref_losses, worst, averaged, trainable
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lora_under_cp_equals_one_process(run_ranks, tp):
+    """LoRA (``parallelize(lora=)``) at cp 2 and tp 2 × cp 2: three steps of the adapters equal
+    to one process; only the adapters' gradients are averaged over the cp ranks."""
+    for losses, ref, worst, averaged, trainable in run_ranks(lora_steps, 2 * tp, tp, 2):
+        assert all(abs(a - b) <= 1e-6 * b for a, b in zip(losses, ref)), (losses, ref)
+        assert worst[0] <= 1e-5, worst
+        assert averaged == [(2, trainable)], (averaged, trainable)  # one bucket, over cp
+
+
+def _lora_dropout_refused():
+    from ops_transformer import lora
+
+    ctx = init_parallel(cp=2)
+    with pytest.raises(ValueError, match=r"does not compose with LoRA dropout > 0 yet"):
+        parallelize(GPT(preset("tiny")), ctx, lora={"rank": 4, "dropout": 0.1})
+    model = parallelize(GPT(preset("tiny")), ctx)
+    with pytest.raises(ValueError, match=r"\(cp=2\) does not compose with LoRA dropout > 0 yet"):
+        lora(model, ctx, rank=4, dropout=0.1)
+    return True
+
+
+def test_lora_dropout_under_cp_is_one_line(run_ranks):
+    """Each cp rank would draw the adapter's dropout masks for its own tokens (not those of one
+    process): refused, in parallelize and in ot.lora."""
+    assert all(run_ranks(_lora_dropout_refused, 2))

@@ -75,7 +75,8 @@ def check_context_parallel(model: nn.Module, ctx, options):
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) supports the reference GPT and "
                          f"Hugging Face {', '.join(CP_FAMILIES)}; got {type(model).__name__}")
     dropout, experts = _dropout_and_experts(model)
-    unsupported = {"dropout > 0": dropout > 0, "MoE (n_experts > 0)": experts > 0}
+    unsupported = {"dropout > 0": dropout > 0, "MoE (n_experts > 0)": experts > 0,
+                   "LoRA dropout > 0": options.lora is not None and options.lora.dropout > 0}
     for what, present in unsupported.items():
         if present:
             raise ValueError(f"context parallelism (cp={ctx.cp_size}) does not compose with "

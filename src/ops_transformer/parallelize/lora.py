@@ -73,6 +73,9 @@ def lora(model: nn.Module, ctx, *, rank: int, alpha: float | None = None, target
     if state.lora is not None:
         raise ValueError(f"this model already has LoRA adapters (rank {state.lora.rank} on "
                          f"{len(state.lora.targets)} modules)")
+    if getattr(ctx, "cp_size", 1) > 1 and dropout > 0:  # each cp rank would draw its own masks
+        raise ValueError(f"context parallelism (cp={ctx.cp_size}) does not compose with LoRA "
+                         f"dropout > 0 yet (got dropout={dropout})")
     if getattr(state, "sharding", None) is not None:
         raise ValueError("lora must come before shard_parameters (and is untested with it): "
                          "FSDP2 has already sharded the parameters lora would change")

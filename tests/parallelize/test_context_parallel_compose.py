@@ -220,3 +220,16 @@ def test_lora_dropout_under_cp_is_one_line(run_ranks):
     """Each cp rank would draw the adapter's dropout masks for its own tokens (not those of one
     process): refused, in parallelize and in ot.lora."""
     assert all(run_ranks(_lora_dropout_refused, 2))
+
+
+def _limits_refused():
+    ctx = init_parallel(cp=2)
+    for cfg, why in ((dict(dropout=0.1), "draws no one-device dropout mask"),
+                     (dict(n_experts=4), "capacity queues the global batch's tokens")):
+        with pytest.raises(ValueError, match=why):
+            parallelize(GPT(preset("tiny", **cfg)), ctx)
+    return True
+
+
+def test_dropout_and_moe_under_cp_are_refused_with_the_reason(run_ranks):
+    assert all(run_ranks(_limits_refused, 2))

@@ -53,6 +53,8 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
     if cp > 1:
         if experts > 1:
             return f"--cp {cp} does not combine with an MoE model yet: {CP_LIMITS['moe']}"
+        if attention not in SEQUENCE_PARALLEL_ATTENTION:
+            return f"--cp {cp} splits the tokens of --attention heads (or auto), got {attention!r}"
     if zero_stage not in ZERO_STAGES:
         return f"--zero must be 0, 1, 2 or 3, got {zero_stage!r}"
     if zero_stage and dp * ep * cp == 1:

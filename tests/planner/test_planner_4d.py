@@ -264,3 +264,19 @@ def test_flash_attention_bounds_by_hand():
                                       bandwidth=A100_BW, bytes_per_element=2, sms=A100_SMS)
     assert compute == pytest.approx(1e12 / (A100_PEAK * 64 / 108))
     assert moved == pytest.approx(1 * 128 * (2 * 8 * 1024 + 2 * 8 * 1024) * 2 / A100_BW)
+
+
+def test_the_default_search_and_train_plan_take_cp(tmp_path):
+    """cp is in the search ``train --plan`` runs, and a plan's cp and strategy reach train."""
+    from ops_transformer.cli.train import layout_from_plan
+
+    model = MODEL_PRESETS["llama3-8b"]
+    layouts = candidates(model, ClusterSpec.make("h100-sxm", 8, 8))
+    assert {o.cp for o in layouts} >= {1, 2, 4, 8}
+    assert {o.cp_strategy for o in layouts if o.cp > 1} == {"ring", "allgather_kv"}
+    assert all(o.attention == "heads" for o in layouts if o.cp > 1)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"tp": 1, "dp": 1, "cp": 2, "cp_strategy": "allgather_kv",
+                                "attention": "heads", "zero_stage": 1}))
+    layout = layout_from_plan(str(plan))
+    assert layout["cp"] == 2 and layout["cp_strategy"] == "allgather_kv" and layout["zero"] == 1

@@ -77,7 +77,8 @@ def memory_from_plan(layout: dict, path: str) -> dict:
                          f"{', '.join(RECOMPUTE)}")
     sequence_parallel = bool(layout.get("sequence_parallel", False))
     problem = runtime_problem(tp=layout.get("tp", 1), dp=layout.get("dp", 1),
-                              ep=layout.get("ep", 1), attention=layout.get("attention", "heads"),
+                              ep=layout.get("ep", 1), cp=layout.get("cp", 1),
+                              attention=layout.get("attention", "heads"),
                               sequence_parallel=sequence_parallel, recompute=recompute,
                               zero_stage=zero)
     if problem:

@@ -22,8 +22,8 @@ ZeRO stage 1, 2 or 3           ``dp × ep × cp > 1`` (each parameter sharded ov
                                parallelism, recompute, MoE / ``ep > 1`` or ``cp > 1``
 ``cp > 1``                     ``train --cp`` (SPEC F18), with sequence parallelism (each
                                rank's ``s/cp`` tokens split over ``tp``), recompute and ZeRO
-                               (over ``dp × ep × cp``); not yet with MoE; ``train --plan``
-                               does not take a context-parallel layout yet
+                               (over ``dp × ep × cp``), ``heads`` attention; not yet with MoE
+                               (the search proposes cp; ``train --plan`` runs it)
 =============================  ===============================================================
 
 Messages name the command-line flags, which ``train`` and ``plan`` share.

@@ -326,7 +326,7 @@ def search(model, cluster, *, top: int = 10, run: Execution | None = None,
     out = {"model": model.to_dict(), "cluster": cluster.to_dict(), "candidates": shown,
            "best": best, "advice": advice(model, cluster, best, rows)}
     if not runnable_only:
-        out["layouts"] = "dp × pp × cp × tp × ep (pp and cp do not run in train yet)"
+        out["layouts"] = "dp × pp × cp × tp × ep (pp does not run from a plan in train yet)"
     return out
 
 

@@ -55,9 +55,6 @@ KNOWN_LIMITS = {
         (("recompute-selective", "recompute-full"), "recompute"))},
     # context parallelism (SPEC F18) does not compose with these yet (docs/context_parallel.md)
     **{(name, "cp"): f"--cp 2 does not combine with {flag} yet" for name, flag in (
-        ("sp", "--sequence-parallel"), ("regather", "--sequence-parallel"),
-        ("recompute-selective", "--recompute selective"), ("zero1", "--zero"),
-        ("zero2", "--zero"), ("zero3", "--zero"), ("lora", "--lora-rank"),
         ("dropout", "--dropout"), ("moe-ep", "an MoE preset"))},
     # pipeline parallelism (SPEC F19) does not compose with these yet (docs/pipeline.md)
     **{(name, "pp"): f"--pp 2 does not combine with {flag} yet" for name, flag in (

@@ -122,12 +122,14 @@ class ZeroBucket:
 
 
 def make_buckets(model: nn.Module, ctx, bucket_bytes: int, stage: int) -> list[ZeroBucket]:
-    """The model's ZeRO buckets: the dense parameters over ``dp × ep``, the experts over ``dp``;
+    """The model's ZeRO buckets: the dense parameters over ``dp × ep`` (``× cp`` with context
+    parallelism: the gradient group, :attr:`~ops_transformer.parallel.ParallelContext.grad_group`),
+    the experts over ``dp``;
     in each, the parameters with partial gradients in buckets of their own (they are all-reduced,
     never reduce-scattered: see :mod:`.zero`)."""
     names = {id(p): n for n, p in model.named_parameters()}  # tied parameters once
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-    dense_group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
+    dense_group = ctx.grad_group
     buckets = []
     for experts in (False, True):
         group = ctx.dp_group if experts else dense_group

@@ -63,8 +63,7 @@ KNOWN_LIMITS = {
     **{(name, "pp"): f"--pp 2 does not combine with {flag} yet" for name, flag in (
         ("sp", "--sequence-parallel"), ("regather", "--sequence-parallel"),
         ("recompute-selective", "--recompute"), ("recompute-full", "--recompute"),
-        ("zero1", "--zero"), ("zero2", "--zero"), ("zero3", "--zero"), ("dropout", "--dropout"),
-        ("cp", "--cp"))},
+        ("zero3", "--zero 3"), ("dropout", "--dropout"), ("cp", "--cp"))},
     **{(name, "pp"): "--pp runs a reference preset in fp32 without" for name in (
         "lora", "bf16", "fp16", "grad-accum")},
     ("moe-ep", "pp"): "--pp 2 does not split the MoE preset",

@@ -23,6 +23,7 @@ def _run(tmp_path, name, *flags):
 @pytest.mark.parametrize("flags", [
     ("--nproc", "2", "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "4"),
     ("--nproc", "4", "--pp", "2", "--tp", "2", "--pp-schedule", "1f1b", "--microbatches", "2"),
+    ("--nproc", "4", "--pp", "2", "--zero", "2", "--pp-schedule", "1f1b", "--microbatches", "2"),
 ])
 def test_train_pp_equals_one_process(tmp_path, flags):
     one = _run(tmp_path, "one", "--nproc", "1")
@@ -40,8 +41,8 @@ def test_train_pp_equals_one_process(tmp_path, flags):
                                     "more than the model's 2 layers"),
     (["--nproc", "2", "--pp", "2", "--microbatches", "3"],
      "--batch 4 over 1 data-parallel rank\\(s\\) does not split into --microbatches 3"),
-    (["--nproc", "2", "--pp", "2", "--microbatches", "2", "--zero", "1"],
-     "does not combine with --zero"),
+    (["--nproc", "4", "--pp", "2", "--microbatches", "2", "--zero", "3"],
+     "does not combine with --zero 3"),
 ])
 def test_train_pp_bad_split_is_one_line(capsys, flags, match):
     import re

@@ -234,3 +234,57 @@ def test_pipeline_refuses_what_it_cannot_split(model, match):
         model = GPT(CFG)
     with pytest.raises(ValueError, match=match):
         pipeline(model, ParallelContext.single(), "1f1b")
+
+
+def _adamw_dense(steps, max_norm, lr=1e-3):
+    """One process: ``steps`` AdamW steps of the dense model on the whole batch, clipped to
+    ``max_norm`` by torch: the losses, the norms before clipping and the parameters after."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, norms = [], []
+    for idx, y in _data(steps):
+        opt.zero_grad()
+        loss = model(idx, y)[1]
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        losses.append(loss.item())
+        opt.step()
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _zero_run(zero, steps, max_norm, lr=1e-3):
+    """pp 2 × dp 2 (4 ranks), ZeRO ``zero``: ``steps`` AdamW steps with clipping through
+    ``optimizer_step``; the losses, the gradient norms and the parameters after, by name."""
+    from ops_transformer import optimizer_step, zero_optimizer
+
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=2, dp=2)
+    torch.manual_seed(0)
+    model = parallelize(GPT(CFG), ctx)
+    pipe = pipeline(model, ctx, "1f1b", microbatches=2)
+    opt = zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, lr=lr)
+    losses, norms = [], []
+    for idx, y in _data(steps):
+        idx, y = idx.chunk(2)[ctx.dp_rank], y.chunk(2)[ctx.dp_rank]  # this replica's rows
+        opt.zero_grad()
+        report = optimizer_step(model, opt, ctx, max_norm=max_norm,
+                                metrics=pipe.step_metrics(idx, y))
+        losses.append(report.metrics["loss"])
+        norms.append(report.grad_norm)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return ctx.pp_rank, losses, norms, params
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_pp2_dp2_zero_equals_one_process(run_ranks, zero):
+    """pp 2 × dp 2 with ZeRO-1/2 equals one process (plain AdamW, torch's clipping): losses,
+    norms before clipping and every updated parameter after 3 steps. The traps: the tied
+    embedding's gradient is summed between the end stages *before* ZeRO-2's reduce-scatter cuts it
+    into chunks, and its last-stage copy stays out of ZeRO's share of the norm."""
+    want_losses, want_norms, dense = _adamw_dense(3, 0.05)
+    for pp_rank, losses, norms, params in run_ranks(_zero_run, 4, zero, 3, 0.05):
+        assert losses == pytest.approx(want_losses, rel=1e-5), pp_rank
+        assert norms == pytest.approx(want_norms, rel=1e-5), pp_rank
+        for name, value in params.items():
+            assert_rel(value, dense[_dense_name(name, CFG)], 1e-5, f"pp rank {pp_rank}: {name}")

@@ -16,9 +16,10 @@ One step (:meth:`Pipeline.step`), ``m`` micro-batches of ``b`` rows::
     loss (last stage)      : Σ_i CE_i / m — each micro-batch's mean token loss over m, so the
                              summed gradient is the dense mean (scale_grads=False: pipelining's
                              default would divide the gradients by m once more)
-    after the schedule     : the stage's gradient reducers (dp averaging, partial sums over tp),
-                             then a tied embedding's gradient summed between the first and the last
-                             stage (``ctx.pp_ends_group()``)
+    after the schedule     : a tied embedding's gradient summed between the first and the last
+                             stage (``ctx.pp_ends_group()``), then the stage's gradient reducers
+                             (dp averaging or ZeRO-2's reduce-scatter, partial sums over tp): the
+                             sum comes first because ZeRO-2 keeps only a chunk of the gradient
 
 The boundary transfers are recorded in the communication ledger as ``send``/``recv`` records
 (label ``pp_boundary``) when pipelining posts them: its schedules run the ops in their own
@@ -162,11 +163,12 @@ class Pipeline:
         with no_sync(self.model):  # the reducers run once, after every micro-batch
             self.schedule.step(*((idx,) if self.has_first else ()), target=targets,
                                losses=losses)
+        if self.tied is not None and self.tied.grad is not None:  # before the reducers: ZeRO-2's
+            C.all_reduce(self.tied.grad, self.ctx.pp_ends_group(),  # reduce-scatter frees it
+                         label="pp_tied_embedding")
         state = parallel_state_of(self.model)
         for reducer in (state.reducers if state is not None else ()):
             reducer.finish()
-        if self.tied is not None and self.tied.grad is not None:
-            C.all_reduce(self.tied.grad, self.ctx.pp_ends_group(), label="pp_tied_embedding")
         if not losses:
             return None
         return torch.stack(losses).sum().detach() / self.loss_fn.scale

@@ -17,8 +17,8 @@ ZeRO stage 1, 2 or 3           ``dp × ep > 1`` (each parameter sharded over its
                                the experts; stage 3 through FSDP2)
 ``recompute="selective"``      not with ``attention="kv_split"`` at ``tp > 1`` (its attention
                                core communicates)
-``pp > 1``                     the reference GPT with TP and plain dp inside each stage
-                               (``parallelize.pipeline``); not yet with ZeRO, sequence
+``pp > 1``                     the reference GPT with TP, dp and ZeRO-1/2 inside each stage
+                               (``parallelize.pipeline``); not yet with ZeRO-3, sequence
                                parallelism, recompute, MoE / ``ep > 1`` or ``cp > 1``
 ``cp > 1``                     ``train --cp`` (SPEC F18), not yet with ZeRO, sequence
                                parallelism, MoE or ``recompute="selective"``; ``train --plan``
@@ -78,9 +78,9 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
 def _pipeline_problem(pp: int, *, ep: int, experts: int, sequence_parallel: bool, recompute: str,
                       zero_stage: int, model: str) -> str | None:
     """What ``train --pp`` does not combine with yet (docs/pipeline.md)."""
-    for flag, on in (("--zero", zero_stage), ("--sequence-parallel", sequence_parallel),
+    for flag, on in (("--zero 3", zero_stage == 3), ("--sequence-parallel", sequence_parallel),
                      ("--recompute", recompute != "none")):
-        if on:
+        if on:  # (ZeRO-1/2 run per stage: the optimizer shards over each stage's dp)
             return f"--pp {pp} does not combine with {flag} yet: drop one of them"
     if ep > 1 or experts > 1:
         return f"--pp {pp} does not split {model} yet (MoE): use a dense preset or --pp 1"

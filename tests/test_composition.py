@@ -64,8 +64,7 @@ KNOWN_LIMITS = {
         ("sp", "--sequence-parallel"), ("regather", "--sequence-parallel"),
         ("recompute-selective", "--recompute"), ("recompute-full", "--recompute"),
         ("zero3", "--zero 3"), ("dropout", "--dropout"), ("cp", "--cp"))},
-    **{(name, "pp"): "--pp runs a reference preset in fp32 without" for name in (
-        "lora", "bf16", "fp16", "grad-accum")},
+    **{(name, "pp"): "--pp runs a reference preset without" for name in ("lora", "grad-accum")},
     ("moe-ep", "pp"): "--pp 2 does not split the MoE preset",
     # torch.compile per block (SPEC F20) does not compose with these yet (docs/compile.md)
     ("regather", "compile"): "--compile does not combine with sequence_parallel='regather'",

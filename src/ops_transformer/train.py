@@ -233,11 +233,9 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
         raise ValueError(f"--pp {cfg.pp} does not combine with --cp yet: drop one of them")
     if not cfg.model and cfg.model_config().dropout > 0:  # micro-batches draw other masks
         raise ValueError(f"--pp {cfg.pp} does not combine with --dropout yet: drop one of them")
-    if cfg.model or cfg.lora_rank or cfg.ckpt_dir or cfg.precision != "fp32" \
-            or cfg.grad_accum > 1:
-        raise ValueError("--pp runs a reference preset in fp32 without --model, --lora-rank, "
-                         "--ckpt-dir, --precision bf16/fp16 or --grad-accum (use --microbatches) "
-                         "yet (docs/pipeline.md)")
+    if cfg.model or cfg.lora_rank or cfg.ckpt_dir or cfg.grad_accum > 1:
+        raise ValueError("--pp runs a reference preset without --model, --lora-rank, "
+                         "--ckpt-dir or --grad-accum (use --microbatches) yet (docs/pipeline.md)")
     try:
         check_pipeline(cfg.model_config().n_layers, cfg.pp, schedule=cfg.pp_schedule,
                        microbatches=cfg.microbatches, stages_per_rank=cfg.pp_stages_per_rank)
@@ -322,7 +320,7 @@ class TrainState:
         collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
             metrics = (self.accumulate(x, y) if self.pipe is None else
-                       self.pipe.step_metrics(x, y, scaler=self.scaler))
+                       self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy))
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
                                     max_norm=self.cfg.clip_grad, metrics=metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)

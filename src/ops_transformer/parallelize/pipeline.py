@@ -30,6 +30,7 @@ neighbours, on the first step, is not recorded.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -53,11 +54,14 @@ BOUNDARY_LABEL = "pp_boundary"
 class GPTStage(nn.Module):
     """Layers ``layers`` of a GPT as one pipeline stage: ``idx (B, T)`` → hidden ``(B, T, d)`` on
     the first stage, hidden → hidden in the middle, hidden → logits ``(B, T, V)`` on the last.
-    It holds the GPT's own modules (shared, not copied)."""
+    It holds the GPT's own modules (shared, not copied). ``autocast``: the context its forward
+    runs in (``Pipeline.step(policy=)``: the precision policy's ``torch.autocast``), so the
+    backward runs outside it, as in the dense training loop."""
 
     def __init__(self, model: GPT, layers: range, *, first: bool, last: bool):
         super().__init__()
         self.cfg, self.first, self.last = model.cfg, first, last
+        self.autocast = contextlib.nullcontext
         self.layer_ids = layers
         self.tok_emb = model.tok_emb if first else None
         self.pos_emb = model.pos_emb if first else None
@@ -67,6 +71,10 @@ class GPTStage(nn.Module):
         self.lm_head = model.lm_head if last else None
 
     def forward(self, x):
+        with self.autocast():
+            return self._forward(x)
+
+    def _forward(self, x):
         if self.first:
             T = x.shape[1]
             h = self.tok_emb(x)  # (B, T, d)
@@ -145,8 +153,8 @@ class Pipeline:
     def has_last(self) -> bool:
         return any(s.last for s in self.stages)
 
-    def step(self, idx: torch.Tensor, targets: torch.Tensor, *,
-             scaler=None) -> torch.Tensor | None:
+    def step(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None,
+             policy=None) -> torch.Tensor | None:
         """Forward and backward of one batch ``idx, targets (B, T)`` in ``microbatches`` pieces of
         ``B / microbatches`` rows; gradients accumulate into ``.grad`` (zero them between steps),
         reduced over the stage's data-parallel ranks and between tied stages. Returns the loss
@@ -154,12 +162,17 @@ class Pipeline:
         ``None``. Every rank of the job calls it with its own rows (``idx`` is read on the first
         stage, ``targets`` on the last). ``scaler``: a
         :class:`~ops_transformer.precision.DynamicLossScaler` whose scale multiplies the backward's
-        loss (``optimizer_step(scaler=)`` unscales and agrees on an overflow over every stage)."""
+        loss (``optimizer_step(scaler=)`` unscales and agrees on an overflow over every stage).
+        ``policy``: a :class:`~ops_transformer.precision.PrecisionPolicy` whose autocast every
+        stage's forward runs in (bf16, fp16), ``None``: fp32; the loss is taken in float32."""
         if idx.shape[0] % self.microbatches:
             raise ValueError(f"the batch ({idx.shape[0]} rows) is not divisible by microbatches "
                              f"({self.microbatches})")
         losses: list[torch.Tensor] = []
         self.loss_fn.scale = 1.0 if scaler is None else scaler.scale_value
+        for stage in self.stages:
+            stage.autocast = (contextlib.nullcontext if policy is None else
+                              lambda: policy.autocast(self.ctx.device))
         with no_sync(self.model):  # the reducers run once, after every micro-batch
             self.schedule.step(*((idx,) if self.has_first else ()), target=targets,
                                losses=losses)
@@ -173,11 +186,12 @@ class Pipeline:
             return None
         return torch.stack(losses).sum().detach() / self.loss_fn.scale
 
-    def step_metrics(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None) -> dict:
+    def step_metrics(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None,
+                     policy=None) -> dict:
         """:meth:`step` for ``optimizer_step(metrics=...)``, which averages each metric over the
         ``pp × dp × ep`` ranks of a TP position: the last stage's loss counts ``pp`` times, the
         other stages' 0, so the average is the dense loss on every rank (no extra collective)."""
-        loss = self.step(idx, targets, scaler=scaler)
+        loss = self.step(idx, targets, scaler=scaler, policy=policy)
         weight = float(self.ctx.pp_size) if loss is not None else 0.0
         return {"loss": (loss if loss is not None else torch.zeros(())) * weight}
 

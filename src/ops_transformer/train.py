@@ -233,9 +233,9 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
         raise ValueError(f"--pp {cfg.pp} does not combine with --cp yet: drop one of them")
     if not cfg.model and cfg.model_config().dropout > 0:  # micro-batches draw other masks
         raise ValueError(f"--pp {cfg.pp} does not combine with --dropout yet: drop one of them")
-    if cfg.model or cfg.lora_rank or cfg.ckpt_dir or cfg.grad_accum > 1:
-        raise ValueError("--pp runs a reference preset without --model, --lora-rank, "
-                         "--ckpt-dir or --grad-accum (use --microbatches) yet (docs/pipeline.md)")
+    if cfg.model or cfg.lora_rank or cfg.grad_accum > 1:
+        raise ValueError("--pp runs a reference preset without --model, --lora-rank or "
+                         "--grad-accum (use --microbatches) yet (docs/pipeline.md)")
     try:
         check_pipeline(cfg.model_config().n_layers, cfg.pp, schedule=cfg.pp_schedule,
                        microbatches=cfg.microbatches, stages_per_rank=cfg.pp_stages_per_rank)

@@ -254,8 +254,9 @@ def _tied_weight(model: GPT, first: bool, last: bool, ctx) -> nn.Parameter | Non
     ctx.pp_ends_group()  # made on every rank alike (new_group is collective)
     if first == last:
         return None
-    if last:  # the gradient norm counts the tied weight once, on the first stage
-        model.lm_head.weight.pipeline_tied_copy = True
+    if last:  # the gradient norm counts the tied weight once, on the first stage, and a
+        # checkpoint holds it once, under the dense name (checkpoint/contents.py)
+        model.lm_head.weight.pipeline_tied_copy = "tok_emb.weight"
         return model.lm_head.weight
     return model.tok_emb.weight
 

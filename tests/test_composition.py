@@ -61,10 +61,8 @@ KNOWN_LIMITS = {
         ("dropout", "--dropout"), ("moe-ep", "an MoE preset"))},
     # pipeline parallelism (SPEC F19) does not compose with these yet (docs/pipeline.md)
     **{(name, "pp"): f"--pp 2 does not combine with {flag} yet" for name, flag in (
-        ("sp", "--sequence-parallel"), ("regather", "--sequence-parallel"),
-        ("recompute-selective", "--recompute"), ("recompute-full", "--recompute"),
         ("zero3", "--zero 3"), ("dropout", "--dropout"), ("cp", "--cp"))},
-    **{(name, "pp"): "--pp runs a reference preset without" for name in ("lora", "grad-accum")},
+    ("grad-accum", "pp"): "--pp runs a reference preset without",
     ("moe-ep", "pp"): "--pp 2 does not split the MoE preset",
     # torch.compile per block (SPEC F20) does not compose with these yet (docs/compile.md)
     ("regather", "compile"): "--compile does not combine with sequence_parallel='regather'",

@@ -40,13 +40,13 @@ def _dense(cfg, steps, lr=0.5):
     return losses, grads
 
 
-def _piped(cfg, schedule, v, m, tp, steps, dense_grads, lr=0.5, dp=1):
+def _piped(cfg, schedule, v, m, tp, steps, dense_grads, lr=0.5, dp=1, **options):
     torch.set_num_threads(1)
     ctx = init_parallel(pp=2, tp=tp, dp=dp)
     torch.manual_seed(0)
     model = GPT(cfg)
     if tp * dp > 1:
-        model = parallelize(model, ctx)
+        model = parallelize(model, ctx, **options)
     pipe = pipeline(model, ctx, schedule, microbatches=m, stages_per_rank=v)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads, ledger = [], None, None
@@ -115,6 +115,26 @@ def test_pp2_tp2_equals_one_device(run_ranks):
     dense_losses, dense_grads = _dense(cfg, 3)
     results = run_ranks(_piped, 4, cfg, "1f1b", 1, 2, 2, 3, dense_grads)
     _check(results, dense_losses, dense_grads, cfg)
+
+
+ROPE = CFG.with_(tie_embeddings=False, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+
+
+@pytest.mark.parametrize("options", [{"sequence_parallel": True},
+                                     {"sequence_parallel": "regather"},
+                                     {"recompute": "selective"}, {"recompute": "full"},
+                                     {"sequence_parallel": True, "recompute": "full"}],
+                         ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()))
+def test_pp2_tp2_options_equal_one_device(run_ranks, options):
+    """Sequence parallelism and recompute inside each stage of pp 2 × tp 2 (RoPE: a later stage's
+    attention spans the whole sequence though it receives 1/tp of it): losses and gradients
+    equal one device; under SP each boundary transfer is (b/m)·(s/tp)·h elements."""
+    dense_losses, dense_grads = _dense(ROPE, 2)
+    results = run_ranks(_piped, 4, ROPE, "1f1b", 1, 2, 2, 2, dense_grads, **options)
+    _check(results, dense_losses, dense_grads, ROPE)
+    sizes = {r[1] for res in results for r in res[3]}
+    tp_split = 2 if options.get("sequence_parallel") else 1
+    assert sizes == {B // 2 * T // tp_split * ROPE.d_model}
 
 
 def test_pp2_dp2_equals_dense(run_ranks):
@@ -353,3 +373,60 @@ def test_pp2_mixed_precision_equals_dense_autocast(run_ranks, precision):
 def test_fp16_overflow_under_autocast_skips_every_stage(run_ranks):
     for pp_rank, _, _, stepped, unchanged in run_ranks(_mixed, 2, "fp16", 0):
         assert not stepped and unchanged, pp_rank
+
+
+def _lora_run(pp, want=None, steps=3):
+    """LoRA (rank 4, every attention and FFN linear) at pp ``pp`` × tp 2, added before the split
+    (pp 1: one process, no tp): the losses and the trained adapters after ``steps`` SGD steps,
+    by name (``want``: the one-process adapters, to compare this rank's slices with)."""
+    from ops_transformer import ParallelContext, lora
+
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=2, tp=2) if pp > 1 else ParallelContext.single()
+    torch.manual_seed(0)
+    model = lora(parallelize(GPT(ROPE), ctx), ctx, rank=4, seed=3)
+    pipe = pipeline(model, ctx, "1f1b", microbatches=2) if pp > 1 else None
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    losses = []
+    for idx, y in _data(steps):
+        opt.zero_grad()
+        if pipe is None:
+            loss = model(idx, y)[1]
+            loss.backward()
+        else:
+            loss = pipe.step(idx, y)
+        losses.append(None if loss is None else loss.item())
+        opt.step()
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if want is None:
+        return losses, {n: p.detach().clone() for n, p in trained.items()}
+    return losses, {n: (p.detach().clone(), local_part(p, want[n])) for n, p in trained.items()}
+
+
+def test_pp2_tp2_lora_equals_one_process(run_ranks):
+    """The adapters' factors are drawn in the dense model's order when LoRA comes before the
+    split (after it, each stage would draw its layers' factors first: refused below): losses
+    and the trained adapters equal one process over 3 steps."""
+    want_losses, want = _lora_run(1)
+    for losses, trained in run_ranks(_lora_run, 4, 2, want):
+        if losses[0] is not None:
+            assert losses == pytest.approx(want_losses, rel=1e-5)
+        assert trained and all(".lora_" in n for n in trained)
+        for name, (value, expected) in trained.items():
+            assert_rel(value, expected, 1e-5, name)
+
+
+def _lora_after_split():
+    from ops_transformer import lora
+
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=2)
+    model = parallelize(GPT(CFG), ctx)
+    pipeline(model, ctx, "gpipe", microbatches=2)
+    with pytest.raises(ValueError, match="lora must come before pipeline"):
+        lora(model, ctx, rank=4)
+    return True
+
+
+def test_lora_after_the_split_is_refused(run_ranks):
+    assert all(run_ranks(_lora_after_split, 2))

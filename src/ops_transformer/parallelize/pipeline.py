@@ -62,6 +62,8 @@ class GPTStage(nn.Module):
         super().__init__()
         self.cfg, self.first, self.last = model.cfg, first, last
         self.autocast = contextlib.nullcontext
+        self.seq_len = None  # the whole sequence (Pipeline.step): under sequence parallelism a
+        # later stage receives (B, T/tp, d), but its attention's RoPE spans all T positions
         self.layer_ids = layers
         self.tok_emb = model.tok_emb if first else None
         self.pos_emb = model.pos_emb if first else None
@@ -83,7 +85,8 @@ class GPTStage(nn.Module):
             x = self.drop(h)
         rope = None
         if self.cfg.pos == "rope":
-            rope = rope_tables(self.cfg.head_dim, x.shape[1], self.cfg.rope_theta, x.device)
+            rope = rope_tables(self.cfg.head_dim, self.seq_len or x.shape[1], self.cfg.rope_theta,
+                               x.device)
         for block in self.blocks:
             x = block(x, rope)
         if self.last:
@@ -171,6 +174,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         self.loss_fn.scale = 1.0 if scaler is None else scaler.scale_value
         for stage in self.stages:
+            stage.seq_len = idx.shape[1]
             stage.autocast = (contextlib.nullcontext if policy is None else
                               lambda: policy.autocast(self.ctx.device))
         with no_sync(self.model):  # the reducers run once, after every micro-batch
@@ -200,7 +204,8 @@ def pipeline(model: GPT, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
              stages_per_rank: int = 1) -> Pipeline:
     """Split the reference GPT over ``ctx``'s ``pp`` axis by layers and return its
     :class:`Pipeline` (module docstring). Call it after ``parallelize`` (TP and dp inside each
-    stage stay as they are) or on a plain model. ``schedule``: one of
+    stage stay as they are) and ``lora`` (its factors are drawn in the dense model's order), or on
+    a plain model. ``schedule``: one of
     :data:`~.pipeline_split.SCHEDULES` (``gpipe``, ``1f1b``, ``interleaved``, ``looped_bfs``,
     ``zero_bubble``, ``zbv``); ``microbatches`` per step; ``stages_per_rank`` (``v``) for the
     interleaved, looped and zero-bubble schedules. A split the layers do not divide is a
@@ -229,10 +234,11 @@ def pipeline(model: GPT, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
     stages = [GPTStage(model, stage_layers(model.cfg.n_layers, n_stages, s), first=s == 0,
                        last=s == n_stages - 1) for s in mine]
     _prune(model, {i for s in stages for i in s.layer_ids}, first=first, last=last)
-    if state is not None:  # the reducers over what this rank kept
+    if state is not None:  # the reducers over what this rank kept (LoRA's adapters, if any)
         for reducer in state.reducers:
             reducer.remove()
         state.reducers = gradient_reducers(model, ctx, options)
+        state.pipeline_stages = tuple(mine)
     runtime = [RecordedStage(stage, s, n_stages, ctx.device, group=ctx.pp_group)
                for stage, s in zip(stages, mine)]
     m = microbatches

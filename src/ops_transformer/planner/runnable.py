@@ -78,8 +78,7 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
 def _pipeline_problem(pp: int, *, ep: int, experts: int, sequence_parallel: bool, recompute: str,
                       zero_stage: int, model: str) -> str | None:
     """What ``train --pp`` does not combine with yet (docs/pipeline.md)."""
-    for flag, on in (("--zero 3", zero_stage == 3), ("--sequence-parallel", sequence_parallel),
-                     ("--recompute", recompute != "none")):
+    for flag, on in (("--zero 3", zero_stage == 3),):
         if on:  # (ZeRO-1/2 run per stage: the optimizer shards over each stage's dp)
             return f"--pp {pp} does not combine with {flag} yet: drop one of them"
     if ep > 1 or experts > 1:

@@ -17,9 +17,9 @@ ZeRO stage 1, 2 or 3           ``dp × ep > 1`` (each parameter sharded over its
                                the experts; stage 3 through FSDP2)
 ``recompute="selective"``      not with ``attention="kv_split"`` at ``tp > 1`` (its attention
                                core communicates)
-``pp > 1``                     the reference GPT with TP, dp and ZeRO-1/2 inside each stage
-                               (``parallelize.pipeline``); not yet with ZeRO-3, sequence
-                               parallelism, recompute, MoE / ``ep > 1`` or ``cp > 1``
+``pp > 1``                     the reference GPT with TP, dp, ZeRO-1/2, sequence parallelism
+                               and recompute inside each stage (``parallelize.pipeline``); not
+                               yet with ZeRO-3, MoE / ``ep > 1`` or ``cp > 1``
 ``cp > 1``                     ``train --cp`` (SPEC F18), not yet with ZeRO, sequence
                                parallelism, MoE or ``recompute="selective"``; ``train --plan``
                                does not take a context-parallel layout yet

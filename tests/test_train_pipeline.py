@@ -53,6 +53,7 @@ def test_train_pp_bad_split_is_one_line(capsys, flags, match):
     assert len(err.splitlines()) == 1
 
 
+@pytest.mark.slow  # ~3 s each: two train runs (the unit tests: tests/parallelize/test_pipeline.py)
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_train_pp_16bit_equals_one_process(tmp_path, precision):
     """``--pp 2 --precision bf16|fp16``: the stages' forwards under autocast, fp16's loss scale

@@ -58,12 +58,8 @@ KNOWN_LIMITS = {
         ("dropout", "--dropout"), ("moe-ep", "an MoE preset"))},
     # pipeline parallelism (SPEC F19) does not compose with these yet (docs/pipeline.md)
     **{(name, "pp"): f"--pp 2 does not combine with {flag} yet" for name, flag in (
-        ("sp", "--sequence-parallel"), ("regather", "--sequence-parallel"),
-        ("recompute-selective", "--recompute"), ("recompute-full", "--recompute"),
-        ("zero1", "--zero"), ("zero2", "--zero"), ("zero3", "--zero"), ("dropout", "--dropout"),
-        ("cp", "--cp"))},
-    **{(name, "pp"): "--pp runs a reference preset in fp32 without" for name in (
-        "lora", "bf16", "fp16", "grad-accum")},
+        ("zero3", "--zero 3"), ("dropout", "--dropout"), ("cp", "--cp"))},
+    ("grad-accum", "pp"): "--pp runs a reference preset without",
     ("moe-ep", "pp"): "--pp 2 does not split the MoE preset",
     # torch.compile per block (SPEC F20) does not compose with these yet (docs/compile.md)
     ("regather", "compile"): "--compile does not combine with sequence_parallel='regather'",

@@ -236,11 +236,9 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
         raise ValueError(f"--pp {cfg.pp} does not combine with --cp yet: drop one of them")
     if not cfg.model and cfg.model_config().dropout > 0:  # micro-batches draw other masks
         raise ValueError(f"--pp {cfg.pp} does not combine with --dropout yet: drop one of them")
-    if cfg.model or cfg.lora_rank or cfg.ckpt_dir or cfg.precision != "fp32" \
-            or cfg.grad_accum > 1:
-        raise ValueError("--pp runs a reference preset in fp32 without --model, --lora-rank, "
-                         "--ckpt-dir, --precision bf16/fp16 or --grad-accum (use --microbatches) "
-                         "yet (docs/pipeline.md)")
+    if cfg.model or cfg.grad_accum > 1:
+        raise ValueError("--pp runs a reference preset without --model or --grad-accum (use "
+                         "--microbatches) yet (docs/pipeline.md)")
     try:
         check_pipeline(cfg.model_config().n_layers, cfg.pp, schedule=cfg.pp_schedule,
                        microbatches=cfg.microbatches, stages_per_rank=cfg.pp_stages_per_rank)
@@ -325,7 +323,7 @@ class TrainState:
         collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
             metrics = (self.accumulate(x, y) if self.pipe is None else
-                       self.pipe.step_metrics(x, y, scaler=self.scaler))
+                       self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy))
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
                                     max_norm=self.cfg.clip_grad, metrics=metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)
@@ -428,15 +426,20 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
                     batch=micro_batch(cfg, ctx.dp_ep_size), seq=cfg.seq,
                     profile=ctx.profile)  # `auto`: for this run's shapes, on the agreed profile
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan, options)
-    if ctx.pp_size > 1:  # split after parallelize: TP and dp inside each stage as they are
+    if ctx.pp_size > 1:  # split after parallelize and LoRA (its factors drawn in the dense
+        # model's order): TP, dp and the adapters inside each stage as they are
+        model = finetune.with_lora(cfg, ctx, model)
         pipe = pipeline(model, ctx, cfg.pp_schedule, microbatches=cfg.microbatches,
                         stages_per_rank=cfg.pp_stages_per_rank)
-        return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy), pipe=pipe)
+        return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy,
+                                                   add_lora=False), pipe=pipe)
     return _with_optimizer(cfg, ctx, model, data, policy)
 
 
-def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
-    model = finetune.with_lora(cfg, ctx, model)  # before the optimizer: it sees what trains
+def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy, *,
+                    add_lora: bool = True) -> TrainState:
+    if add_lora:  # (under pp: added before the split)
+        model = finetune.with_lora(cfg, ctx, model)  # before the optimizer: it sees what trains
     shard_for_zero(model, ctx, cfg.zero, policy)  # ZeRO-3: FSDP2 over dp (× ep)
     opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None

@@ -164,8 +164,9 @@ def test_first_stage_holds_p_micro_batches_of_its_layers():
 
 def test_runtime_refuses_pp_and_cp_in_one_line():
     assert runtime_problem(tp=2, dp=2, pp=4) is None  # train --pp runs it
-    assert runtime_problem(tp=2, dp=2, pp=4, zero_stage=1) == (
-        "--pp 4 does not combine with --zero yet: drop one of them")
+    assert runtime_problem(tp=2, dp=2, pp=4, zero_stage=2) is None  # ZeRO-1/2 per stage
+    assert runtime_problem(tp=2, dp=2, pp=4, zero_stage=3) == (
+        "--pp 4 does not combine with --zero 3 yet: drop one of them")
     assert runtime_problem(tp=2, dp=2, pp=2, cp=2) == (
         "--pp 2 does not combine with --cp yet: drop one of them")
     assert runtime_problem(tp=1, dp=2, cp=2) is None  # train --cp runs it

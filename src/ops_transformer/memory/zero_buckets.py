@@ -102,11 +102,12 @@ class ZeroBucket:
         """Which elements of ``piece`` this rank adds to the dense gradient norm (``None``: all):
         those of a parameter this TP rank counts
         (:func:`~ops_transformer.precision.clip.counted_on_tp_rank`), without a padded
-        vocabulary's zero rows. Every rank of the group counts its own pieces: together they
-        cover the bucket once."""
+        vocabulary's zero rows, and never a tied embedding's last-stage copy under pp (counted
+        once, on the first stage: ``parallelize/pipeline.py``). Every rank of the group counts
+        its own pieces: together they cover the bucket once."""
         if piece.index not in self._counted:
             p = self.params[piece.index]
-            if counted_on_tp_rank(p, ctx):
+            if counted_on_tp_rank(p, ctx) and not getattr(p, "pipeline_tied_copy", False):
                 mask = real_rows_mask(p).reshape(-1)[piece.start:piece.stop]
             else:
                 mask = torch.zeros(piece.stop - piece.start, dtype=torch.bool, device=p.device)

@@ -80,6 +80,9 @@ def lora(model: nn.Module, ctx, *, rank: int, alpha: float | None = None, target
     if getattr(state, "sharding", None) is not None:
         raise ValueError("lora must come before shard_parameters (and is untested with it): "
                          "FSDP2 has already sharded the parameters lora would change")
+    if state.pipeline_stages is not None:
+        raise ValueError("lora must come before pipeline: its factors are drawn in the dense "
+                         "model's order of layers, which a model split into stages lacks")
     if any(isinstance(r, ReduceScatterGradSync) for r in state.reducers):
         raise ValueError("lora must come before zero_optimizer: the optimizer is built over the "
                          "parameters that train, which lora changes")

@@ -56,18 +56,11 @@ KNOWN_LIMITS = {
         (("recompute-selective", "recompute-full"), "recompute"))},
     # context parallelism (SPEC F18) does not compose with these yet (docs/context_parallel.md)
     **{(name, "cp"): f"--cp 2 does not combine with {flag} yet" for name, flag in (
-        ("sp", "--sequence-parallel"), ("regather", "--sequence-parallel"),
-        ("recompute-selective", "--recompute selective"), ("zero1", "--zero"),
-        ("zero2", "--zero"), ("zero3", "--zero"), ("lora", "--lora-rank"),
         ("dropout", "--dropout"), ("moe-ep", "an MoE preset"))},
     # pipeline parallelism (SPEC F19) does not compose with these yet (docs/pipeline.md)
     **{(name, "pp"): f"--pp 2 does not combine with {flag} yet" for name, flag in (
-        ("sp", "--sequence-parallel"), ("regather", "--sequence-parallel"),
-        ("recompute-selective", "--recompute"), ("recompute-full", "--recompute"),
-        ("zero1", "--zero"), ("zero2", "--zero"), ("zero3", "--zero"), ("dropout", "--dropout"),
-        ("cp", "--cp"))},
-    **{(name, "pp"): "--pp runs a reference preset in fp32 without" for name in (
-        "lora", "bf16", "fp16", "grad-accum")},
+        ("zero3", "--zero 3"), ("dropout", "--dropout"), ("cp", "--cp"))},
+    ("grad-accum", "pp"): "--pp runs a reference preset without",
     ("moe-ep", "pp"): "--pp 2 does not split the MoE preset",
     # torch.compile per block (SPEC F20) does not compose with these yet (docs/compile.md)
     ("regather", "compile"): "--compile does not combine with sequence_parallel='regather'",
@@ -77,7 +70,8 @@ KNOWN_LIMITS = {
     ("int8-cache", "compile"): "--compile does not combine with activation_cache='int8'",
     ("bf16", "fp8"): "bf16 and fp8 both set --precision",
     ("fp16", "fp8"): "fp16 and fp8 both set --precision",
-    ("fp8", "pp"): "--pp runs a reference preset in fp32 without",
+    # fp8 scales each pipeline micro-batch's activations by its own amax (1.7e-3 measured)
+    ("fp8", "pp"): "--precision fp8 does not combine with --pp yet",
     # fp8 linear layers (SPEC F20) do not compose with these yet (docs/compile.md)
     **{(name, "fp8"): f"--precision='fp8' does not combine with {what}" for name, what in (
         ("sp", "sequence_parallel"), ("regather", "sequence_parallel"),

@@ -73,7 +73,7 @@ class TrainConfig:
     layers: int | None = None  # overrides the preset's n_layers
     ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
     ranks_per_island: int | None = None  # PCIe islands in a node; None: detected (GPU) or one
-    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16: with a dynamic loss scaler)
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (with a dynamic loss scaler) | "fp8"
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
     ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
     tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
@@ -122,7 +122,8 @@ class TrainConfig:
                                overlap=self.overlap_mode, chunks=self.chunks,
                                moe_statistics=self.moe_statistics,
                                context_parallel=self.cp_strategy, compile=self.compile,
-                               compile_backend=self.compile_backend, **more)
+                               compile_backend=self.compile_backend,
+                               precision="fp8" if self.precision == "fp8" else "fp32", **more)
 
     @property
     def overlap_mode(self) -> str:
@@ -189,6 +190,7 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     check_batch(cfg.batch, dp, ep, cfg.grad_accum)
     check_compile(cfg.compile, cp=cfg.cp, moe=bool(getattr(model_cfg, "n_experts", 0)))
     check_memory_flags(cfg, dp, tp)
+    check_fp8(cfg, model_cfg)
     try:
         cfg.parallel_options()  # every option checked once (--overlap, --chunks)
     except ValueError as exc:  # "chunks must be ..." → "--chunks must be ..."
@@ -202,6 +204,19 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
         check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
     return dp, tp
+
+
+def check_fp8(cfg: TrainConfig, model_cfg) -> None:
+    """``--precision fp8``: what it does not combine with yet (the rest: ``ParallelOptions``)."""
+    if cfg.precision != "fp8":
+        return
+    for flag, on in (("--lora-rank", cfg.lora_rank is not None), ("--zero 3", cfg.zero == 3),
+                     ("--cp", cfg.cp > 1), ("--model", bool(cfg.model)),
+                     # a micro-batch's activation amax is not the batch's: other scales
+                     ("--pp", cfg.pp > 1),
+                     ("an MoE preset", bool(getattr(model_cfg, "n_experts", 0)))):
+        if on:
+            raise ValueError(f"--precision fp8 does not combine with {flag} yet: drop one of them")
 
 
 PACKS = ("docs", "naive")

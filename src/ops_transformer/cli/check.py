@@ -60,7 +60,7 @@ def add_parser(p) -> None:
                    "input too, all-gathered again in backward")
     p.add_argument("--recompute", default="none", choices=RECOMPUTE,
                    help="recompute activations in backward (default none)")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+    p.add_argument("--precision", default="fp32", choices=[p for p in PRECISIONS if p != "fp8"],
                    help="fp32, or bf16 / fp16 autocast over fp32 weights; sets the tolerance "
                    "(default fp32)")
     p.add_argument("--tp-plan", metavar="FILE.json", help="the plan to check: for a Hugging Face "

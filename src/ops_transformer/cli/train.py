@@ -175,7 +175,8 @@ def add_training_arguments(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--precision", default=D.precision, choices=PRECISIONS,
                    help="compute dtype: fp32, or bf16 / fp16 autocast over fp32 master weights "
-                   f"(fp16 with a dynamic loss scaler); default {D.precision}")
+                   f"(fp16 with a dynamic loss scaler), or fp8 (the blocks' matmuls in fp8 with "
+                   f"tensorwise dynamic scales agreed over tp); default {D.precision}")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
     add_lora_arguments(p)

@@ -23,6 +23,7 @@ def _run(tmp_path, name, *flags):
 @pytest.mark.parametrize("flags", [
     ("--nproc", "2", "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "4"),
     ("--nproc", "4", "--pp", "2", "--tp", "2", "--pp-schedule", "1f1b", "--microbatches", "2"),
+    ("--nproc", "4", "--pp", "2", "--zero", "2", "--pp-schedule", "1f1b", "--microbatches", "2"),
 ])
 def test_train_pp_equals_one_process(tmp_path, flags):
     one = _run(tmp_path, "one", "--nproc", "1")
@@ -40,8 +41,8 @@ def test_train_pp_equals_one_process(tmp_path, flags):
                                     "more than the model's 2 layers"),
     (["--nproc", "2", "--pp", "2", "--microbatches", "3"],
      "--batch 4 over 1 data-parallel rank\\(s\\) does not split into --microbatches 3"),
-    (["--nproc", "2", "--pp", "2", "--microbatches", "2", "--zero", "1"],
-     "does not combine with --zero"),
+    (["--nproc", "4", "--pp", "2", "--microbatches", "2", "--zero", "3"],
+     "does not combine with --zero 3"),
 ])
 def test_train_pp_bad_split_is_one_line(capsys, flags, match):
     import re
@@ -50,3 +51,19 @@ def test_train_pp_bad_split_is_one_line(capsys, flags, match):
     err = capsys.readouterr().err.strip()
     assert re.search(match, err), err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.slow  # ~3 s each: two train runs (the unit tests: tests/parallelize/test_pipeline.py)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_train_pp_16bit_equals_one_process(tmp_path, precision):
+    """``--pp 2 --precision bf16|fp16``: the stages' forwards under autocast, fp16's loss scale
+    and overflow skips agreed over both stages: the losses equal one process within ``check``'s
+    16-bit loss bound, and fp16 skips the same steps."""
+    from ops_transformer.parity.tolerance import tolerance_for
+
+    flags = ("--precision", precision)
+    one = _run(tmp_path, "one", "--nproc", "1", *flags)
+    piped = _run(tmp_path, "pp", "--nproc", "2", "--pp", "2", "--microbatches", "2", *flags)
+    assert piped["losses"] == pytest.approx(one["losses"], rel=tolerance_for(precision).loss)
+    assert ("skipped_steps" in piped) == (precision == "fp16")
+    assert piped.get("skipped_steps") == one.get("skipped_steps")

@@ -1,6 +1,6 @@
 """``ops-transformer check``: exit 0 for the reference GPT and the model zoo's families (a sample
 here, every family in the slow set), exit 1 naming the module of a planted fault, ``--json`` one
-document, user errors exit 2."""
+document, user errors exit 2; `--cp` (reference GPT, Hugging Face Llama, tp × cp)."""
 
 from __future__ import annotations
 
@@ -174,3 +174,31 @@ def test_under_torchrun_every_rank_exits_alike_and_rank_0_prints_once(tmp_path):
     run = _torchrun("check", "--preset", "tiny", "--tp", "2", "--tp-plan", str(plan), "--json")
     assert run.returncode != 0
     assert json.loads(run.stdout)["first_mismatch"] == "layers.0.attn.wo"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--preset", "tiny", "--tp", "1", "--cp", "2", "--seq", "15"],
+     "sequence length 15 is not divisible by 4 (cp=2)"),
+    (["--preset", "tiny", "--tp", "1", "--cp", "0"], "--cp must be at least 1, got 0"),
+])
+def test_cp_user_errors_exit_2_before_any_rank_starts(capsys, argv, needle):
+    assert main(["check", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and "parity:" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--preset", "llama-tiny", "--tp", "1", "--cp", "2", "--cp-strategy", "ring"],
+    ["--preset", "hf:llama", "--tp", "1", "--cp", "2", "--cp-strategy", "allgather_kv"],
+], ids=["gpt-ring", "hf-llama-allgather_kv"])
+def test_cp_passes_and_reports_the_layout(capsys, argv):
+    code, report = _check(capsys, *argv, "--seq", "16", "--batch", "2")
+    assert code == 0, report["reason"]
+    assert report["layout"]["cp"] == 2 and report["layout"]["tp"] == 1
+
+
+def test_cp_with_tp_passes(capsys):
+    code, report = _check(capsys, "--preset", "llama-tiny", "--tp", "2", "--cp", "2",
+                          "--seq", "16", "--batch", "2", "--steps", "2")
+    assert code == 0, report["reason"]
+    assert report["layout"]["cp"] == 2 and report["layout"]["tp"] == 2

@@ -33,7 +33,8 @@ def test_train_cp2_has_the_one_process_losses(tmp_path, capsys):
      "sequence length 30 is not divisible by 4 (cp=2)"),
     (["train", "--nproc", "4", "--cp", "2", "--tp", "4"],
      "world size 4 is not divisible by tp (4) × ep (1) × cp (2) = 8"),
-    (["train", "--nproc", "2", "--cp", "2", "--zero", "1"], "--cp 2 does not combine with --zero"),
+    (["train", "--nproc", "8", "--cp", "2", "--tp", "4", "--seq", "20", "--sequence-parallel"],
+     "--seq (20) must be divisible by cp × tp (8)"),
 ])
 def test_train_cp_errors_are_one_line(argv, needle, capsys):
     assert main(argv) == 2

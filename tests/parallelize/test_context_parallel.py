@@ -139,15 +139,3 @@ def _packed_documents(strategy):
 def test_packed_documents_at_cp2_equal_one_device(run_ranks, strategy):
     for loss, ref, worst in run_ranks(_packed_documents, 2, strategy):
         assert abs(loss - ref) <= 1e-6 * ref and worst <= 1e-5, (loss, ref, worst)
-
-
-def _parity_at_cp2():
-    from ops_transformer import check_parity
-    ctx = init_parallel(cp=2)
-    with pytest.raises(ValueError, match=r"check_parity compares every module .* with cp \(2\)"):
-        check_parity(lambda: GPT(preset("tiny")), ctx, (torch.zeros(1, 8, dtype=torch.long),))
-    return True
-
-
-def test_check_parity_at_cp2_says_what_is_not_built(run_ranks):
-    assert all(run_ranks(_parity_at_cp2, 2))

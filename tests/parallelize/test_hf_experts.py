@@ -24,6 +24,7 @@ FAMILIES = {  # model type -> the name of its experts module in the tiny model
     "deepseek_v3": "mlp.experts", "aria_text": "mlp.experts", "nemotron_h": "mixer.experts",
     "deepseek_v4": "mlp.experts", "inkling2_text": "mlp.experts",
     "longcat_flash": "mlp.experts", "llama4_text": "feed_forward.experts",
+    "gpt_oss": "mlp.experts", "muse_spark_text": "mlp.experts",
 }
 TOKENS = 12
 
@@ -55,7 +56,7 @@ def _dense(model_type):
 def _inputs(module):
     g = torch.Generator().manual_seed(1)
     h = next(p for p in module.parameters() if p.dim() == 3)
-    hidden = 64
+    hidden = getattr(module, "hidden_dim", None) or getattr(module, "hidden_size", None) or 64
     if type(module).__name__ == "Llama4TextExperts":  # every token for every expert, weighted
         x = torch.randn(h.shape[0] * TOKENS, hidden, generator=g)
         return (x.requires_grad_(),)
@@ -111,13 +112,17 @@ def _check(run_ranks, model_type, tp, ep=1):
 @pytest.mark.parametrize("model_type", [
     "deepseek_v3", "aria_text", "nemotron_h",
     pytest.param("deepseek_v4", marks=pytest.mark.slow), "inkling2_text",
-    "longcat_flash", "llama4_text"])
+    "longcat_flash", "llama4_text",
+    "gpt_oss",  # gate and up rows interleaved (is_concatenated=False), transposed, biased
+    "muse_spark_text"])  # a norm after each expert (has_post_expert_norm)
 def test_experts_at_tp2_equal_dense(run_ranks, model_type):
     _check(run_ranks, model_type, 2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash", "llama4_text"])
+# (muse_spark_text's post-expert norm is replicated over ep: its per-rank gradient is a partial
+# sum that training reduces over dp × ep, so this harness checks it at tp only)
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash", "llama4_text", "gpt_oss"])
 @pytest.mark.parametrize("tp,ep", [(4, 1), (2, 2), (1, 2)])
 def test_experts_over_tp_and_ep_equal_dense(run_ranks, model_type, tp, ep):
     _check(run_ranks, model_type, tp, ep)
@@ -155,6 +160,8 @@ def _load_into_dense(model_type, root):
 
 @pytest.mark.parametrize("model_type,tp,ep", [
     ("deepseek_v3", 2, 1),
+    ("gpt_oss", 2, 1),  # interleaved rows: whole (gate, up) pairs per TP chunk
+    ("muse_spark_text", 2, 1),  # the post-expert norm saved under its dense key
     pytest.param("llama4_text", 1, 2, marks=pytest.mark.slow),  # stored [E, in, out]
     pytest.param("deepseek_v3", 2, 2, marks=pytest.mark.slow),
 ])

@@ -40,13 +40,13 @@ def _dense(cfg, steps, lr=0.5):
     return losses, grads
 
 
-def _piped(cfg, schedule, v, m, tp, steps, dense_grads, lr=0.5, dp=1):
+def _piped(cfg, schedule, v, m, tp, steps, dense_grads, lr=0.5, dp=1, **options):
     torch.set_num_threads(1)
     ctx = init_parallel(pp=2, tp=tp, dp=dp)
     torch.manual_seed(0)
     model = GPT(cfg)
     if tp * dp > 1:
-        model = parallelize(model, ctx)
+        model = parallelize(model, ctx, **options)
     pipe = pipeline(model, ctx, schedule, microbatches=m, stages_per_rank=v)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads, ledger = [], None, None
@@ -115,6 +115,26 @@ def test_pp2_tp2_equals_one_device(run_ranks):
     dense_losses, dense_grads = _dense(cfg, 3)
     results = run_ranks(_piped, 4, cfg, "1f1b", 1, 2, 2, 3, dense_grads)
     _check(results, dense_losses, dense_grads, cfg)
+
+
+ROPE = CFG.with_(tie_embeddings=False, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+
+
+@pytest.mark.parametrize("options", [{"sequence_parallel": True},
+                                     {"sequence_parallel": "regather"},
+                                     {"recompute": "selective"}, {"recompute": "full"},
+                                     {"sequence_parallel": True, "recompute": "full"}],
+                         ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()))
+def test_pp2_tp2_options_equal_one_device(run_ranks, options):
+    """Sequence parallelism and recompute inside each stage of pp 2 × tp 2 (RoPE: a later stage's
+    attention spans the whole sequence though it receives 1/tp of it): losses and gradients
+    equal one device; under SP each boundary transfer is (b/m)·(s/tp)·h elements."""
+    dense_losses, dense_grads = _dense(ROPE, 2)
+    results = run_ranks(_piped, 4, ROPE, "1f1b", 1, 2, 2, 2, dense_grads, **options)
+    _check(results, dense_losses, dense_grads, ROPE)
+    sizes = {r[1] for res in results for r in res[3]}
+    tp_split = 2 if options.get("sequence_parallel") else 1
+    assert sizes == {B // 2 * T // tp_split * ROPE.d_model}
 
 
 def test_pp2_dp2_equals_dense(run_ranks):
@@ -234,3 +254,179 @@ def test_pipeline_refuses_what_it_cannot_split(model, match):
         model = GPT(CFG)
     with pytest.raises(ValueError, match=match):
         pipeline(model, ParallelContext.single(), "1f1b")
+
+
+def _adamw_dense(steps, max_norm, lr=1e-3):
+    """One process: ``steps`` AdamW steps of the dense model on the whole batch, clipped to
+    ``max_norm`` by torch: the losses, the norms before clipping and the parameters after."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, norms = [], []
+    for idx, y in _data(steps):
+        opt.zero_grad()
+        loss = model(idx, y)[1]
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        losses.append(loss.item())
+        opt.step()
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _zero_run(zero, steps, max_norm, lr=1e-3):
+    """pp 2 × dp 2 (4 ranks), ZeRO ``zero``: ``steps`` AdamW steps with clipping through
+    ``optimizer_step``; the losses, the gradient norms and the parameters after, by name."""
+    from ops_transformer import optimizer_step, zero_optimizer
+
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=2, dp=2)
+    torch.manual_seed(0)
+    model = parallelize(GPT(CFG), ctx)
+    pipe = pipeline(model, ctx, "1f1b", microbatches=2)
+    opt = zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, lr=lr)
+    losses, norms = [], []
+    for idx, y in _data(steps):
+        idx, y = idx.chunk(2)[ctx.dp_rank], y.chunk(2)[ctx.dp_rank]  # this replica's rows
+        opt.zero_grad()
+        report = optimizer_step(model, opt, ctx, max_norm=max_norm,
+                                metrics=pipe.step_metrics(idx, y))
+        losses.append(report.metrics["loss"])
+        norms.append(report.grad_norm)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return ctx.pp_rank, losses, norms, params
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_pp2_dp2_zero_equals_one_process(run_ranks, zero):
+    """pp 2 × dp 2 with ZeRO-1/2 equals one process (plain AdamW, torch's clipping): losses,
+    norms before clipping and every updated parameter after 3 steps. The traps: the tied
+    embedding's gradient is summed between the end stages *before* ZeRO-2's reduce-scatter cuts it
+    into chunks, and its last-stage copy stays out of ZeRO's share of the norm."""
+    want_losses, want_norms, dense = _adamw_dense(3, 0.05)
+    for pp_rank, losses, norms, params in run_ranks(_zero_run, 4, zero, 3, 0.05):
+        assert losses == pytest.approx(want_losses, rel=1e-5), pp_rank
+        assert norms == pytest.approx(want_norms, rel=1e-5), pp_rank
+        for name, value in params.items():
+            assert_rel(value, dense[_dense_name(name, CFG)], 1e-5, f"pp rank {pp_rank}: {name}")
+
+
+def _dense_mixed(precision, m=2, scale=2.0 ** 8):
+    """One process under the precision policy's autocast (each backward outside it), the batch
+    in ``m`` accumulated micro-batches of loss ``scale · CE_i / m`` (fp16's loss scale; none for
+    bf16): the mean loss and the unscaled gradients by name of one step."""
+    from ops_transformer.precision.policy import precision_policy
+
+    policy = precision_policy(precision)
+    scale = scale if policy.loss_scaling else 1.0
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    losses = []
+    for idx, y in zip(*(t.chunk(m) for t in _data(1)[0])):
+        with policy.autocast():
+            loss = model(idx, y)[1]
+        (loss * (scale / m)).backward()
+        losses.append(loss.item())
+    return sum(losses) / m, {n: p.grad.clone() / scale for n, p in model.named_parameters()}
+
+
+def _mixed(precision, poison):
+    """pp 2 (1f1b, m 2) with ``precision``'s autocast and, for fp16, a loss scaler: the loss, the
+    unscaled gradients, and whether the step ran; ``poison``: the pp rank whose gradient gets an
+    inf before the step (-1: none)."""
+    from ops_transformer import DynamicLossScaler, optimizer_step
+    from ops_transformer.precision.policy import precision_policy
+
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=2)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    pipe = pipeline(model, ctx, "1f1b", microbatches=2)
+    policy = precision_policy(precision)
+    scaler = DynamicLossScaler(ctx, init_scale=2.0 ** 8) if policy.loss_scaling else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = pipe.step(*_data(1)[0], scaler=scaler, policy=policy)
+    if ctx.pp_rank == poison:
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    scale = scaler.scale_value if scaler else 1.0
+    grads = {n: p.grad.clone() / scale for n, p in model.named_parameters()}
+    before = [p.detach().clone() for p in model.parameters()]
+    report = optimizer_step(model, opt, ctx, scaler=scaler, max_norm=1.0)
+    unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    return ctx.pp_rank, None if loss is None else loss.item(), grads, report.stepped, unchanged
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_pp2_mixed_precision_equals_dense_autocast(run_ranks, precision):
+    """The stages' forwards under bf16/fp16 autocast (fp16 with its loss scale) equal one process
+    running the same 2 micro-batches under the same autocast: the loss and the unscaled gradients
+    within 1e-5 — the same 16-bit products, summed in another order. (Against fp32 the gradients
+    differ by 1e-2 (bf16) and 1e-3 (fp16): the check sees a stage left in fp32.)"""
+    want_loss, want = _dense_mixed(precision)
+    for pp_rank, loss, grads, stepped, _ in run_ranks(_mixed, 2, precision, -1):
+        assert stepped
+        if loss is not None:
+            assert loss == pytest.approx(want_loss, rel=1e-5)
+        for name, grad in grads.items():
+            assert_rel(grad, want[_dense_name(name, CFG)], 1e-5, f"pp rank {pp_rank}: {name}")
+
+
+def test_fp16_overflow_under_autocast_skips_every_stage(run_ranks):
+    for pp_rank, _, _, stepped, unchanged in run_ranks(_mixed, 2, "fp16", 0):
+        assert not stepped and unchanged, pp_rank
+
+
+def _lora_run(pp, want=None, steps=3):
+    """LoRA (rank 4, every attention and FFN linear) at pp ``pp`` × tp 2, added before the split
+    (pp 1: one process, no tp): the losses and the trained adapters after ``steps`` SGD steps,
+    by name (``want``: the one-process adapters, to compare this rank's slices with)."""
+    from ops_transformer import ParallelContext, lora
+
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=2, tp=2) if pp > 1 else ParallelContext.single()
+    torch.manual_seed(0)
+    model = lora(parallelize(GPT(ROPE), ctx), ctx, rank=4, seed=3)
+    pipe = pipeline(model, ctx, "1f1b", microbatches=2) if pp > 1 else None
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    losses = []
+    for idx, y in _data(steps):
+        opt.zero_grad()
+        if pipe is None:
+            loss = model(idx, y)[1]
+            loss.backward()
+        else:
+            loss = pipe.step(idx, y)
+        losses.append(None if loss is None else loss.item())
+        opt.step()
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if want is None:
+        return losses, {n: p.detach().clone() for n, p in trained.items()}
+    return losses, {n: (p.detach().clone(), local_part(p, want[n])) for n, p in trained.items()}
+
+
+def test_pp2_tp2_lora_equals_one_process(run_ranks):
+    """The adapters' factors are drawn in the dense model's order when LoRA comes before the
+    split (after it, each stage would draw its layers' factors first: refused below): losses
+    and the trained adapters equal one process over 3 steps."""
+    want_losses, want = _lora_run(1)
+    for losses, trained in run_ranks(_lora_run, 4, 2, want):
+        if losses[0] is not None:
+            assert losses == pytest.approx(want_losses, rel=1e-5)
+        assert trained and all(".lora_" in n for n in trained)
+        for name, (value, expected) in trained.items():
+            assert_rel(value, expected, 1e-5, name)
+
+
+def _lora_after_split():
+    from ops_transformer import lora
+
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=2)
+    model = parallelize(GPT(CFG), ctx)
+    pipeline(model, ctx, "gpipe", microbatches=2)
+    with pytest.raises(ValueError, match="lora must come before pipeline"):
+        lora(model, ctx, rank=4)
+    return True
+
+
+def test_lora_after_the_split_is_refused(run_ranks):
+    assert all(run_ranks(_lora_after_split, 2))

@@ -160,3 +160,53 @@ def test_dense_candidates_gather_tokens_and_sum_partial_sums(run_ranks):
     assert torch.equal(out["tokens"][0], dense)
     assert torch.equal(out["partial"][1], dense)  # the sum is the dense tensor
     assert torch.equal(out["tail"][1], dense) and not torch.equal(out["tail"][0], dense)
+
+
+def _check_cp(tp, cp, name="llama-tiny", strategy="ring", **kw):
+    torch.set_num_threads(1)
+    cfg = preset(name, n_layers=2, max_seq_len=32)
+    ctx = ot.init_parallel(tp=tp, cp=cp)
+    return ot.check_parity(_build(cfg), ctx, _tokens(2, 16, cfg.vocab_size),
+                           context_parallel=strategy, **kw)
+
+
+@pytest.mark.parametrize("name,strategy", [("llama-tiny", "ring"), ("tiny", "allgather_kv")])
+def test_check_parity_at_cp2_compares_whole_sequences(run_ranks, name, strategy):
+    reports = run_ranks(_check_cp, 2, 1, 2, name, strategy, steps=2)
+    report = reports[0]
+    assert report.ok, report.table()
+    assert reports[1].to_dict() == report.to_dict()
+    assert report.layout["cp"] == 2
+    rows = {r["name"]: r for r in report.modules}
+    # the blocks' outputs are this rank's tokens: gathered over cp into the dense (b, s, h)
+    assert rows["layers.0"]["shape"] == [2, 16, 64] and rows["layers.0"]["max_rel"] <= 1e-5
+    assert rows["layers.0"]["grad_rel"] <= 1e-4
+    compared = [r for r in report.modules if r["max_rel"] is not None]
+    assert len(compared) >= len(report.modules) - 2  # all but integer-only calls
+    assert report.loss["rel"] <= 1e-6 and report.kl <= 1e-9
+
+
+def test_check_parity_at_tp2_cp2(run_ranks):
+    reports = run_ranks(_check_cp, 4, 2, 2, "llama-tiny", "ring")
+    assert reports[0].ok, reports[0].table()
+    assert reports[0].layout["cp"] == 2 and reports[0].layout["tp"] == 2
+
+
+def _planted_cp_fault(tp, cp):
+    torch.set_num_threads(1)
+    cfg = preset("llama-tiny", n_layers=2, max_seq_len=32)
+    ctx = ot.init_parallel(tp=tp, cp=cp)
+
+    def build_parallel():
+        model = ot.parallelize(_build(cfg)(), ctx, context_parallel="ring")
+        with torch.no_grad():  # one rank's copy of a norm drifts: its tokens go wrong
+            if ctx.cp_rank == 1:
+                model.layers[1].norm2.weight.mul_(1.01)
+        return model
+    return ot.check_parity(_build(cfg), ctx, _tokens(2, 16, cfg.vocab_size),
+                           build_parallel=build_parallel)
+
+
+def test_check_parity_at_cp2_names_a_fault_on_one_cp_rank(run_ranks):
+    report = run_ranks(_planted_cp_fault, 2, 1, 2)[0]
+    assert not report.ok and report.first_mismatch.startswith("layers.1"), report.table()

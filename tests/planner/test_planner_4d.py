@@ -164,15 +164,18 @@ def test_first_stage_holds_p_micro_batches_of_its_layers():
 
 def test_runtime_refuses_pp_and_cp_in_one_line():
     assert runtime_problem(tp=2, dp=2, pp=4) is None  # train --pp runs it
-    assert runtime_problem(tp=2, dp=2, pp=4, zero_stage=1) == (
-        "--pp 4 does not combine with --zero yet: drop one of them")
+    assert runtime_problem(tp=2, dp=2, pp=4, zero_stage=2) is None  # ZeRO-1/2 per stage
+    assert runtime_problem(tp=2, dp=2, pp=4, zero_stage=3) == (
+        "--pp 4 does not combine with --zero 3 yet: drop one of them")
     assert runtime_problem(tp=2, dp=2, pp=2, cp=2) == (
         "--pp 2 does not combine with --cp yet: drop one of them")
     assert runtime_problem(tp=1, dp=2, cp=2) is None  # train --cp runs it
-    assert runtime_problem(tp=1, dp=2, cp=2, zero_stage=2) == \
-        "--cp 2 does not combine with --zero yet"
-    with pytest.raises(ValueError, match="train --plan does not take a context-parallel"):
-        chosen_layout({"tp": 2, "dp": 2, "cp": 2, "attention": "heads"})
+    assert runtime_problem(tp=1, dp=2, cp=2, zero_stage=2) is None  # ZeRO over dp × cp
+    assert runtime_problem(tp=1, dp=1, cp=2, experts=8).startswith(
+        "--cp 2 does not combine with an MoE model yet: an expert's capacity")
+    layout = chosen_layout({"tp": 2, "dp": 2, "cp": 2, "attention": "heads",
+                            "cp_strategy": "allgather_kv"})
+    assert layout["cp"] == 2 and layout["cp_strategy"] == "allgather_kv"  # train --plan runs it
     assert runtime_problem(tp=2, dp=2) is None
     with pytest.raises(ValueError, match="a pipelined plan \\(pp 2\\) is not run from the plan"):
         chosen_layout({"tp": 2, "dp": 2, "pp": 2, "attention": "heads"})
@@ -193,9 +196,9 @@ def test_train_plan_refuses_a_pipelined_plan(tmp_path, capsys):
 def test_the_default_search_proposes_only_runnable_layouts():
     model = MODEL_PRESETS["llama3-70b"]
     cluster = ClusterSpec.make("h100-sxm", 64, 8)
-    assert all(o.pp == 1 and o.cp == 1 for o in candidates(model, cluster))
+    assert all(o.pp == 1 for o in candidates(model, cluster))
     best = search(model, cluster, top=3)["best"]
-    assert best["pp"] == 1 and best["cp"] == 1 and best["train_problem"] is None
+    assert best["pp"] == 1 and best["train_problem"] is None
 
 
 def test_the_4d_search_proposes_pp_and_cp_where_they_win():
@@ -262,3 +265,19 @@ def test_flash_attention_bounds_by_hand():
                                       bandwidth=A100_BW, bytes_per_element=2, sms=A100_SMS)
     assert compute == pytest.approx(1e12 / (A100_PEAK * 64 / 108))
     assert moved == pytest.approx(1 * 128 * (2 * 8 * 1024 + 2 * 8 * 1024) * 2 / A100_BW)
+
+
+def test_the_default_search_and_train_plan_take_cp(tmp_path):
+    """cp is in the search ``train --plan`` runs, and a plan's cp and strategy reach train."""
+    from ops_transformer.cli.train import layout_from_plan
+
+    model = MODEL_PRESETS["llama3-8b"]
+    layouts = candidates(model, ClusterSpec.make("h100-sxm", 8, 8))
+    assert {o.cp for o in layouts} >= {1, 2, 4, 8}
+    assert {o.cp_strategy for o in layouts if o.cp > 1} == {"ring", "allgather_kv"}
+    assert all(o.attention == "heads" for o in layouts if o.cp > 1)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"tp": 1, "dp": 1, "cp": 2, "cp_strategy": "allgather_kv",
+                                "attention": "heads", "zero_stage": 1}))
+    layout = layout_from_plan(str(plan))
+    assert layout["cp"] == 2 and layout["cp_strategy"] == "allgather_kv" and layout["zero"] == 1

@@ -129,7 +129,7 @@ def test_the_search_proposes_only_what_train_runs(name, gpu, gpus):
     result = search(model, ClusterSpec.make(gpu, gpus), top=10**6)
     assert result["best"] is not None
     for row in result["candidates"]:
-        assert runtime_problem(tp=row["tp"], dp=row["dp"], ep=row["ep"],
+        assert runtime_problem(tp=row["tp"], dp=row["dp"], ep=row["ep"], cp=row["cp"],
                                attention=row["attention"],
                                sequence_parallel=row["sequence_parallel"],
                                recompute=row["recompute"], zero_stage=row["zero_stage"],

@@ -31,9 +31,11 @@ def test_policies():
     assert (bf16.compute_dtype, bf16.loss_scaling) == (torch.bfloat16, False)
     assert (fp16.compute_dtype, fp16.loss_scaling) == (torch.float16, True)
     assert fp16.param_dtype == fp16.grad_reduce_dtype == torch.float32  # fp32 master weights
-    with pytest.raises(ValueError, match=r"precision must be one of \('fp32', 'bf16', 'fp16'\), "
-                                         r"got 'fp8'"):
-        precision_policy("fp8")
+    fp8 = precision_policy("fp8")  # fp32 outside the blocks' fp8 matmuls (parallelize)
+    assert (fp8.compute_dtype, fp8.loss_scaling) == (torch.float32, False)
+    with pytest.raises(ValueError, match=r"precision must be one of \('fp32', 'bf16', 'fp16', "
+                                         r"'fp8'\), got 'int4'"):
+        precision_policy("int4")
 
 
 def test_grad_reduce_dtype_default():

@@ -67,11 +67,11 @@ def agree(error: BaseException | None, ctx, what: str, cls=RuntimeError) -> None
 
 
 def job_layout(ctx) -> dict:
-    """The degrees a checkpoint records (``cp`` only when the sequence was split: the tensors
-    are in dense coordinates, so any layout reads them)."""
-    cp = getattr(ctx, "cp_size", 1)
+    """The degrees a checkpoint records (``cp`` only when the sequence was split, ``pp`` only
+    when the layers were: the tensors are in dense coordinates, so any layout reads them)."""
+    cp, pp = getattr(ctx, "cp_size", 1), getattr(ctx, "pp_size", 1)
     return {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "ep": ctx.ep_size,
-            **({"cp": cp} if cp > 1 else {})}
+            **({"cp": cp} if cp > 1 else {}), **({"pp": pp} if pp > 1 else {})}
 
 
 def read_failure(path: Path, exc: BaseException) -> CheckpointError:

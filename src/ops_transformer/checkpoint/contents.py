@@ -74,7 +74,7 @@ class ModelTensors:
                 prefix = f"{prefix}." if prefix else ""
                 for k, v in hook(module, prefix).items():  # an outer module's hook wins
                     special.setdefault(prefix + k, v)
-        self.entries = {name: special.get(name) or [Entry(name, layout_of(t))]
+        self.entries = {name: special.get(name) or [Entry(_dense_key(name, t), layout_of(t))]
                         for name, t in self.tensors.items()}
         for name, t in self.tensors.items():
             if local_tensor(t) is not t:  # sharded over data-parallel ranks: this rank's rows
@@ -94,6 +94,14 @@ class ModelTensors:
     def keys(self) -> list[str]:
         """Every dense key, in order."""
         return [e.key for entries in self.entries.values() for e in entries]
+
+
+def _dense_key(name: str, tensor: torch.Tensor) -> str:
+    """The dense key of a tensor: its name, or for a tied weight's copy on another pipeline
+    stage (``pipeline_tied_copy``: the dense name of the weight it copies) that weight's name, so
+    the checkpoint holds it once, as the dense model's does (both copies are equal)."""
+    tied = getattr(tensor, "pipeline_tied_copy", None)
+    return tied if isinstance(tied, str) else name
 
 
 def lora_config(model: torch.nn.Module):

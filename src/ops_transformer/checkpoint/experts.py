@@ -95,5 +95,10 @@ def hf_expert_entries(module, prefix: str) -> dict[str, list[Entry]]:
     inner module's own hook would name them ``<prefix>experts.gate_up_proj``)."""
     if module.spare is not None:  # identity-expert rows: see the module docstring
         return {}
-    return {f"experts.{name}": entries
-            for name, entries in expert_entries(module.experts, prefix).items()}
+    out = {f"experts.{name}": entries
+           for name, entries in expert_entries(module.experts, prefix).items()}
+    norm = getattr(module, "post_expert_norm", None)  # a norm after each expert: replicated
+    for name, param in ([] if norm is None else norm.named_parameters()):
+        out[f"post_expert_norm.{name}"] = [Entry(f"{prefix}post_expert_norm.{name}",
+                                                 Replicated(param.shape))]
+    return out

@@ -1,10 +1,11 @@
 """``ops-transformer check``: does the model split over ``tp`` ranks compute what the unsplit model
 computes — and if not, which module is the first that does not (SPEC F12, ``docs/parity.md``).
 
-The dense reference runs on rank 0 alone; the parallel model on ``tp × dp × ep`` local ranks (or
-the ranks of a ``torchrun`` job). Exit status: 0 when every module, gradient and loss is within the
-precision's tolerance, 1 on a mismatch (a plan that raises when it runs included), 2 on a user
-error.
+The dense reference runs on rank 0 alone; the parallel model on ``tp × dp × ep × cp`` local ranks
+(or the ranks of a ``torchrun`` job; with ``--cp`` each sequence is split over cp ranks and the
+recorded tensors are gathered back to the dense order to compare). Exit status: 0 when every
+module, gradient and loss is within the precision's tolerance, 1 on a mismatch (a plan that
+raises when it runs included), 2 on a user error.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from ..memory.recompute import RECOMPUTE
 from ..models.gpt import GPT, PRESETS, preset
 from ..loading import from_pretrained
 from ..parallel import init_parallel, launch
+from ..parallelize import parallelize
 from ..parallelize.plan import Plan
 from ..parity import check_parity
 from ..parity.report import ParityReport
+from ..planner.context_parallel import CP_CHOICES, check_sequence
 from ..precision import PRECISIONS
 from ._common import (add_launch_timeout, launch_timeout, print_json, status, under_torchrun,
                       world_size)
@@ -46,13 +49,18 @@ def add_parser(p) -> None:
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (default 1)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree: each sequence "
+                   "split over cp ranks, head-tail balanced, and gathered back to the dense "
+                   "order to compare (--seq divisible by 2·cp; default 1)")
+    p.add_argument("--cp-strategy", choices=CP_CHOICES, default="auto",
+                   help="with --cp: ring, allgather_kv or auto (the cost model; default auto)")
     p.add_argument("--sequence-parallel", nargs="?", const=True, default=False,
                    metavar="regather", help="keep each rank's share of the tokens between "
                    "tensor-parallel regions; 'regather' keeps only that share of each region's "
                    "input too, all-gathered again in backward")
     p.add_argument("--recompute", default="none", choices=RECOMPUTE,
                    help="recompute activations in backward (default none)")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+    p.add_argument("--precision", default="fp32", choices=[p for p in PRECISIONS if p != "fp8"],
                    help="fp32, or bf16 / fp16 autocast over fp32 weights; sets the tolerance "
                    "(default fp32)")
     p.add_argument("--tp-plan", metavar="FILE.json", help="the plan to check: for a Hugging Face "
@@ -90,6 +98,7 @@ class CheckJob:
     seq: int
     seed: int
     options: dict = field(default_factory=dict)
+    cp: int = 1
 
 
 def _positive(args, *names) -> None:
@@ -170,7 +179,7 @@ def _check_zoo_family(family: str) -> None:
 
 
 def job_from_args(args) -> CheckJob:
-    _positive(args, "tp", "dp", "ep", "batch", "seq")
+    _positive(args, "tp", "dp", "ep", "cp", "batch", "seq")
     if args.steps < 0:
         raise ValueError(f"--steps must be 0 or more, got {args.steps}")
     if not args.lr > 0:
@@ -184,11 +193,15 @@ def job_from_args(args) -> CheckJob:
     if args.sequence_parallel and args.seq % args.tp:
         raise ValueError(f"--sequence-parallel splits the sequence over tp: --seq ({args.seq}) "
                          f"must be divisible by --tp ({args.tp})")
+    if args.cp > 1:
+        check_sequence(args.seq, args.cp)  # one line naming --seq and cp, before any rank starts
     _check_source(args)
     options = {**_plan_options(args), "steps": args.steps, "lr": args.lr,
                "precision": args.precision, "tolerance": args.tolerance}
+    if args.cp > 1:
+        options["context_parallel"] = args.cp_strategy
     return CheckJob(args.model, args.preset, args.tp, args.dp, args.ep, args.batch, args.seq,
-                    args.seed, options)
+                    args.seed, options, cp=args.cp)
 
 
 def _source(job: CheckJob, ctx) -> tuple:
@@ -210,6 +223,8 @@ def _source(job: CheckJob, ctx) -> tuple:
             return cls.from_pretrained(job.model, dtype=torch.float32).to(device)
 
         def build_parallel():
+            if job.cp > 1:  # from_pretrained splits weights, not sequences: parallelize does
+                return parallelize(build(), ctx, **parallel)
             return from_pretrained(job.model, ctx, auto_class=auto, dtype=torch.float32,
                                    **parallel)
 
@@ -260,7 +275,7 @@ def check_worker(job: CheckJob, profile=None) -> dict:
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with init_parallel(tp=job.tp, dp=job.dp, ep=job.ep, profile=profile) as ctx:
+    with init_parallel(tp=job.tp, dp=job.dp, ep=job.ep, cp=job.cp, profile=profile) as ctx:
         build, inputs, options = _source(job, ctx)
         report = check_parity(build, ctx, inputs, progress=status, **options)
         return report.to_dict()
@@ -280,13 +295,14 @@ def _finite(value):
 
 def run(args) -> int:
     job = job_from_args(args)
-    size = job.tp * job.dp * job.ep
+    size = job.tp * job.dp * job.ep * job.cp
     profile = command_profile(None)
-    status(f"check: the dense model on rank 0, then tp={job.tp} dp={job.dp} ep={job.ep} on "
+    cp = f" cp={job.cp}" if job.cp > 1 else ""
+    status(f"check: the dense model on rank 0, then tp={job.tp} dp={job.dp} ep={job.ep}{cp} on "
            f"{size} rank{'s' if size > 1 else ''}")
     if under_torchrun():
         if world_size() != size:
-            raise ValueError(f"tp × dp × ep ({size}) must equal the torchrun world size "
+            raise ValueError(f"tp × dp × ep × cp ({size}) must equal the torchrun world size "
                              f"({world_size()})")
         data = check_worker(job, profile)  # every rank exits alike; only rank 0 prints
     else:

@@ -95,7 +95,8 @@ def _rows(info: dict) -> list[dict]:
         rows.append({
             "step": c.get("step"),
             "latest": "*" if c.get("step") == info["latest"] else "",
-            "layout": (f"dp={layout['dp']} × tp={layout['tp']}"
+            "layout": ((f"pp={layout['pp']} × " if layout.get("pp", 1) > 1 else "")
+                       + f"dp={layout['dp']} × tp={layout['tp']}"
                        + (f" × ep={layout['ep']}" if layout.get("ep", 1) > 1 else "")
                        if layout else "?"),
             "batch": _batch_split(c.get("meta") or {}),

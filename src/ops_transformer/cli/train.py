@@ -175,7 +175,8 @@ def add_training_arguments(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--precision", default=D.precision, choices=PRECISIONS,
                    help="compute dtype: fp32, or bf16 / fp16 autocast over fp32 master weights "
-                   f"(fp16 with a dynamic loss scaler); default {D.precision}")
+                   f"(fp16 with a dynamic loss scaler), or fp8 (the blocks' matmuls in fp8 with "
+                   f"tensorwise dynamic scales agreed over tp); default {D.precision}")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
     add_lora_arguments(p)
@@ -221,8 +222,9 @@ def layout_from_plan(path: str) -> dict:
         layout = chosen_layout(data)
     except ValueError as exc:
         raise ValueError(f"--plan {path!r} has no layout ({exc})") from None
+    cp = {"cp": layout["cp"], "cp_strategy": layout["cp_strategy"]} if layout["cp"] > 1 else {}
     return {"tp": layout["tp"], "dp": layout["dp"], "ep": layout["ep"],
-            "attention": layout["attention"], **memory_from_plan(layout, path)}
+            "attention": layout["attention"], **memory_from_plan(layout, path), **cp}
 
 
 def _note_micro_batch(args, layout: dict) -> None:
@@ -254,6 +256,11 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
         _note_micro_batch(args, layout)
         conflicts = [f"--{k.replace('_', '-')} {v} (the plan has {layout[k]})"
                      for k, v in given.items() if v is not None and v != layout[k]]
+        planned_cp = layout.pop("cp", None)  # cp and its strategy: from the plan, below
+        if planned_cp and getattr(args, "cp", None) not in (None, 1, planned_cp):
+            conflicts.append(f"--cp {args.cp} (the plan has {planned_cp})")
+        if planned_cp:
+            args.cp, args.cp_strategy = planned_cp, layout.pop("cp_strategy")
         if conflicts:
             raise ValueError(f"--plan {args.plan!r} sets --tp, --dp, --ep, --attention, "
                              f"--sequence-parallel, --recompute and --zero, but also "

@@ -57,7 +57,7 @@ class VocabParallelLMHead(nn.Module):
     def full_logits(self, logits_shard: torch.Tensor) -> torch.Tensor:
         """All-gather the shards and drop the padding columns: ``(…, V)``."""
         logits = gather_from_tp_region(logits_shard, self.ctx.tp_group, -1)
-        return logits[..., :self.vocab_size]
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         logits_shard = self.logits_shard(x)  # (B, T, V_pad/tp)
@@ -95,4 +95,7 @@ class GatheredLMHead(VocabParallelLMHead):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shard = self.logits_shard(x)
-        return self.full_logits(shard) if self.options.get("gather", True) else shard
+        out = self.full_logits(shard) if self.options.get("gather", True) else shard
+        # never a view: FSDP2 refuses one as a module's output (an in-place op on it, as a
+        # model's loss may do, would skip the pre-backward hook); a copy only where it is one
+        return out.clone(memory_format=torch.contiguous_format) if out._is_view() else out

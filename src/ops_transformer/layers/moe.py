@@ -107,7 +107,8 @@ class ParallelExperts(nn.Module):
     def __init__(self, w_in: torch.Tensor, w_out: torch.Tensor, ctx, *,
                  b_in: torch.Tensor | None = None, b_out: torch.Tensor | None = None,
                  gated: bool, activation: Callable, dense_keys: dict[str, str] | None = None,
-                 gate_fn: Callable | None = None, dense_transposed: bool = False):
+                 gate_fn: Callable | None = None, dense_transposed: bool = False,
+                 interleaved: bool = False, post_fn: Callable | None = None):
         super().__init__()
         n_experts, width, d_model = w_in.shape
         d_ff = w_out.shape[2]
@@ -118,11 +119,16 @@ class ParallelExperts(nn.Module):
         # gate_fn: an elementwise function of each (gate, up) pair, called on this rank's
         # [gate | up] rows (a transformers experts module's own _apply_gate); None: act(gate) * up
         self.gate_fn, self.dense_transposed = gate_fn, dense_transposed
+        # interleaved: gate and up rows alternate (g0, u0, g1, u1, …; gpt-oss); a contiguous TP
+        # chunk of an even number of rows then holds whole (gate, up) pairs, so W splits plainly
+        # post_fn: a row-wise function of each expert's whole output before the router's weight
+        # (a norm after each expert: MuseSpark); it runs after the TP all-reduce
+        self.interleaved, self.post_fn = interleaved and gated, post_fn
         self.tp_group, self.tp_size, self.ep_group, self.ep_size = (ctx.tp_group, ctx.tp_size,
                                                                     ctx.ep_group, ctx.ep_size)
         shard = ExpertShard(n_experts, ctx.ep_rank, ctx.ep_size)
         mine = slice(shard.first, shard.first + local)
-        blocks = (d_ff, d_ff) if gated else None
+        blocks = (d_ff, d_ff) if gated and not interleaved else None
 
         def param(dense, split_dim, sub_blocks=None):
             if dense is None:
@@ -221,7 +227,9 @@ class ParallelExperts(nn.Module):
         for e, x_e in enumerate(rows.split(per_expert)):
             h = F.linear(x_e, self.w_in[e], None if self.b_in is None else self.b_in[e])
             if self.gated and self.gate_fn is not None:
-                h = self.gate_fn(h)  # [gate | up]: this rank's slice of each block
+                h = self.gate_fn(h)  # [gate | up] (or pairs): this rank's slice of each block
+            elif self.interleaved:
+                h = self.activation(h[..., 0::2]) * h[..., 1::2]
             elif self.gated:
                 gate, up = h.chunk(2, dim=-1)  # this rank's slice of each block
                 h = self.activation(gate) * up
@@ -231,7 +239,7 @@ class ParallelExperts(nn.Module):
         y = reduce_from_tp_region(torch.cat(partial), self.tp_group, inplace=True)
         if self.b_out is not None:
             y = y + self.b_out.repeat_interleave(torch.tensor(per_expert, device=y.device), 0)
-        return y
+        return y if self.post_fn is None else self.post_fn(y)
 
     # --- back to dense ----------------------------------------------------------------------
 
@@ -269,19 +277,21 @@ class ParallelExperts(nn.Module):
                    activation=F.silu if gated else F.gelu)
 
     @classmethod
-    def from_stacked(cls, experts: nn.Module, ctx) -> ParallelExperts:
+    def from_stacked(cls, experts: nn.Module, ctx, *,
+                     post_fn: Callable | None = None) -> ParallelExperts:
         """From a ``transformers`` experts module: 3-D ``gate_up_proj [E, 2F, h]`` (gate first)
         and ``down_proj [E, h, F]``, ``act_fn`` (Mixtral, Qwen2/3-MoE, OLMoE). The flags that
         ``transformers``' ``use_experts_implementation`` sets are honoured: ``is_transposed``
         (``[E, h, 2F]`` and ``[E, F, h]``), ``has_gate=False`` (``up_proj``, ``act(x wᵀ)``),
-        biases, and a class's own ``_apply_gate`` (clamped or softcapped SwiGLUs)."""
+        biases, a class's own ``_apply_gate`` (clamped or softcapped SwiGLUs),
+        ``is_concatenated=False`` (gate and up rows interleaved: gpt-oss) and
+        ``has_post_expert_norm`` (``post_fn``: the caller passes the norm, which stays its
+        module's parameter — :class:`~ops_transformer.parallelize.hf_experts.HFExperts` holds it)."""
         name = type(experts).__name__
-        if not getattr(experts, "is_concatenated", True):
-            raise ValueError(f"{name}: gate and up rows interleaved (is_concatenated=False) are "
-                             f"not supported; only [gate; up]-concatenated experts")
-        if getattr(experts, "has_post_expert_norm", False):
-            raise ValueError(f"{name}: a norm after each expert (has_post_expert_norm) is not "
-                             f"supported")
+        interleaved = not getattr(experts, "is_concatenated", True)
+        post_fn = post_fn if getattr(experts, "has_post_expert_norm", False) else None
+        if getattr(experts, "has_post_expert_norm", False) and post_fn is None:
+            raise ValueError(f"{name}: has_post_expert_norm: pass the norm as post_fn")
         gated = getattr(experts, "has_gate", True)
         first = "gate_up_proj" if gated else "up_proj"
         keys = {"w_in": first, "w_out": "down_proj"}
@@ -300,7 +310,8 @@ class ParallelExperts(nn.Module):
         if activation is None and gate_fn is None:
             raise ValueError(f"{name}: no act_fn and no _apply_gate of its own")
         return cls(w_in, w_out, ctx, gated=gated, activation=activation, dense_keys=keys,
-                   gate_fn=gate_fn, dense_transposed=turn, **biases)
+                   gate_fn=gate_fn, dense_transposed=turn, interleaved=interleaved,
+                   post_fn=post_fn, **biases)
 
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_experts}, local_experts={self.local_experts} "

@@ -106,10 +106,10 @@ def _check(model: nn.Module, ctx, reshard_after_forward, mixed_precision):
                          "then build the optimizer")
     if state.sharding is not None:
         raise ValueError("shard_parameters: this model's parameters are already sharded")
-    if ctx.dp_ep_size == 1:
+    if ctx.dp_ep_size * ctx.cp_size == 1:
         raise ValueError(f"shard_parameters shards over the data-parallel ranks, but dp "
                          f"({ctx.dp_size}) × ep ({ctx.ep_size}) is 1: run more processes than "
-                         f"tp ({ctx.tp_size})")
+                         f"tp ({ctx.tp_size})")  # (and cp is 1: cp ranks shard too)
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward must be True or False, got "
                          f"{reshard_after_forward!r}")
@@ -176,7 +176,7 @@ def _step_aside(model: nn.Module, ctx, state, units, unsharded) -> None:
     dense = [p for p in unsharded if expert_shard(p) is None]
     dtype = getattr(old[0], "reduce_dtype", None) if old else None
     if dense:
-        new.append(GradSync(dense, ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group,
+        new.append(GradSync(dense, ctx.grad_group,
                             bucket_bytes=getattr(state.options, "bucket_bytes",
                                                  DEFAULT_BUCKET_BYTES), reduce_dtype=dtype))
     if old:

@@ -64,7 +64,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              "(shard_parameters, ZeRO-3): its optimizer state is sharded with "
                              "them; use a plain torch.optim optimizer")
         reducers = state.reducers
-        if ctx.dp_ep_size > 1 and reducers.get("dp") is None:
+        if ctx.dp_ep_size * ctx.cp_size > 1 and reducers.get("dp") is None:
             raise ValueError("zero_optimizer shards over data-parallel ranks and needs their "
                              "gradient averaging: build the model with parallelize(model, ctx) "
                              "first")
@@ -161,6 +161,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         index = {id(b): i for i, b in enumerate(self.buckets)}
         return {"stage": self.stage, "dp_size": self.ctx.dp_size, "dp_rank": self.ctx.dp_rank,
                 "ep_size": self.ctx.ep_size, "ep_rank": self.ctx.ep_rank,
+                **({"cp_size": self.ctx.cp_size, "cp_rank": self.ctx.cp_rank}
+                   if self.ctx.cp_size > 1 else {}),
                 "tp_size": self.ctx.tp_size, "tp_rank": self.ctx.tp_rank,
                 "buckets": [b.layout() for b in self.buckets],
                 "pieces": [{"bucket": index[id(b)], "name": b.names[piece.index],

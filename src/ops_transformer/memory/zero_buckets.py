@@ -102,11 +102,12 @@ class ZeroBucket:
         """Which elements of ``piece`` this rank adds to the dense gradient norm (``None``: all):
         those of a parameter this TP rank counts
         (:func:`~ops_transformer.precision.clip.counted_on_tp_rank`), without a padded
-        vocabulary's zero rows. Every rank of the group counts its own pieces: together they
-        cover the bucket once."""
+        vocabulary's zero rows, and never a tied embedding's last-stage copy under pp (counted
+        once, on the first stage: ``parallelize/pipeline.py``). Every rank of the group counts
+        its own pieces: together they cover the bucket once."""
         if piece.index not in self._counted:
             p = self.params[piece.index]
-            if counted_on_tp_rank(p, ctx):
+            if counted_on_tp_rank(p, ctx) and not getattr(p, "pipeline_tied_copy", False):
                 mask = real_rows_mask(p).reshape(-1)[piece.start:piece.stop]
             else:
                 mask = torch.zeros(piece.stop - piece.start, dtype=torch.bool, device=p.device)
@@ -122,12 +123,14 @@ class ZeroBucket:
 
 
 def make_buckets(model: nn.Module, ctx, bucket_bytes: int, stage: int) -> list[ZeroBucket]:
-    """The model's ZeRO buckets: the dense parameters over ``dp × ep``, the experts over ``dp``;
+    """The model's ZeRO buckets: the dense parameters over ``dp × ep`` (``× cp`` with context
+    parallelism: the gradient group, :attr:`~ops_transformer.parallel.ParallelContext.grad_group`),
+    the experts over ``dp``;
     in each, the parameters with partial gradients in buckets of their own (they are all-reduced,
     never reduce-scattered: see :mod:`.zero`)."""
     names = {id(p): n for n, p in model.named_parameters()}  # tied parameters once
     params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-    dense_group = ctx.dp_ep_group if ctx.ep_size > 1 else ctx.dp_group
+    dense_group = ctx.grad_group
     buckets = []
     for experts in (False, True):
         group = ctx.dp_group if experts else dense_group

@@ -168,11 +168,16 @@ class ParallelContext:
     def data_mesh(self, *, experts: bool = False):
         """The one-dimensional ``DeviceMesh`` of this rank's data-parallel group, a sub-mesh of
         ``mesh``: ``dp × ep`` (flattened) for dense parameters, whose replicas read different
-        micro-batches on both axes, ``dp`` for the experts (each EP rank holds its own). FSDP2
+        micro-batches on both axes (``dp × ep × cp`` with context parallelism, whose ranks hold
+        the same parameters), ``dp`` for the experts (each EP rank holds its own). FSDP2
         shards parameters over it (:func:`~ops_transformer.memory.fsdp.shard_parameters`)."""
         if self.mesh is None:
             raise ValueError("this context has no device mesh (a single process): there is no "
                              "data-parallel group to shard over")
+        if self.cp_size > 1 and not experts:  # cp ranks hold the same parameters: × cp
+            if self.dp_ep_size == 1:
+                return self.mesh["cp"]
+            return self.mesh["dp", "ep", "cp"]._flatten("dp_ep_cp")  # made once, by from_mesh
         if experts or self.ep_size == 1:
             return self.mesh["dp"]
         if self.dp_size == 1:

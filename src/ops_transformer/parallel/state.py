@@ -126,6 +126,7 @@ class ParallelState:
     sharding: DataSharding | None = None
     lora: object = None
     context_parallel: object = None  # the ContextParallelChoice at cp > 1 (strategy, reason)
+    pipeline_stages: tuple[int, ...] | None = None  # the stages this rank holds (pp > 1)
 
 
 def parallel_state_of(model: nn.Module, *, create: bool = False) -> ParallelState | None:

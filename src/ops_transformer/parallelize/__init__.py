@@ -16,7 +16,8 @@ from ..models.gpt import GPT
 from ..models.hf import is_hf
 from ..parallel.state import ParallelState, no_sync
 from ..planner.search import chosen_layout, is_planner_output
-from .compile import apply_compile
+from ..layers.fp8_linear import convert_to_fp8
+from .compile import apply_compile, transformer_blocks
 from .context_plan import apply_context_parallel, check_context_parallel
 from .dropout import apply_dropout
 from .gpt_plan import gpt_plan
@@ -134,12 +135,25 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     return model
 
 
+def apply_fp8(model: nn.Module, precision: str) -> None:
+    """With ``precision="fp8"``: every Transformer block's linear layers swapped for their fp8 form
+    (:func:`~ops_transformer.layers.fp8_linear.convert_to_fp8`); MoE models are refused.
+    Other precisions: nothing here (16 bits: the caller's autocast)."""
+    if precision != "fp8":
+        return
+    if getattr(getattr(model, "cfg", None), "n_experts", 0):
+        raise ValueError("precision='fp8' does not combine with an MoE model yet")
+    convert_to_fp8(transformer_blocks(model))
+
+
 def adapt_layers(model: nn.Module, ctx, options: ParallelOptions):
     """The changes to the parallel layers that come before the gradient reducers, in order: MoE
-    statistics over the global batch, then the LoRA adapters of ``options.lora`` (their
+    statistics over the global batch, the fp8 linear layers of ``precision="fp8"``
+    (:func:`apply_fp8`), then the LoRA adapters of ``options.lora`` (their
     :class:`~.lora.LoRAConfig`, or ``None``)."""
     if options.moe_statistics == "global":
         use_global_statistics(model, ctx)
+    apply_fp8(model, options.precision)
     if options.lora is None:
         return None
     return add_lora(model, ctx, **dataclasses.asdict(options.lora))

@@ -46,7 +46,7 @@ from ..layers.context_attention import (ContextParallelCore, head_tail_chunks, l
 from ..models.documents import check_document_ids, document_positions, document_targets
 from ..models.gpt import GPT
 from ..planner.choose import resolve_profile
-from ..planner.context_parallel import CP_CHOICES, check_sequence, choose_strategy
+from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence, choose_strategy
 from .context_hf import CP_FAMILIES, apply_hf_context_parallel, supports_context_parallel
 from .gpt_plan import AUTO_BATCH
 
@@ -75,13 +75,14 @@ def check_context_parallel(model: nn.Module, ctx, options):
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) supports the reference GPT and "
                          f"Hugging Face {', '.join(CP_FAMILIES)}; got {type(model).__name__}")
     dropout, experts = _dropout_and_experts(model)
-    unsupported = {"dropout > 0": dropout > 0, "MoE (n_experts > 0)": experts > 0,
-                   "sequence_parallel": bool(options.sequence_parallel),
-                   "recompute='selective'": options.recompute == "selective"}
-    for what, present in unsupported.items():
+    unsupported = {"dropout > 0": ("dropout", dropout > 0),
+                   "MoE (n_experts > 0)": ("moe", experts > 0),
+                   "LoRA dropout > 0": ("lora_dropout",
+                                        options.lora is not None and options.lora.dropout > 0)}
+    for what, (why, present) in unsupported.items():
         if present:
             raise ValueError(f"context parallelism (cp={ctx.cp_size}) does not compose with "
-                             f"{what} yet")
+                             f"{what} yet: {CP_LIMITS[why]}")
     if options.attention not in ("auto", "heads"):
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) splits the tokens of "
                          f"attention='heads' (each TP rank its heads); got "

@@ -9,8 +9,10 @@ slice of every expert and the partial outputs are summed. Our plan style ``moe``
 call and its dense state-dict keys:
 
 * experts written against ``transformers``' experts contract (``use_experts_implementation``:
-  ``is_transposed``, ``has_gate``, ``has_bias``, a class's own ``_apply_gate``) —
-  :meth:`ParallelExperts.from_stacked`; routing indices outside ``[0, n_experts)`` (a router's
+  ``is_transposed``, ``has_gate``, ``has_bias``, a class's own ``_apply_gate``, interleaved gate
+  and up rows, ``has_post_expert_norm``) — :meth:`ParallelExperts.from_stacked`; the norm after
+  each expert (MuseSpark) stays a replicated parameter of this adapter, under its dense key, and
+  runs on each expert's whole (TP-reduced) output before the router's weight; routing indices outside ``[0, n_experts)`` (a router's
   "no expert" sentinel, which those modules skip) are dropped;
 * ``LongcatFlashExperts``: its zero-compute experts (indices ``n_routed …``) return the token
   itself, weighted — computed on every rank after the experts' reduction, which is why
@@ -59,7 +61,12 @@ class HFExperts(nn.Module):
     def from_dense(cls, module: nn.Module, ctx) -> HFExperts:
         name = type(module).__name__
         if hasattr(module, "is_transposed"):  # transformers' experts contract: flags say it all
-            out = cls(ParallelExperts.from_stacked(module, ctx), dense_name=name)
+            norm = (module.post_expert_norm if getattr(module, "has_post_expert_norm", False)
+                    else None)  # a norm after each expert: kept here, under its dense key
+            post_fn = None if norm is None else norm.forward  # a method: the module stays ours
+            out = cls(ParallelExperts.from_stacked(module, ctx, post_fn=post_fn), dense_name=name)
+            if norm is not None:
+                out.post_expert_norm = norm
         elif name == "LongcatFlashExperts":
             if module.gate_up_proj is None:
                 raise ValueError(f"{name}: no routed experts (n_routed_experts = 0) to split")
@@ -107,6 +114,10 @@ class HFExperts(nn.Module):
         full = self.experts.gather_dense_state()
         if self.spare is not None:
             full["gate_up_proj"] = torch.cat([full["gate_up_proj"], self.spare.detach()])
+        norm = getattr(self, "post_expert_norm", None)
+        if norm is not None:  # replicated: every rank holds it whole
+            full.update({f"post_expert_norm.{k}": v.detach().clone()
+                         for k, v in norm.state_dict().items()})
         return full
 
     def extra_repr(self) -> str:

@@ -112,6 +112,11 @@ class ParallelOptions:
     * ``compile`` — each Transformer block compiled with ``torch.compile(fullgraph=True)`` after
       every other option is applied (SPEC F20; :mod:`ops_transformer.parallelize.compile`), with
       ``compile_backend``: ``inductor``, ``aot_eager`` or ``eager``.
+    * ``precision`` — ``fp8``: the Transformer blocks' linear layers run their matmuls in fp8
+      (tensorwise dynamic scales agreed over the TP group; :mod:`ops_transformer.layers.fp8_linear`);
+      ``fp32`` / ``bf16`` / ``fp16`` leave the layers as they are (16 bits: the caller's
+      autocast, as ``train`` does). fp8 does not combine with sequence parallelism, chunked
+      overlap (``auto`` runs as ``none``), LoRA, the int8 cache or compile yet.
     * ``tp_plan`` — Hugging Face style names (``{pattern: style}``, as in ``transformers``) merged
       over a Hugging Face model's own plan and translated (``plan="auto"`` only).
     """
@@ -132,6 +137,7 @@ class ParallelOptions:
     context_parallel: str = "auto"
     compile: bool = False
     compile_backend: str = "inductor"
+    precision: str = "fp32"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -160,6 +166,17 @@ class ParallelOptions:
             raise ValueError(f"compile does not combine with activation_cache="
                              f"{self.activation_cache!r} yet (Dynamo cannot enter the cache's "
                              f"saved-tensor hooks); use activation_cache='none'")
+        if self.precision == "fp8":
+            for name, on in (("sequence_parallel", self.sequence_parallel),
+                             ("overlap='chunked'", self.overlap == "chunked"),
+                             ("lora", self.lora is not None),
+                             ("activation_cache='int8'", self.activation_cache != "none"),
+                             ("compile", self.compile)):
+                if on:
+                    raise ValueError(f"precision='fp8' does not combine with {name} yet: drop "
+                                     f"one of them")
+            if self.overlap == "auto":  # the fp8 layers have no chunked form
+                object.__setattr__(self, "overlap", "none")
         if self.compile and self.overlap == "auto":  # the compiler schedules; see above
             object.__setattr__(self, "overlap", "none")
         if isinstance(self.lora, Mapping):
@@ -208,4 +225,5 @@ CHOICES = {"attention": ATTENTION_CHOICES, "vocab": VOCAB_CHOICES,
            "recompute": RECOMPUTE, "activation_cache": ACTIVATION_CACHES,
            "overlap": OVERLAP_MODES, "moe_statistics": MOE_STATISTICS,
            "context_parallel": CP_CHOICES, "compile": (False, True),
-           "compile_backend": COMPILE_BACKENDS}
+           "compile_backend": COMPILE_BACKENDS,
+           "precision": ("fp32", "bf16", "fp16", "fp8")}

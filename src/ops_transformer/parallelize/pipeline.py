@@ -16,9 +16,10 @@ One step (:meth:`Pipeline.step`), ``m`` micro-batches of ``b`` rows::
     loss (last stage)      : Σ_i CE_i / m — each micro-batch's mean token loss over m, so the
                              summed gradient is the dense mean (scale_grads=False: pipelining's
                              default would divide the gradients by m once more)
-    after the schedule     : the stage's gradient reducers (dp averaging, partial sums over tp),
-                             then a tied embedding's gradient summed between the first and the last
-                             stage (``ctx.pp_ends_group()``)
+    after the schedule     : a tied embedding's gradient summed between the first and the last
+                             stage (``ctx.pp_ends_group()``), then the stage's gradient reducers
+                             (dp averaging or ZeRO-2's reduce-scatter, partial sums over tp): the
+                             sum comes first because ZeRO-2 keeps only a chunk of the gradient
 
 The boundary transfers are recorded in the communication ledger as ``send``/``recv`` records
 (label ``pp_boundary``) when pipelining posts them: its schedules run the ops in their own
@@ -29,6 +30,7 @@ neighbours, on the first step, is not recorded.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -52,11 +54,16 @@ BOUNDARY_LABEL = "pp_boundary"
 class GPTStage(nn.Module):
     """Layers ``layers`` of a GPT as one pipeline stage: ``idx (B, T)`` → hidden ``(B, T, d)`` on
     the first stage, hidden → hidden in the middle, hidden → logits ``(B, T, V)`` on the last.
-    It holds the GPT's own modules (shared, not copied)."""
+    It holds the GPT's own modules (shared, not copied). ``autocast``: the context its forward
+    runs in (``Pipeline.step(policy=)``: the precision policy's ``torch.autocast``), so the
+    backward runs outside it, as in the dense training loop."""
 
     def __init__(self, model: GPT, layers: range, *, first: bool, last: bool):
         super().__init__()
         self.cfg, self.first, self.last = model.cfg, first, last
+        self.autocast = contextlib.nullcontext
+        self.seq_len = None  # the whole sequence (Pipeline.step): under sequence parallelism a
+        # later stage receives (B, T/tp, d), but its attention's RoPE spans all T positions
         self.layer_ids = layers
         self.tok_emb = model.tok_emb if first else None
         self.pos_emb = model.pos_emb if first else None
@@ -66,6 +73,10 @@ class GPTStage(nn.Module):
         self.lm_head = model.lm_head if last else None
 
     def forward(self, x):
+        with self.autocast():
+            return self._forward(x)
+
+    def _forward(self, x):
         if self.first:
             T = x.shape[1]
             h = self.tok_emb(x)  # (B, T, d)
@@ -74,7 +85,8 @@ class GPTStage(nn.Module):
             x = self.drop(h)
         rope = None
         if self.cfg.pos == "rope":
-            rope = rope_tables(self.cfg.head_dim, x.shape[1], self.cfg.rope_theta, x.device)
+            rope = rope_tables(self.cfg.head_dim, self.seq_len or x.shape[1], self.cfg.rope_theta,
+                               x.device)
         for block in self.blocks:
             x = block(x, rope)
         if self.last:
@@ -144,8 +156,8 @@ class Pipeline:
     def has_last(self) -> bool:
         return any(s.last for s in self.stages)
 
-    def step(self, idx: torch.Tensor, targets: torch.Tensor, *,
-             scaler=None) -> torch.Tensor | None:
+    def step(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None,
+             policy=None) -> torch.Tensor | None:
         """Forward and backward of one batch ``idx, targets (B, T)`` in ``microbatches`` pieces of
         ``B / microbatches`` rows; gradients accumulate into ``.grad`` (zero them between steps),
         reduced over the stage's data-parallel ranks and between tied stages. Returns the loss
@@ -153,29 +165,37 @@ class Pipeline:
         ``None``. Every rank of the job calls it with its own rows (``idx`` is read on the first
         stage, ``targets`` on the last). ``scaler``: a
         :class:`~ops_transformer.precision.DynamicLossScaler` whose scale multiplies the backward's
-        loss (``optimizer_step(scaler=)`` unscales and agrees on an overflow over every stage)."""
+        loss (``optimizer_step(scaler=)`` unscales and agrees on an overflow over every stage).
+        ``policy``: a :class:`~ops_transformer.precision.PrecisionPolicy` whose autocast every
+        stage's forward runs in (bf16, fp16), ``None``: fp32; the loss is taken in float32."""
         if idx.shape[0] % self.microbatches:
             raise ValueError(f"the batch ({idx.shape[0]} rows) is not divisible by microbatches "
                              f"({self.microbatches})")
         losses: list[torch.Tensor] = []
         self.loss_fn.scale = 1.0 if scaler is None else scaler.scale_value
+        for stage in self.stages:
+            stage.seq_len = idx.shape[1]
+            stage.autocast = (contextlib.nullcontext if policy is None else
+                              lambda: policy.autocast(self.ctx.device))
         with no_sync(self.model):  # the reducers run once, after every micro-batch
             self.schedule.step(*((idx,) if self.has_first else ()), target=targets,
                                losses=losses)
+        if self.tied is not None and self.tied.grad is not None:  # before the reducers: ZeRO-2's
+            C.all_reduce(self.tied.grad, self.ctx.pp_ends_group(),  # reduce-scatter frees it
+                         label="pp_tied_embedding")
         state = parallel_state_of(self.model)
         for reducer in (state.reducers if state is not None else ()):
             reducer.finish()
-        if self.tied is not None and self.tied.grad is not None:
-            C.all_reduce(self.tied.grad, self.ctx.pp_ends_group(), label="pp_tied_embedding")
         if not losses:
             return None
         return torch.stack(losses).sum().detach() / self.loss_fn.scale
 
-    def step_metrics(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None) -> dict:
+    def step_metrics(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None,
+                     policy=None) -> dict:
         """:meth:`step` for ``optimizer_step(metrics=...)``, which averages each metric over the
         ``pp × dp × ep`` ranks of a TP position: the last stage's loss counts ``pp`` times, the
         other stages' 0, so the average is the dense loss on every rank (no extra collective)."""
-        loss = self.step(idx, targets, scaler=scaler)
+        loss = self.step(idx, targets, scaler=scaler, policy=policy)
         weight = float(self.ctx.pp_size) if loss is not None else 0.0
         return {"loss": (loss if loss is not None else torch.zeros(())) * weight}
 
@@ -184,7 +204,8 @@ def pipeline(model: GPT, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
              stages_per_rank: int = 1) -> Pipeline:
     """Split the reference GPT over ``ctx``'s ``pp`` axis by layers and return its
     :class:`Pipeline` (module docstring). Call it after ``parallelize`` (TP and dp inside each
-    stage stay as they are) or on a plain model. ``schedule``: one of
+    stage stay as they are) and ``lora`` (its factors are drawn in the dense model's order), or on
+    a plain model. ``schedule``: one of
     :data:`~.pipeline_split.SCHEDULES` (``gpipe``, ``1f1b``, ``interleaved``, ``looped_bfs``,
     ``zero_bubble``, ``zbv``); ``microbatches`` per step; ``stages_per_rank`` (``v``) for the
     interleaved, looped and zero-bubble schedules. A split the layers do not divide is a
@@ -213,10 +234,11 @@ def pipeline(model: GPT, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
     stages = [GPTStage(model, stage_layers(model.cfg.n_layers, n_stages, s), first=s == 0,
                        last=s == n_stages - 1) for s in mine]
     _prune(model, {i for s in stages for i in s.layer_ids}, first=first, last=last)
-    if state is not None:  # the reducers over what this rank kept
+    if state is not None:  # the reducers over what this rank kept (LoRA's adapters, if any)
         for reducer in state.reducers:
             reducer.remove()
         state.reducers = gradient_reducers(model, ctx, options)
+        state.pipeline_stages = tuple(mine)
     runtime = [RecordedStage(stage, s, n_stages, ctx.device, group=ctx.pp_group)
                for stage, s in zip(stages, mine)]
     m = microbatches
@@ -238,8 +260,9 @@ def _tied_weight(model: GPT, first: bool, last: bool, ctx) -> nn.Parameter | Non
     ctx.pp_ends_group()  # made on every rank alike (new_group is collective)
     if first == last:
         return None
-    if last:  # the gradient norm counts the tied weight once, on the first stage
-        model.lm_head.weight.pipeline_tied_copy = True
+    if last:  # the gradient norm counts the tied weight once, on the first stage, and a
+        # checkpoint holds it once, under the dense name (checkpoint/contents.py)
+        model.lm_head.weight.pipeline_tied_copy = "tok_emb.weight"
         return model.lm_head.weight
     return model.tok_emb.weight
 

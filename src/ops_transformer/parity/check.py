@@ -22,6 +22,7 @@ from .layout import dense_candidates, infer_layout
 from .noise import LOGITS_PATHS, bound
 from .record import ROOT, Recorder
 from .report import ParityReport
+from .sequence import sequence_length, to_dense_sequence
 from .run import (Schedule, batch_size, default_loss, micro_batch, prepare, restoring_rng,
                   run_reference)
 from .tolerance import logits_kl, tolerance_for
@@ -53,11 +54,6 @@ def check_parity(build_model, ctx, inputs, *, plan="auto", steps: int = 0, loss_
     plan style (:mod:`.attribute`). An exception inside the parallel forward or backward is a
     mismatch at the module that raised; ``parallelize`` refusing the plan raises as usual.
     """
-    if getattr(ctx, "cp_size", 1) > 1:
-        raise ValueError(f"check_parity compares every module in dense coordinates; with cp "
-                         f"({ctx.cp_size}) > 1 each rank holds a part of every sequence, which it "
-                         f"does not gather yet: check at cp 1 (CP itself is tested against one "
-                         f"device: docs/context_parallel.md)")
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
     if not lr > 0:
@@ -103,6 +99,7 @@ def _describe(report: ParityReport, ctx, inputs, schedule: Schedule, precision: 
                           f"its gradients differ from the dense ones by design (a bounded error, "
                           f"docs/memory.md)")
     report.layout = {"tp": ctx.tp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
+                     "cp": ctx.cp_size,
                      "sequence_parallel": bool(getattr(options, "sequence_parallel", False)),
                      "recompute": getattr(options, "recompute", "none")}
     n, b = schedule.micro_batches, batch_size(inputs) or 0
@@ -138,10 +135,13 @@ def _check(model, ctx, reference, inputs, schedule: Schedule, tol, sequence_para
     rows, kl = [], None
     if failure is None and compared:
         differ = agree_on_calls(recorder.calls, ctx.tp_group, ctx.device)
+        if differ is None and ctx.cp_size > 1:
+            differ = agree_on_calls(recorder.calls, ctx.cp_group, ctx.device)
         if differ is not None:
             failure = _uneven(recorder.calls, differ, ctx, plan)
         else:
             say(f"parity: comparing {len(meta)} module calls in dense coordinates")
+            to_dense_sequence(meta, recorder.calls, sequence_length(mine), ctx)
             rows = compare_calls(meta, reference.calls if reference else None, recorder.calls,
                                  model, plan, ctx, tol, sequence_parallel,
                                  reference.noise if reference else None)

@@ -12,23 +12,26 @@ sequence parallelism           ``tp > 1``, ``attention="heads"`` (the one strate
                                sequence-parallel form), the sequence divisible by ``tp`` (an
                                MoE layer runs on the gathered sequence:
                                ``layers.regions.FullSequenceRegion``)
-ZeRO stage 1, 2 or 3           ``dp × ep > 1`` (each parameter sharded over its own
-                               data-parallel group: ``dp × ep`` for the dense ones, ``dp`` for
-                               the experts; stage 3 through FSDP2)
+ZeRO stage 1, 2 or 3           ``dp × ep × cp > 1`` (each parameter sharded over its own
+                               data-parallel group: ``dp × ep × cp`` for the dense ones, ``dp``
+                               for the experts; stage 3 through FSDP2)
 ``recompute="selective"``      not with ``attention="kv_split"`` at ``tp > 1`` (its attention
                                core communicates)
-``pp > 1``                     the reference GPT with TP and plain dp inside each stage
-                               (``parallelize.pipeline``); not yet with ZeRO, sequence
-                               parallelism, recompute, MoE / ``ep > 1`` or ``cp > 1``
-``cp > 1``                     ``train --cp`` (SPEC F18), not yet with ZeRO, sequence
-                               parallelism, MoE or ``recompute="selective"``; ``train --plan``
-                               does not take a context-parallel layout yet
+``pp > 1``                     the reference GPT with TP, dp, ZeRO-1/2, sequence parallelism
+                               and recompute inside each stage (``parallelize.pipeline``); not
+                               yet with ZeRO-3, MoE / ``ep > 1`` or ``cp > 1``
+``cp > 1``                     ``train --cp`` (SPEC F18), with sequence parallelism (each
+                               rank's ``s/cp`` tokens split over ``tp``), recompute and ZeRO
+                               (over ``dp × ep × cp``), ``heads`` attention; not yet with MoE
+                               (the search proposes cp; ``train --plan`` runs it)
 =============================  ===============================================================
 
 Messages name the command-line flags, which ``train`` and ``plan`` share.
 """
 
 from __future__ import annotations
+
+from .context_parallel import CP_LIMITS
 
 ZERO_STAGES = (0, 1, 2, 3)  # what train runs (3: FSDP2, ``memory.fsdp.shard_parameters``)
 SEQUENCE_PARALLEL_ATTENTION = ("auto", "heads")  # "auto" becomes "heads" under SP
@@ -48,14 +51,13 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
         if cp > 1:
             return f"--pp {pp} does not combine with --cp yet: drop one of them"
     if cp > 1:
-        for flag, on in (("--zero", zero_stage), ("--sequence-parallel", sequence_parallel),
-                         ("an MoE model", experts > 1),
-                         ("--recompute selective", recompute == "selective")):
-            if on:
-                return f"--cp {cp} does not combine with {flag} yet"
+        if experts > 1:
+            return f"--cp {cp} does not combine with an MoE model yet: {CP_LIMITS['moe']}"
+        if attention not in SEQUENCE_PARALLEL_ATTENTION:
+            return f"--cp {cp} splits the tokens of --attention heads (or auto), got {attention!r}"
     if zero_stage not in ZERO_STAGES:
         return f"--zero must be 0, 1, 2 or 3, got {zero_stage!r}"
-    if zero_stage and dp * ep == 1:
+    if zero_stage and dp * ep * cp == 1:
         what = "" if zero_stage == 3 else "the optimizer "  # ZeRO-3 shards the parameters too
         return (f"--zero {zero_stage} shards {what}over data-parallel ranks, but dp is 1: run "
                 f"more processes than --tp ({tp}), or drop --zero")
@@ -63,6 +65,10 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
         if tp == 1:
             return ("--sequence-parallel splits the sequence over tensor-parallel ranks, but tp "
                     "is 1: set --tp 2 or more, or drop --sequence-parallel")
+        if seq is not None and cp > 1 and (seq // cp) % tp:
+            return (f"--sequence-parallel with --cp splits each rank's s/cp = {seq // cp} "
+                    f"tokens over tp ({tp}): the sequence length s ({seq}) must be divisible by "
+                    f"cp × tp ({cp * tp})")
         if seq is not None and seq % tp:
             return (f"--sequence-parallel splits the sequence over tp ({tp}) ranks: the sequence "
                     f"length s ({seq}) must be divisible by tp ({tp})")
@@ -78,9 +84,8 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
 def _pipeline_problem(pp: int, *, ep: int, experts: int, sequence_parallel: bool, recompute: str,
                       zero_stage: int, model: str) -> str | None:
     """What ``train --pp`` does not combine with yet (docs/pipeline.md)."""
-    for flag, on in (("--zero", zero_stage), ("--sequence-parallel", sequence_parallel),
-                     ("--recompute", recompute != "none")):
-        if on:
+    for flag, on in (("--zero 3", zero_stage == 3),):
+        if on:  # (ZeRO-1/2 run per stage: the optimizer shards over each stage's dp)
             return f"--pp {pp} does not combine with {flag} yet: drop one of them"
     if ep > 1 or experts > 1:
         return f"--pp {pp} does not split {model} yet (MoE): use a dense preset or --pp 1"

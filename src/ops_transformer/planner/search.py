@@ -122,20 +122,23 @@ def layout_problem(model, cluster, o: Options) -> str | None:
 
 def candidates(model, cluster, *, runnable_only: bool = True) -> list[Options]:
     """Every layout the model's sizes allow on the cluster: with ``runnable_only`` (what
-    ``train --plan`` runs) the ``dp × tp × ep`` ones :func:`train_problem` accepts; else also
-    pipeline and context parallelism (:func:`layouts_4d`)."""
+    ``train --plan`` runs) the ``dp × cp × tp × ep`` ones :func:`train_problem` accepts (cp a
+    power of two up to :data:`MAX_CP`, with ``heads`` attention and both K/V strategies); else
+    also pipeline parallelism (:func:`layouts_4d`)."""
     if not runnable_only:
         return layouts_4d(model, cluster)
     out = []
     n = cluster.count
-    for tp, ep in itertools.product(_powers_of_two(n), _powers_of_two(model.experts)):
-        if n % (tp * ep):
+    for tp, ep, cp in itertools.product(_powers_of_two(n), _powers_of_two(model.experts),
+                                        _powers_of_two(min(n, MAX_CP))):
+        if n % (tp * ep * cp):
             continue
-        dp = n // (tp * ep)
-        for attention, mb, sp, rc, zero in itertools.product(
-                ATTENTION_STRATEGIES if tp > 1 else ("heads",), MICRO_BATCHES, (False, True),
-                SEARCHED_RECOMPUTE, (0, 1, 2, 3)):
-            o = Options(dp, tp, ep, attention, sp, rc, zero, mb)
+        dp = n // (tp * ep * cp)
+        attentions = ("heads",) if tp == 1 or cp > 1 else ATTENTION_STRATEGIES
+        for attention, strategy, mb, sp, rc, zero in itertools.product(
+                attentions, CP_STRATEGIES if cp > 1 else ("ring",), MICRO_BATCHES,
+                (False, True), SEARCHED_RECOMPUTE, (0, 1, 2, 3)):
+            o = Options(dp, tp, ep, attention, sp, rc, zero, mb, cp=cp, cp_strategy=strategy)
             if layout_problem(model, cluster, o) is None and train_problem(model, o) is None:
                 out.append(o)
     return out
@@ -297,9 +300,9 @@ def search(model, cluster, *, top: int = 10, run: Execution | None = None,
            runnable_only: bool = True) -> dict:
     """``{"model", "cluster", "candidates", "best", "advice"}``: candidates that fit, fastest
     first (TP kept inside a node unless nothing else fits); when none fits, the smallest ones.
-    ``runnable_only`` (the default, what ``train --plan`` runs) searches ``dp × tp × ep``;
-    ``False`` also pipeline and context parallelism (``plan --all-layouts``), whose layouts
-    ``train`` refuses for now (each row's ``train_problem`` says why)."""
+    ``runnable_only`` (the default, what ``train --plan`` runs) searches ``dp × cp × tp × ep``;
+    ``False`` also pipeline parallelism (``plan --all-layouts``), whose layouts ``train --plan``
+    refuses for now (each row's ``train_problem`` says why)."""
     run = run or execution(cluster)[0]
     options = candidates(model, cluster, runnable_only=runnable_only)
     if not runnable_only:  # many layouts: time only those that fit (and the smallest otherwise)
@@ -323,7 +326,7 @@ def search(model, cluster, *, top: int = 10, run: Execution | None = None,
     out = {"model": model.to_dict(), "cluster": cluster.to_dict(), "candidates": shown,
            "best": best, "advice": advice(model, cluster, best, rows)}
     if not runnable_only:
-        out["layouts"] = "dp × pp × cp × tp × ep (pp and cp do not run in train yet)"
+        out["layouts"] = "dp × pp × cp × tp × ep (pp does not run from a plan in train yet)"
     return out
 
 
@@ -339,10 +342,9 @@ def is_planner_output(data) -> bool:
 def chosen_layout(data) -> dict:
     """The one reader of a planner result: the layout it chose (its ``best``, or the row itself)
     as ``{"tp", "dp", "ep", "attention", "sequence_parallel", "recompute", "zero_stage", "pp",
-    "cp"}``. ``ValueError`` when nothing fits (``best`` is null), ``data`` is not a planner
-    result, or the layout has pipeline parallelism, which the runtime does not run yet
-    (:func:`.runnable.runtime_problem`'s one-line reason), or context parallelism, which ``train
-    --plan`` does not take yet (``train --cp`` runs it)."""
+    "cp", "cp_strategy"}``. ``ValueError`` when nothing fits (``best`` is null), ``data`` is not
+    a planner result, or the layout has pipeline parallelism, which ``train --plan`` does not run
+    yet (:func:`.runnable.runtime_problem`'s one-line reason)."""
     if isinstance(data, dict) and "best" in data:
         if data["best"] is None:
             raise ValueError("the planner found no layout that fits (its 'best' is null)")
@@ -355,14 +357,15 @@ def chosen_layout(data) -> dict:
         problem = runtime_problem(tp=data["tp"], dp=data["dp"], pp=pp, cp=cp)
         raise ValueError(problem or f"--plan: a pipelined plan (pp {pp}) is not run from the plan "
                          f"file yet: start it with --pp {pp} --pp-schedule S --microbatches M")
-    if cp > 1:
-        raise ValueError(f"--cp {cp}: train --plan does not take a context-parallel layout yet; "
-                         f"run train --cp {cp} with the plan's other degrees")
+    strategy = data.get("cp_strategy", "ring") if cp > 1 else "auto"
+    if cp > 1 and strategy not in CP_STRATEGIES:
+        raise ValueError(f"the plan's cp_strategy must be one of {CP_STRATEGIES}, got "
+                         f"{strategy!r}")
     return {"tp": data["tp"], "dp": data["dp"], "ep": data.get("ep", 1),
             "attention": data["attention"],
             "sequence_parallel": bool(data.get("sequence_parallel", False)),
             "recompute": data.get("recompute", "none"), "zero_stage": data.get("zero_stage", 0),
-            "pp": pp, "cp": cp}
+            "pp": pp, "cp": cp, "cp_strategy": strategy}
 
 
 def _gb(x: float) -> str:

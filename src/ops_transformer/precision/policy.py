@@ -28,8 +28,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+# fp8: the blocks' matmuls in fp8 (parallelize's precision="fp8"), everything else in fp32
+_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+            "fp8": torch.float32}
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
@@ -54,7 +56,8 @@ class PrecisionPolicy:
 
 
 def precision_policy(name: str) -> PrecisionPolicy:
-    """The policy of ``--precision name``: fp32, bf16 (no loss scaling) or fp16 (loss scaling)."""
+    """The policy of ``--precision name``: fp32, bf16 (no loss scaling), fp16 (loss scaling) or
+    fp8 (fp32 outside the blocks' fp8 matmuls)."""
     if name not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {name!r}")
     return PrecisionPolicy(name, _COMPUTE[name], loss_scaling=name == "fp16")

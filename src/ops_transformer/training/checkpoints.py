@@ -160,7 +160,7 @@ def saved_split(ckpt_dir, batch: int) -> dict | None:
     """The layout and batch split (``meta``, ``train.batch_layout``) of the newest checkpoint in
     ``ckpt_dir`` whose manifest reads:
     ``{"step", "world_size", "dp", "ep", "tp", "global_batch", "micro_batch", "grad_accum"}``
-    (and ``"cp"`` when the sequence was split);
+    (and ``"cp"`` when the sequence was split, ``"pp"`` when the layers were);
     ``None`` when there is none. A checkpoint saved without ``meta`` ran each rank's rows in one
     micro-batch of ``batch`` (the run's global batch) over its ``dp × ep``."""
     for step in reversed(list_steps(ckpt_dir)):
@@ -175,7 +175,7 @@ def saved_split(ckpt_dir, batch: int) -> dict | None:
                     if k in ("global_batch", "micro_batch", "grad_accum")}}
         return {"step": manifest["step"], "world_size": layout["world_size"],
                 "dp": layout["dp"], "ep": layout.get("ep", 1), "tp": layout["tp"],
-                **({"cp": layout["cp"]} if layout.get("cp", 1) > 1 else {}), **split}
+                **{k: layout[k] for k in ("cp", "pp") if layout.get(k, 1) > 1}, **split}
     return None
 
 

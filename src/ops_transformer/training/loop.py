@@ -39,7 +39,7 @@ from ..parallelize import ParallelOptions, parallelize
 from ..parallelize.compile import check_compile
 from ..parallelize.gpt_plan import gpt_plan
 from ..parallelize.moe_plan import n_experts_of
-from ..planner.context_parallel import CP_CHOICES, check_sequence
+from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence
 from ..parallelize.pipeline import Pipeline, pipeline
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
 from ..planner.strategies import model_comm_per_step
@@ -73,7 +73,7 @@ class TrainConfig:
     layers: int | None = None  # overrides the preset's n_layers
     ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
     ranks_per_island: int | None = None  # PCIe islands in a node; None: detected (GPU) or one
-    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16: with a dynamic loss scaler)
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (with a dynamic loss scaler) | "fp8"
     clip_grad: float | None = None  # clip the dense model's gradient norm to this
     ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
     tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
@@ -122,7 +122,8 @@ class TrainConfig:
                                overlap=self.overlap_mode, chunks=self.chunks,
                                moe_statistics=self.moe_statistics,
                                context_parallel=self.cp_strategy, compile=self.compile,
-                               compile_backend=self.compile_backend, **more)
+                               compile_backend=self.compile_backend,
+                               precision="fp8" if self.precision == "fp8" else "fp32", **more)
 
     @property
     def overlap_mode(self) -> str:
@@ -189,6 +190,7 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     check_batch(cfg.batch, dp, ep, cfg.grad_accum)
     check_compile(cfg.compile, cp=cfg.cp, moe=bool(getattr(model_cfg, "n_experts", 0)))
     check_memory_flags(cfg, dp, tp)
+    check_fp8(cfg, model_cfg)
     try:
         cfg.parallel_options()  # every option checked once (--overlap, --chunks)
     except ValueError as exc:  # "chunks must be ..." → "--chunks must be ..."
@@ -204,6 +206,19 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     return dp, tp
 
 
+def check_fp8(cfg: TrainConfig, model_cfg) -> None:
+    """``--precision fp8``: what it does not combine with yet (the rest: ``ParallelOptions``)."""
+    if cfg.precision != "fp8":
+        return
+    for flag, on in (("--lora-rank", cfg.lora_rank is not None), ("--zero 3", cfg.zero == 3),
+                     ("--cp", cfg.cp > 1), ("--model", bool(cfg.model)),
+                     # a micro-batch's activation amax is not the batch's: other scales
+                     ("--pp", cfg.pp > 1),
+                     ("an MoE preset", bool(getattr(model_cfg, "n_experts", 0)))):
+        if on:
+            raise ValueError(f"--precision fp8 does not combine with {flag} yet: drop one of them")
+
+
 PACKS = ("docs", "naive")
 
 
@@ -217,14 +232,17 @@ def check_train_cp(cfg: TrainConfig) -> None:
     if cfg.cp == 1:
         return
     preset_cfg = None if cfg.model else cfg.model_config()  # --model: parallelize checks it
-    for flag, on in (("--zero", cfg.zero), ("--sequence-parallel", cfg.sequence_parallel),
-                     ("--lora-rank", cfg.lora_rank is not None),
-                     ("--recompute selective", cfg.recompute == "selective"),
-                     ("an MoE preset", preset_cfg is not None and preset_cfg.n_experts > 0),
-                     ("--dropout", preset_cfg is not None and preset_cfg.dropout > 0)):
+    for flag, why, on in (
+            ("--lora-dropout", "lora_dropout", cfg.lora_dropout > 0),
+            ("an MoE preset", "moe", preset_cfg is not None and preset_cfg.n_experts > 0),
+            ("--dropout", "dropout", preset_cfg is not None and preset_cfg.dropout > 0)):
         if on:
-            raise ValueError(f"--cp {cfg.cp} does not combine with {flag} yet")
+            raise ValueError(f"--cp {cfg.cp} does not combine with {flag} yet: {CP_LIMITS[why]}")
     check_sequence(cfg.seq, cfg.cp)
+    if cfg.sequence_parallel and (cfg.seq // cfg.cp) % cfg.tp:
+        raise ValueError(f"--sequence-parallel with --cp splits each rank's s/cp = "
+                         f"{cfg.seq // cfg.cp} tokens over tp ({cfg.tp}): --seq ({cfg.seq}) must "
+                         f"be divisible by cp × tp ({cfg.cp * cfg.tp})")
 
 
 def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
@@ -233,11 +251,9 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
         raise ValueError(f"--pp {cfg.pp} does not combine with --cp yet: drop one of them")
     if not cfg.model and cfg.model_config().dropout > 0:  # micro-batches draw other masks
         raise ValueError(f"--pp {cfg.pp} does not combine with --dropout yet: drop one of them")
-    if cfg.model or cfg.lora_rank or cfg.ckpt_dir or cfg.precision != "fp32" \
-            or cfg.grad_accum > 1:
-        raise ValueError("--pp runs a reference preset in fp32 without --model, --lora-rank, "
-                         "--ckpt-dir, --precision bf16/fp16 or --grad-accum (use --microbatches) "
-                         "yet (docs/pipeline.md)")
+    if cfg.model or cfg.grad_accum > 1:
+        raise ValueError("--pp runs a reference preset without --model or --grad-accum (use "
+                         "--microbatches) yet (docs/pipeline.md)")
     try:
         check_pipeline(cfg.model_config().n_layers, cfg.pp, schedule=cfg.pp_schedule,
                        microbatches=cfg.microbatches, stages_per_rank=cfg.pp_stages_per_rank)
@@ -322,7 +338,7 @@ class TrainState:
         collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
             metrics = (self.accumulate(x, y) if self.pipe is None else
-                       self.pipe.step_metrics(x, y, scaler=self.scaler))
+                       self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy))
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
                                     max_norm=self.cfg.clip_grad, metrics=metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)
@@ -425,15 +441,20 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
                     batch=micro_batch(cfg, ctx.dp_ep_size), seq=cfg.seq,
                     profile=ctx.profile)  # `auto`: for this run's shapes, on the agreed profile
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan, options)
-    if ctx.pp_size > 1:  # split after parallelize: TP and dp inside each stage as they are
+    if ctx.pp_size > 1:  # split after parallelize and LoRA (its factors drawn in the dense
+        # model's order): TP, dp and the adapters inside each stage as they are
+        model = finetune.with_lora(cfg, ctx, model)
         pipe = pipeline(model, ctx, cfg.pp_schedule, microbatches=cfg.microbatches,
                         stages_per_rank=cfg.pp_stages_per_rank)
-        return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy), pipe=pipe)
+        return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy,
+                                                   add_lora=False), pipe=pipe)
     return _with_optimizer(cfg, ctx, model, data, policy)
 
 
-def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
-    model = finetune.with_lora(cfg, ctx, model)  # before the optimizer: it sees what trains
+def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy, *,
+                    add_lora: bool = True) -> TrainState:
+    if add_lora:  # (under pp: added before the split)
+        model = finetune.with_lora(cfg, ctx, model)  # before the optimizer: it sees what trains
     shard_for_zero(model, ctx, cfg.zero, policy)  # ZeRO-3: FSDP2 over dp (× ep)
     opt = make_optimizer(model, ctx, cfg.zero, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = DynamicLossScaler(ctx) if policy.loss_scaling else None

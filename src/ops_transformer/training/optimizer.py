@@ -35,7 +35,7 @@ def check_memory_flags(cfg, dp: int, tp: int) -> None:
                          f"again in backward), got {cfg.sequence_parallel!r}") from None
     model = f"the MoE preset {cfg.preset!r}"
     problem = runtime_problem(tp=tp, dp=dp, ep=getattr(cfg, "ep", 1), pp=getattr(cfg, "pp", 1),
-                              attention=cfg.attention,
+                              cp=getattr(cfg, "cp", 1), attention=cfg.attention,
                               sequence_parallel=bool(cfg.sequence_parallel),
                               recompute=cfg.recompute, zero_stage=cfg.zero,
                               experts=getattr(cfg.model_config(), "n_experts", 0) or 1,
@@ -77,7 +77,8 @@ def memory_from_plan(layout: dict, path: str) -> dict:
                          f"{', '.join(RECOMPUTE)}")
     sequence_parallel = bool(layout.get("sequence_parallel", False))
     problem = runtime_problem(tp=layout.get("tp", 1), dp=layout.get("dp", 1),
-                              ep=layout.get("ep", 1), attention=layout.get("attention", "heads"),
+                              ep=layout.get("ep", 1), cp=layout.get("cp", 1),
+                              attention=layout.get("attention", "heads"),
                               sequence_parallel=sequence_parallel, recompute=recompute,
                               zero_stage=zero)
     if problem:

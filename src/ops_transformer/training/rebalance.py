@@ -58,18 +58,20 @@ class Rebalanced:
         if not self.changed:
             return ""
         s, c = self.saved, self.cfg
-        dp = self.world_size // (c.tp * c.ep * c.cp)
+        dp = self.world_size // (c.tp * c.ep * c.cp * c.pp)
         text = (f"resuming step {s['step']} of {c.ckpt_dir} on {self.world_size} ranks (saved on "
-                f"{s['world_size']}): layout {layout_text(s['dp'], s['ep'], s['tp'])} → "
-                f"{layout_text(dp, c.ep, c.tp)}, accumulation {s['grad_accum']} → "
+                f"{s['world_size']}): layout {layout_text(s['dp'], s['ep'], s['tp'], s.get('pp', 1))}"
+                f" → {layout_text(dp, c.ep, c.tp, c.pp)}, accumulation {s['grad_accum']} → "
                 f"{c.grad_accum} (global batch {c.batch}, micro-batch {s['micro_batch']} per "
                 f"rank kept)")
         return "; ".join([text, *self.notes])
 
 
-def layout_text(dp: int, ep: int, tp: int) -> str:
-    """``"dp 2 × tp 2"`` (``"dp 1 × ep 2 × tp 1"`` with experts over ranks)."""
-    return f"dp {dp} × " + (f"ep {ep} × " if ep > 1 else "") + f"tp {tp}"
+def layout_text(dp: int, ep: int, tp: int, pp: int = 1) -> str:
+    """``"dp 2 × tp 2"`` (``"dp 1 × ep 2 × tp 1"`` with experts over ranks, ``"pp 2 × dp 1 ×
+    tp 2"`` with pipeline stages)."""
+    return ((f"pp {pp} × " if pp > 1 else "") + f"dp {dp} × " + (f"ep {ep} × " if ep > 1 else "")
+            + f"tp {tp}")
 
 
 LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
@@ -164,11 +166,13 @@ def rebalance(cfg: TrainConfig, world_size: int, *, stated=None, cluster=None) -
     saved = saved_split(cfg.ckpt_dir, cfg.batch)
     if saved is None:
         return Rebalanced(cfg, world_size)
-    if cfg.cp > 1 or saved.get("cp", 1) > 1:  # the tensors are dense: any layout reads them
-        note = (f"context parallelism (saved at cp {saved.get('cp', 1)}, resumed at cp "
-                f"{cfg.cp}): the layout runs as given, not re-planned")
-        return Rebalanced(cfg, world_size, saved, (note,),
-                          changed=(saved.get("cp", 1), saved["tp"]) != (cfg.cp, cfg.tp))
+    for axis, what in (("cp", "context"), ("pp", "pipeline")):  # the tensors are dense: any
+        if getattr(cfg, axis) > 1 or saved.get(axis, 1) > 1:   # layout reads them
+            note = (f"{what} parallelism (saved at {axis} {saved.get(axis, 1)}, resumed at "
+                    f"{axis} {getattr(cfg, axis)}): the layout runs as given, not re-planned")
+            return Rebalanced(cfg, world_size, saved, (note,),
+                              changed=(saved.get(axis, 1), saved["tp"]) != (getattr(cfg, axis),
+                                                                             cfg.tp))
     micro = saved["micro_batch"]
     if cfg.batch % micro:
         raise ValueError(f"--batch {cfg.batch} is not a multiple of the micro-batch of the "

@@ -1,0 +1,94 @@
+"""``--precision fp8`` end to end (SPEC F20): the parallel model at tp 1 and tp 2 against the dense
+one-process model with the same fp8 recipe (its ``nn.Linear`` layers swapped for ``Fp8Linear``) —
+forward loss, input-embedding and weight gradients — and the refusals in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ops_transformer as ot
+from ops_transformer.layers.fp8_linear import Fp8Linear, convert_to_fp8
+from ops_transformer.models import preset
+from ops_transformer.parallel.sharding import shard_spec
+from ops_transformer.train import TrainConfig, validate
+
+# Every rank scales by the dense tensor's amax, so each fp8 operand is bit-equal to the dense
+# one; what differs at tp 2 is the fp32 summation order of the row layers' partial sums (and the
+# input-gradient all-reduce): fp32 rounding, 1e-5 relative as every fp32 comparison here. An
+# fp8 rounding difference (a wrong scale) would show at 2^-4.
+TOL = 1e-5
+
+
+def _idx():
+    return torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+
+
+def _dense_fp8():
+    torch.manual_seed(0)
+    model = ot.GPT(preset("llama-tiny"))
+    assert convert_to_fp8(model.layers) == 12  # wq, wk, wv, wo, w_in, w_out per block
+    idx = _idx()
+    loss = model(idx[:, :-1], idx[:, 1:])[1]
+    loss.backward()
+    return model, loss
+
+
+def _parallel(tp_unused=None):
+    torch.set_num_threads(1)
+    ctx = ot.init_parallel(tp=int(__import__("os").environ["WORLD_SIZE"]))
+    torch.manual_seed(0)
+    model = ot.parallelize(ot.GPT(preset("llama-tiny")), ctx, attention="heads", precision="fp8")
+    idx = _idx()
+    with ot.CommLedger() as ledger:
+        loss = model(idx[:, :-1], idx[:, 1:])[1]
+        loss.backward()
+    dense, _ = _dense_fp8()  # this rank's slice of each dense fp8 gradient
+    want = dict(dense.named_parameters())
+    grads = {n: (p.grad, shard_spec(p).shard(want[n].grad) if shard_spec(p) else want[n].grad)
+             for n, p in model.named_parameters() if n.startswith("layers.")}
+    return float(loss), grads, ledger.summary().get("all_reduce", {})
+
+
+def test_dense_fp8_is_not_fp32():
+    """The reference really runs in fp8: its loss differs from the fp32 model's."""
+    model, loss = _dense_fp8()
+    assert isinstance(model.layers[0].attn.wq, Fp8Linear)
+    torch.manual_seed(0)
+    idx = _idx()
+    fp32 = ot.GPT(preset("llama-tiny"))(idx[:, :-1], idx[:, 1:])[1]
+    assert 1e-5 < abs(float(loss.detach() - fp32.detach())) / float(fp32.detach()) < 2e-2
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_matches_dense_fp8(run_ranks, tp):
+    _, loss = _dense_fp8()
+    for rank, (got_loss, grads, all_reduce) in enumerate(run_ranks(_parallel, tp)):
+        assert got_loss == pytest.approx(float(loss), rel=TOL), rank
+        assert len(grads) == 2 * 8  # 2 norms + 6 linear weights per block
+        for name, (got, g) in grads.items():
+            err = float((got - g).abs().max() / g.abs().max())
+            assert err < TOL, f"rank {rank} {name}: {err:.1e}"
+        if tp == 2:  # fp8.amax: 3 column weights + w_in, and wo / w_out weight and input
+            assert all_reduce["calls"] >= 2 * (4 + 4)
+
+
+@pytest.mark.parametrize("flags, line", [
+    ({"sequence_parallel": True}, "precision='fp8' does not combine with sequence_parallel"),
+    ({"overlap": "chunked"}, "precision='fp8' does not combine with overlap='chunked'"),
+    ({"compile": True}, "precision='fp8' does not combine with compile"),
+    ({"activation_cache": "int8"}, "precision='fp8' does not combine with activation_cache"),
+])
+def test_fp8_refused_in_one_line(flags, line):
+    cfg = TrainConfig(preset="tiny", tp=2, batch=8, seq=16, precision="fp8", **flags)
+    with pytest.raises(ValueError) as err:
+        validate(cfg, 2)
+    assert line in str(err.value) and "\n" not in str(err.value)
+
+
+def test_fp8_moe_refused():
+    cfg = TrainConfig(preset="moe-tiny", tp=1, batch=8, seq=16, precision="fp8")
+    with pytest.raises(ValueError, match="precision='fp8' does not combine with an MoE"):
+        from ops_transformer.train import join, setup_training
+        with join(cfg) as ctx:
+            setup_training(cfg, ctx)

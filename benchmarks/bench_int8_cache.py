@@ -21,7 +21,7 @@ import torch
 from ops_transformer import GPT, activation_memory, parallelize
 from ops_transformer.models import preset
 from ops_transformer.parallel import ParallelContext
-from ops_transformer.train import TrainConfig, train_worker
+from ops_transformer.training.loop import TrainConfig, train_worker
 from ops_transformer.utils.plot import write_line_plot_png
 
 

@@ -43,7 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ops_transformer as ot
 from ops_transformer.comm.ledger import CommLedger
-from ops_transformer.data import get_batch, load_corpus, slice_for_rank
+from ops_transformer.training.data import get_batch, load_corpus, slice_for_rank
 from ops_transformer.models.gpt import preset
 from ops_transformer.parallel.sharding import local_tensor
 from ops_transformer.planner.search import Options, memory as planned_memory

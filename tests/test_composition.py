@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ops_transformer.parity.tolerance import tolerance_for
-from ops_transformer.train import TrainConfig, join, setup_training, validate
+from ops_transformer.training.loop import TrainConfig, join, setup_training, validate
 
 BASE = dict(preset="tiny", layers=2, batch=8, seq=16, lr=1e-2, progress=False, steps=3)
 # name: (TrainConfig fields, what the tp-1 reference drops: the options that only exist at tp > 1)

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from ops_transformer.corpus import PackedTokens, read_documents, tokenize
-from ops_transformer.data import slice_for_rank
-from ops_transformer.schedule import check_schedule, lr_at
+from ops_transformer.training.corpus import PackedTokens, read_documents, tokenize
+from ops_transformer.training.data import slice_for_rank
+from ops_transformer.training.schedule import check_schedule, lr_at
 
 
 def test_documents_from_a_file_a_directory_and_jsonl(tmp_path):
@@ -52,7 +52,7 @@ def test_documents_are_joined_by_eos(monkeypatch, capsys):
     tokens = tokenize(["ab", "c"], _bytes, eos=7, progress=True)
     assert tokens.tolist() == [97, 98, 7, 99, 7] and tokens.dtype == torch.int32
     assert capsys.readouterr().err == ""  # a few bytes: no progress bar
-    monkeypatch.setattr("ops_transformer.corpus.PROGRESS_BYTES", 2)
+    monkeypatch.setattr("ops_transformer.training.corpus.PROGRESS_BYTES", 2)
     tokenize(["ab", "c"], _bytes, eos=7, progress=True)
     assert "tokenize" in capsys.readouterr().err
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ops_transformer.data import (VOCAB_SIZE, ByteBatches, check_corpus, decode,
+from ops_transformer.training.data import (VOCAB_SIZE, ByteBatches, check_corpus, decode,
                                   default_corpus_files, encode, get_batch, load_corpus,
                                   slice_for_rank)
 
@@ -43,7 +43,7 @@ def test_default_corpus_is_uint8_bounded_and_deterministic():
 
 
 def test_default_corpus_is_identical_in_another_process():
-    code = ("import hashlib; from ops_transformer.data import load_corpus; "
+    code = ("import hashlib; from ops_transformer.training.data import load_corpus; "
             "print(hashlib.sha256(load_corpus(max_bytes=500_000).numpy().tobytes()).hexdigest())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == _digest(load_corpus(max_bytes=500_000))

@@ -32,10 +32,10 @@ from ops_transformer.models.gpt import GPT, preset
 from ops_transformer.parallel import context as context_mod
 from ops_transformer.precision import optimizer_step
 from ops_transformer.testing.devices import DeviceCheck, WrongDevice
-from ops_transformer.train import TrainConfig, setup_training
+from ops_transformer.training.loop import TrainConfig, setup_training
 
 META = torch.device("meta")
-launch_mod = importlib.import_module("ops_transformer.parallel.launch")  # (the package exports
+launch_mod = importlib.import_module("ops_transformer.launch.local")  # (the package exports
 # the function `launch` under the module's name)
 
 

@@ -14,7 +14,7 @@ import torch
 import hf_tiny
 from helpers import assert_rel
 from ops_transformer import from_pretrained, init_parallel, load_checkpoint
-from ops_transformer import corpus
+from ops_transformer.training import corpus
 from ops_transformer.checkpoint import export as ex
 from ops_transformer.cli.main import main
 

@@ -166,7 +166,7 @@ def test_sigterm_of_the_launcher_keeps_the_metrics_and_says_how_to_resume(tmp_pa
 
 
 def test_ctrl_c_writes_what_ran_and_exits_130(tmp_path, monkeypatch, capsys):
-    from ops_transformer.train import TrainState
+    from ops_transformer.training.loop import TrainState
 
     step = TrainState.step
 
@@ -192,7 +192,7 @@ def test_an_interrupt_before_the_first_step_leaves_no_empty_out(tmp_path, monkey
     import signal
     import time
 
-    import ops_transformer.train as train
+    import ops_transformer.training.loop as train
 
     def terminated(cfg, ctx):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -279,7 +279,7 @@ def test_checks_that_need_no_rank_come_before_the_ranks(llama, data, tmp_path, c
 # 11 — the smaller items: the loss plot of a rebalanced resume named one layout for both parts;
 # embed's table lost its alignment on negative similarities
 def test_loss_plot_of_a_rebalanced_resume_names_both_layouts(tmp_path, capsys):
-    from ops_transformer.train import loss_series
+    from ops_transformer.training.loop import loss_series
 
     base = ["train", *TINY, "--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "run")]
     assert main([*base, "--steps", "2", "--nproc", "2", "--tp", "2"]) == 0
@@ -310,7 +310,7 @@ def test_embed_table_aligns_negative_similarities(monkeypatch, capsys):
 def test_finetuning_docs_list_every_zero_stage_train_takes():
     from pathlib import Path
 
-    from ops_transformer.memory.train_flags import ZERO_STAGES
+    from ops_transformer.training.optimizer import ZERO_STAGES
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "finetuning.md").read_text()
     stages = ",".join(str(s) for s in ZERO_STAGES if s)

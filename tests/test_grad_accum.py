@@ -15,7 +15,7 @@ import torch
 
 from ops_transformer.comm.ledger import CommLedger
 from ops_transformer.parallel.state import parallel_state_of
-from ops_transformer.train import TrainConfig, join, setup_training, validate
+from ops_transformer.training.loop import TrainConfig, join, setup_training, validate
 
 from helpers import rel_err
 

@@ -21,8 +21,8 @@ from ops_transformer.checkpoint.store import LATEST, list_steps, step_dirname
 from ops_transformer.cli.main import main
 from ops_transformer.planner.catalogue import GPU
 from ops_transformer.planner.specs import ClusterSpec
-from ops_transformer.rebalance import rebalance, saved_split
-from ops_transformer.train import TrainConfig
+from ops_transformer.training.rebalance import rebalance, saved_split
+from ops_transformer.training.loop import TrainConfig
 
 STEPS = 6
 COMMON = ["train", "--steps", str(STEPS), "--batch", "8", "--seq", "16", "--save-every", "3",

@@ -1,59 +1,91 @@
-"""ops-transformer: exact, low-overhead tensor parallelism for Transformers on PyTorch."""
+"""ops-transformer: exact, low-overhead tensor parallelism for Transformers on PyTorch.
 
-from .comm import (CommLedger, all_gather_along, all_to_all, copy_to_tp_region,
-                   gather_from_tp_region, reduce_from_tp_region, reduce_scatter_along,
-                   scatter_to_tp_region)
-from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                     vocab_parallel_cross_entropy)
-from .models import GPT, GPTConfig
-from .parallel.state import no_sync
-from .parallelize import ParallelOptions, Plan, parallelize
-from .parallelize.linear_split import parallel_linear
-from .parallelize.lora import LoRAConfig, lora
-from .parallel import (ParallelContext, RankError, ShardSpec, gather_full, gather_full_state_dict,
-                       init_parallel, launch)
+The public names, one table: each is imported from its module when first used (PEP 562), so
+``import ops_transformer`` — and ``ops-transformer train --help`` — import no torch."""
 
-from ._version import __version__  # noqa: E402, F401
+from __future__ import annotations
 
-__all__ = [
-    "ParallelContext", "init_parallel", "launch", "RankError",
-    "CommLedger", "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
-    "gather_from_tp_region", "all_gather_along", "reduce_scatter_along", "all_to_all",
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "vocab_parallel_cross_entropy", "ShardSpec", "gather_full", "gather_full_state_dict",
-    "GPT", "GPTConfig", "Plan", "ParallelOptions", "parallelize", "no_sync", "parallel_linear",
-    "lora", "LoRAConfig",
-]
-from .comm.bucketing import all_reduce_coalesced, mark_partial_grad
-from .parallel.grad_reduce import GradSums
-from .precision import DynamicLossScaler, clip_grad_norm_, optimizer_step, precision_policy
-__all__ += ["DynamicLossScaler", "clip_grad_norm_", "optimizer_step", "precision_policy",
-            "GradSums", "all_reduce_coalesced", "mark_partial_grad"]
-from .layers.embedding import ColumnParallelEmbedding
-from .layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParallelLinear,
-                                     PaddedRowParallelLinear)
-__all__ += ["ColumnParallelEmbedding", "PackedRowParallelLinear", "PaddedColumnParallelLinear",
-            "PaddedRowParallelLinear"]
-from .layers.moe import ParallelExperts, ParallelMoE  # noqa: E402
-from .models.moe import MoE, moe_stats  # noqa: E402
+import importlib
+import sys
+import types
 
-__all__ += ["ParallelExperts", "ParallelMoE", "MoE", "moe_stats"]
-from .profiler import Diagnostic, Profile, diagnose, profile_step
-__all__ += ["Diagnostic", "Profile", "diagnose", "profile_step"]
-from .memory import (Int8ActivationCache, activation_memory, shard_parameters,  # noqa: E402
-                     zero_optimizer)
-__all__ += ["Int8ActivationCache", "activation_memory", "zero_optimizer", "shard_parameters"]
+from ._version import __version__
+from .launch import launch  # the function: bound after the subpackage of that name (torch-free)
+from .utils.aliases import install
 
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+EXPORTS = {  # public name → the module that defines it
+    "ParallelContext": "parallel.context", "init_parallel": "parallel.context",
+    "ShardSpec": "parallel.sharding", "gather_full": "parallel.sharding",
+    "gather_full_state_dict": "parallel.sharding", "no_sync": "parallel.state",
+    "GradSums": "parallel.grad_reduce",
+    "launch": "launch", "RankError": "launch", "launch_with_restarts": "launch",
+    "CommLedger": "comm", "copy_to_tp_region": "comm", "reduce_from_tp_region": "comm",
+    "scatter_to_tp_region": "comm", "gather_from_tp_region": "comm",
+    "all_gather_along": "comm", "reduce_scatter_along": "comm", "all_to_all": "comm",
+    "all_reduce_coalesced": "comm.bucketing", "mark_partial_grad": "comm.bucketing",
+    "ColumnParallelLinear": "layers", "RowParallelLinear": "layers",
+    "VocabParallelEmbedding": "layers", "vocab_parallel_cross_entropy": "layers",
+    "ColumnParallelEmbedding": "layers.embedding",
+    "PackedRowParallelLinear": "layers.linear_variants",
+    "PaddedColumnParallelLinear": "layers.linear_variants",
+    "PaddedRowParallelLinear": "layers.linear_variants",
+    "ParallelExperts": "layers.moe", "ParallelMoE": "layers.moe",
+    "GPT": "models", "GPTConfig": "models", "MoE": "models.moe", "moe_stats": "models.moe",
+    "Plan": "parallelize", "ParallelOptions": "parallelize", "parallelize": "parallelize",
+    "parallel_linear": "parallelize.linear_split", "lora": "parallelize.lora",
+    "LoRAConfig": "parallelize.lora", "pipeline": "parallelize.pipeline",
+    "Pipeline": "parallelize.pipeline",
+    "DynamicLossScaler": "precision", "clip_grad_norm_": "precision",
+    "optimizer_step": "precision", "precision_policy": "precision",
+    "Diagnostic": "profiler", "Profile": "profiler", "diagnose": "profiler",
+    "profile_step": "profiler",
+    "Int8ActivationCache": "memory", "activation_memory": "memory",
+    "zero_optimizer": "memory", "shard_parameters": "memory",
+    "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint",
+    "CheckpointError": "checkpoint",
+    "from_pretrained": "loading",
+    "check_parity": "parity", "ParityReport": "parity",
+    "TrainConfig": "training.loop",
+}
+__all__ = list(EXPORTS)
 
-__all__ += ["save_checkpoint", "load_checkpoint", "CheckpointError"]
-from .loading import from_pretrained  # noqa: E402
+# module names of earlier versions (the top-level modules and parallel/'s process management)
+install({f"{__name__}.{old}": f"{__name__}.{new}" for old, new in {
+    "train": "training.loop", "finetune": "training.finetune",
+    "rebalance": "training.rebalance", "schedule": "training.schedule",
+    "data": "training.data", "corpus": "training.corpus",
+    "memory.train_flags": "training.optimizer", "checkpoint.training": "training.checkpoints",
+    "parallel.launch": "launch.local", "parallel.rank_process": "launch.rank_process",
+    "parallel.rendezvous": "launch.rendezvous", "parallel.restart": "launch.restart",
+    "parallel.teardown": "launch.teardown"}.items()})
 
-__all__ += ["from_pretrained"]
 
-from .parity import ParityReport, check_parity  # noqa: E402
+def __getattr__(name: str):
+    module = EXPORTS.get(name)
+    if module is None:  # a subpackage, or a module of earlier versions (``ot.train``)
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+        globals()[name] = value
+        return value
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
 
-__all__ += ["check_parity", "ParityReport"]
-from .parallelize.pipeline import Pipeline, pipeline  # noqa: E402
 
-__all__ += ["pipeline", "Pipeline"]
+class _Package(types.ModuleType):
+    """Keeps a public name that is also a subpackage (``parallelize``, ``launch``) the function:
+    importing the subpackage does not rebind it, as it did not in earlier versions."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and name in EXPORTS and EXPORTS[name] == name:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *EXPORTS})

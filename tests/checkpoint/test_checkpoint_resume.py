@@ -12,9 +12,9 @@ import pytest
 
 import ops_transformer as ot
 from ops_transformer.checkpoint import store
-from ops_transformer.checkpoint.training import resume
+from ops_transformer.training.checkpoints import resume
 from ops_transformer.cli.main import main
-from ops_transformer.train import TrainConfig, data_position, setup_training
+from ops_transformer.training.loop import TrainConfig, data_position, setup_training
 
 TRAIN = ["train", "--batch", "2", "--seq", "16", "--no-progress"]
 

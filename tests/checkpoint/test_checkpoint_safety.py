@@ -20,7 +20,7 @@ import ops_transformer as ot
 from ops_transformer.checkpoint import store, writer
 from ops_transformer.checkpoint.reader import UnsafeCheckpointError
 from ops_transformer.cli.main import main
-from ops_transformer.train import TrainConfig, setup_training
+from ops_transformer.training.loop import TrainConfig, setup_training
 
 TRAIN = ["train", "--steps", "2", "--batch", "2", "--seq", "16", "--no-progress", "--json"]
 

@@ -340,7 +340,7 @@ def test_planner_searches_ep_for_moe_models():
 
 
 def test_progress_line_shows_aux_loss_and_dropped_fraction(capfd, tmp_path):
-    from ops_transformer.train import TrainConfig, train_worker
+    from ops_transformer.training.loop import TrainConfig, train_worker
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 200)

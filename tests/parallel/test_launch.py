@@ -123,7 +123,7 @@ def test_another_job_taking_the_port_cannot_break_a_launch(monkeypatch):
     import importlib
     import socket
 
-    launch_module = importlib.import_module("ops_transformer.parallel.launch")  # not the function
+    launch_module = importlib.import_module("ops_transformer.launch.local")  # not the function
 
     thief = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 

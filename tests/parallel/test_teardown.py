@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ops_transformer import ParallelContext, init_parallel
 from ops_transformer.comm import collectives as C
-from ops_transformer.parallel.teardown import destroy_process_groups, settle_native_threads
+from ops_transformer.launch.teardown import destroy_process_groups, settle_native_threads
 
 
 def _close_twice():

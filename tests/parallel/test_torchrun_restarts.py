@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ops_transformer.parallel.rendezvous import job_store
+from ops_transformer.launch.rendezvous import job_store
 
 JOB = '''
 import os, signal

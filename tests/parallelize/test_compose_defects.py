@@ -130,7 +130,7 @@ def test_train_flags_dropout_and_moe_statistics():
     import argparse
 
     from ops_transformer.cli.train import add_parser, config_from_args
-    from ops_transformer.train import TrainConfig, validate
+    from ops_transformer.training.loop import TrainConfig, validate
 
     parser = argparse.ArgumentParser()
     add_parser(parser)

@@ -13,7 +13,7 @@ import torch
 
 from ops_transformer import GPT, CommLedger, init_parallel, parallelize
 from ops_transformer.layers.overlap_policy import overlap_decisions
-from ops_transformer.memory.train_flags import partial_numel
+from ops_transformer.training.optimizer import partial_numel
 from ops_transformer.models import preset
 from ops_transformer.planner import HardwareProfile
 from ops_transformer.planner.overlap import moe_chunk_calls
@@ -220,7 +220,7 @@ def test_options_are_checked():
 def test_train_lora_keeps_every_overlap_mode():
     """Issue 33: LoRA runs inside the chunked collective matmuls, so ``train --lora-rank`` keeps
     ``--overlap`` as given (it used to turn ``auto`` into ``none`` and refuse ``chunked``)."""
-    from ops_transformer.train import TrainConfig
+    from ops_transformer.training.loop import TrainConfig
 
     assert TrainConfig(lora_rank=4).parallel_options().overlap == "auto"
     assert TrainConfig(lora_rank=4, overlap="chunked").parallel_options().overlap == "chunked"

@@ -22,7 +22,7 @@ from ops_transformer.planner.search import Options, evaluate, execution
 from ops_transformer.planner.specs import MODEL_PRESETS, ClusterSpec, ModelSpec
 from ops_transformer.planner.strategies import model_comm_per_step
 from ops_transformer.planner.timing import Execution, sequence_parallel_comm, zero_comm
-from ops_transformer.train import expected_comm_per_step
+from ops_transformer.training.loop import expected_comm_per_step
 
 
 # --- one {kind: {calls, elements}} type -----------------------------------------------------------

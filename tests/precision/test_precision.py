@@ -19,7 +19,7 @@ from ops_transformer.cli.main import main
 from ops_transformer.models import preset
 from ops_transformer.parallel import ParallelContext
 from ops_transformer.precision import StepReport, precision_policy, resolve_grad_reduce_dtype
-from ops_transformer.train import TrainConfig, _precision_stats, train_worker
+from ops_transformer.training.loop import TrainConfig, _precision_stats, train_worker
 from ops_transformer.utils.progress import Progress
 
 MQA = preset("llama-tiny", n_layers=1, max_seq_len=16, n_kv_heads=1)

@@ -18,7 +18,7 @@ from ops_transformer.planner.local import (LocalTimeModel, dp_grad_comm, local_t
                                            step_flops_per_rank)
 from ops_transformer.planner.calibrated import CalibratedProfile
 from ops_transformer.planner.strategies import model_comm_per_step
-from ops_transformer.train import TrainConfig
+from ops_transformer.training.loop import TrainConfig
 
 RATES = {"fp32": {64: 1e11, 1024: 1e11}, "bf16": {64: 2e10, 1024: 8e11},
          "fp16": {64: 2e10, 1024: 1e11}}

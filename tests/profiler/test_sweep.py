@@ -11,7 +11,7 @@ from ops_transformer import launch
 from ops_transformer.cli.main import main
 from ops_transformer.profiler.sweep import (combinations, label, parse_values, run_sweep,
                                             split_axes)
-from ops_transformer.train import TrainConfig
+from ops_transformer.training.loop import TrainConfig
 
 
 def test_axes_parse_and_combine():

@@ -11,9 +11,8 @@ from .experts import expert_entries, hf_expert_entries
 from .errors import CheckpointError, DamagedCheckpointError, NoSpaceError
 from .reader import UnsafeCheckpointError
 from .layout import Entry, Layout, Replicated, SpecLayout, layout_of
-from .training import check_options, resume, save, saved_split, should_save
 from .optim import OptimizerAdapter, TorchOptimizerAdapter, register_optimizer_adapter
-from ..parallel.restart import launch_with_restarts
+from ..launch.restart import launch_with_restarts
 from .store import latest_step, list_steps
 from .zero_adapter import ZERO_ADAPTER, ZeroOptimizerAdapter
 

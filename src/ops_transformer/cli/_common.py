@@ -21,7 +21,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
+from ..launch.local import DEFAULT_LAUNCH_TIMEOUT
 
 
 def under_torchrun() -> bool:

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.errors import CheckpointError
-from ..data import decode, encode
+from ..training.data import decode, encode
 from ..loading import from_pretrained
 from ..parallel import init_parallel, launch
 from ..parallel.context import check_local_ranks
-from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
+from ..launch.local import DEFAULT_LAUNCH_TIMEOUT
 from ._common import under_torchrun
 from ._calibrated import command_profile
 

@@ -106,7 +106,7 @@ def report_interrupt(cfg, signum: int, journal: Journal, argv: list[str], world:
                      progress: bool) -> int:
     """Write what the interrupted run did, say it in one line; return the exit code."""
     from ..checkpoint.store import latest_step, step_dirname
-    from ..train import write_outputs
+    from ..training.loop import write_outputs
 
     name = signal.Signals(signum).name
     last = latest_step(cfg.ckpt_dir) if cfg.ckpt_dir else None

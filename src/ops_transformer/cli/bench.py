@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..models.gpt import preset
-from ..parallel import launch
+from ..launch import launch
 from ..profiler.bench import METHODS, RATIOS, TP, Size, _key, rank_main, summarise
 from ..utils.progress import format_table
 from ._common import add_launch_timeout, launch_timeout, print_json, refuse_torchrun, status
@@ -47,7 +47,7 @@ def predictions(size: Size, profile) -> dict[str, float]:
     """The calibrated local model's step time (ms) of ``ours`` (tp 2 on 2 ranks) and of ``tp1``
     and ``plain`` (one process while the other waits); ``{}`` without a calibrated profile."""
     from ..profiler.local_model import predict_step_s
-    from ..train import TrainConfig
+    from ..training.loop import TrainConfig
 
     cfg = TrainConfig(preset=size.preset, batch=size.batch, seq=size.seq, steps=size.steps)
     ours = predict_step_s(replace(cfg, tp=TP), TP, profile)

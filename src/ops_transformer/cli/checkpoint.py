@@ -9,8 +9,8 @@ from ..checkpoint import adapters as lora_export
 from ..checkpoint import export as ex
 from ..checkpoint import store
 from ..checkpoint.reader import UnsafeCheckpointError
-from ..checkpoint.training import REBALANCE
-from ..train import TrainConfig
+from ..training.checkpoints import REBALANCE
+from ..training.loop import TrainConfig
 from ..utils.progress import format_table
 from ._common import print_json, refuse_torchrun, replacing_output
 

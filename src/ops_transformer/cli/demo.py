@@ -12,8 +12,8 @@ import dataclasses
 import time
 from pathlib import Path
 
-from ..parallel import launch
-from ..train import TrainConfig, train_worker, validate, write_outputs
+from ..launch import launch
+from ..training.loop import TrainConfig, train_worker, validate, write_outputs
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,
                       refuse_torchrun, status)
 from ._calibrated import command_profile

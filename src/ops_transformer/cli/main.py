@@ -16,7 +16,7 @@ from .._version import __version__
 from . import calibrate, checkpoint, demo, embed, generate, plan, train
 from . import bench, diagnose, memory, profile, sweep
 from . import check
-from ..parallel.launch import RankError
+from ..launch.local import RankError
 from ._common import error_line, one_line_warnings, quiet_unless_lead
 
 COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 from ..profiler.memory_tradeoff import MemoryRun, check_run, memory_worker
 from ..models.gpt import PRESETS
-from ..parallel import launch
+from ..launch import launch
 from ..utils.progress import format_table
 from ._common import (add_launch_timeout, launch_timeout, print_json, status, under_torchrun,
                       world_size)

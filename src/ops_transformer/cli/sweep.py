@@ -9,9 +9,9 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from ..parallel import launch
+from ..launch import launch
 from ..profiler.sweep import AXES, parse_values, run_sweep, split_axes
-from ..train import TrainConfig
+from ..training.loop import TrainConfig
 from ..utils.plot import write_bar_pairs_png
 from ..utils.progress import Progress, format_table
 from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_json,

@@ -17,24 +17,24 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.space import check_free
-from ..checkpoint.training import check_resume
+from ..training.checkpoints import check_resume
 from ..comm.topology import detect_topology
 from ..models.gpt import GPT, PRESETS
-from ..parallel.restart import check_elastic, launch_with_restarts
-from ..parallel import launch
+from ..launch.restart import check_elastic, launch_with_restarts
+from ..launch import launch
 from ..parallel.context import check_local_ranks
-from ..parallel.launch import DEFAULT_LAUNCH_TIMEOUT
-from ..parallel.rank_process import set_rank_threads
+from ..launch.local import DEFAULT_LAUNCH_TIMEOUT
+from ..launch.rank_process import set_rank_threads
 from ..precision import PRECISIONS
 from ..parallelize.gpt_plan import ATTENTION_CHOICES
 from ..parallelize.pipeline_split import SCHEDULES
 from ..planner.local import local_cluster
 from ..planner.search import chosen_layout
-from ..rebalance import LAYOUT_FIELDS, LORA_SETTINGS, layout_text, rebalance, resumed_settings
-from ..schedule import LR_SCHEDULES
-from ..train import RESUMED_SETTINGS, TrainConfig, train_worker, validate
+from ..training.rebalance import LAYOUT_FIELDS, LORA_SETTINGS, layout_text, rebalance, resumed_settings
+from ..training.schedule import LR_SCHEDULES
+from ..training.loop import RESUMED_SETTINGS, TrainConfig, train_worker, validate
 from ..memory.apply import ACTIVATION_CACHES
-from ..memory.train_flags import ZERO_STAGES, memory_from_plan, memory_summary
+from ..training.optimizer import ZERO_STAGES, memory_from_plan, memory_summary
 from ..memory.recompute import RECOMPUTE
 from ..planner.context_parallel import CP_CHOICES
 from ..parallelize.compile import COMPILE_BACKENDS

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from ..comm import collectives as C
 from .nodes import agree_setup, build_engine, resolve_profile_source
-from .rendezvous import job_store
-from .teardown import DEFAULT_TEARDOWN_TIMEOUT_S, destroy_process_groups
+from ..launch.rendezvous import job_store
+from ..launch.teardown import DEFAULT_TEARDOWN_TIMEOUT_S, destroy_process_groups
 
 MESH_AXES = ("dp", "ep", "tp")
 PP_AXIS = "pp"  # outermost, and in the mesh only when pp > 1: stages may span nodes

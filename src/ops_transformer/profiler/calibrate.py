@@ -51,7 +51,7 @@ import torch
 from ..comm import collectives as C
 from ..comm.ledger import wire_elements
 from ..parallel.context import init_parallel
-from ..parallel.launch import launch
+from ..launch.local import launch
 from ..utils.progress import Progress
 from .local_model import fit_local_model, fit_runs
 from ..comm.topology import detect_topology

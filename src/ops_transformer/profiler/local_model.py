@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from ..parallel.launch import launch
+from ..launch.local import launch
 from ..parallelize.gpt_plan import gpt_plan
 from ..planner.local import PRECISIONS, LocalTimeModel, local_time_model, step_flops_per_rank
-from ..train import TrainConfig, train_worker
+from ..training.loop import TrainConfig, train_worker
 
 FIT_STEPS, QUICK_FIT_STEPS = 20, 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -23,7 +23,7 @@ from ..models.gpt import GPT, preset
 from ..parallel.context import init_parallel
 from ..planner.memory import activation_bytes_per_layer
 from ..memory.measure import activation_memory
-from ..memory.train_flags import make_optimizer
+from ..training.optimizer import make_optimizer
 from ..parallelize import parallelize
 from ..parallelize.gpt_plan import check_tp_for_gpt
 from .bench import sync_cuda

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..models.gpt import GPT
-from ..train import TrainConfig, join, setup_training
+from ..training.loop import TrainConfig, join, setup_training
 from .diagnose import STEP_CALLS, Diagnostic, diagnose
 from .dims import dimension_checks
 from .profile import profile_step
@@ -89,7 +89,7 @@ def dense_diagnostics(cfg: TrainConfig, tp: int) -> list[dict]:
     import torch
 
     if cfg.model:  # a Hugging Face model: its own sizes, on a meta copy
-        from ..finetune import meta_model
+        from ..training.finetune import meta_model
 
         model = meta_model(cfg.model)
     else:

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from ..comm.ledger import CommLedger
 from ..memory.apply import transformer_layers
-from ..memory.train_flags import partial_numel
+from ..training.optimizer import partial_numel
 from ..memory.recompute import checkpointed
 from ..parallelize.sequence_plan import is_sequence_parallel
 from ..planner.strategies import model_comm_per_step

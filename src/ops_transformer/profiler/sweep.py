@@ -25,7 +25,7 @@ from ..memory.measure import activation_memory
 from ..planner.local import local_cluster, local_time_model
 from ..planner.search import Options, evaluate_layout, execution
 from ..planner.specs import ModelSpec
-from ..train import TrainConfig, join, setup_training, validate
+from ..training.loop import TrainConfig, join, setup_training, validate
 from .local_model import predict_step_s
 
 # flag -> how its values parse; the TrainConfig field is the flag with "_" for "-".

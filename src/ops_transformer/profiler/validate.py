@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import json
 
-from ..parallel.launch import launch
+from ..launch.local import launch
 from ..planner.hardware import CPU_GLOO, HardwareProfile
 from ..planner.local import LocalTimeModel, local_time_model
 from ..planner.strategies import model_comm_per_step
-from ..train import TrainConfig, train_worker
+from ..training.loop import TrainConfig, train_worker
 from ..utils.progress import Progress, format_table
 from ..parallelize.gpt_plan import gpt_plan
 from .local_model import fit_local_model

@@ -22,32 +22,32 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint as ckpt
+from . import checkpoints as ckpt
 from . import finetune
-from .comm.engine import NodeLayout
-from .comm.ledger import CommLedger
-from .layers.dropout import micro_batch_masks
-from .layers.overlap_policy import overlap_decisions, overlap_summary
-from .memory.train_flags import (check_memory_flags, make_optimizer, measured_state_bytes,
+from ..comm.engine import NodeLayout
+from ..comm.ledger import CommLedger
+from ..layers.dropout import micro_batch_masks
+from ..layers.overlap_policy import overlap_decisions, overlap_summary
+from .optimizer import (check_memory_flags, make_optimizer, measured_state_bytes,
                                  partial_numel, shard_for_zero)
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
-from .models.gpt import GPT, GPTConfig, preset
-from .models.moe import moe_stats
-from .parallel.context import check_mesh_degrees, init_parallel
-from .parallel.state import no_sync
-from .parallelize import ParallelOptions, parallelize
-from .parallelize.compile import check_compile
-from .parallelize.gpt_plan import gpt_plan
-from .parallelize.moe_plan import n_experts_of
-from .planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence
-from .parallelize.pipeline import Pipeline, pipeline
-from .parallelize.pipeline_split import SCHEDULES, check_pipeline
-from .planner.strategies import model_comm_per_step
-from .precision import DynamicLossScaler, optimizer_step, precision_policy
+from ..models.gpt import GPT, GPTConfig, preset
+from ..models.moe import moe_stats
+from ..parallel.context import check_mesh_degrees, init_parallel
+from ..parallel.state import no_sync
+from ..parallelize import ParallelOptions, parallelize
+from ..parallelize.compile import check_compile
+from ..parallelize.gpt_plan import gpt_plan
+from ..parallelize.moe_plan import n_experts_of
+from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence
+from ..parallelize.pipeline import Pipeline, pipeline
+from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
+from ..planner.strategies import model_comm_per_step
+from ..precision import DynamicLossScaler, optimizer_step, precision_policy
 from .schedule import check_schedule, lr_at, set_lr
-from .utils.plot import write_line_plot_png
-from .utils.progress import Progress
-from .utils.tensorboard import ScalarLog, check_log_dir
+from ..utils.plot import write_line_plot_png
+from ..utils.progress import Progress
+from ..utils.tensorboard import ScalarLog, check_log_dir
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from ..comm.bucketing import partial_grad_group
 from ..layers.sequence_parallel import sequence_parallel_mode
 from ..parallel.sharding import local_tensor
 from ..planner.runnable import ZERO_STAGES, runtime_problem
-from .apply import ACTIVATION_CACHES
-from .fsdp import mixed_precision_for, shard_parameters
-from .recompute import RECOMPUTE
-from .zero import zero_optimizer
+from ..memory.apply import ACTIVATION_CACHES
+from ..memory.fsdp import mixed_precision_for, shard_parameters
+from ..memory.recompute import RECOMPUTE
+from ..memory.zero import zero_optimizer
 
 
 def check_memory_flags(cfg, dp: int, tp: int) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .data import _batch_seed, _directory_files, default_corpus_files
-from .utils.progress import Progress
+from ..utils.progress import Progress
 
 PROGRESS_BYTES = 4 * 2**20  # tokenising more text than this shows a progress bar
 DEFAULT_MAX_BYTES = 8_000_000  # the default corpus (no --data), as for the byte-level presets

@@ -15,7 +15,6 @@ import threading
 import time
 import traceback
 
-import torch
 
 from .teardown import destroy_process_groups
 
@@ -38,6 +37,8 @@ def set_rank_threads() -> None:
     """The thread policy of a rank: one intra-op thread. Ranks share the machine's cores, and
     several multi-threaded ranks on the same cores run far slower than one thread each (the
     launcher's ranks, a single-process ``train`` and ``torchrun``'s ``OMP_NUM_THREADS=1`` agree)."""
+    import torch  # (here: importing the launcher imports no torch)
+
     torch.set_num_threads(1)
 
 

@@ -29,13 +29,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .checkpoint.training import REBALANCE, saved_settings, saved_split
-from .comm.topology import cpu_topology
-from .planner.local import local_cluster
-from .planner.search import Options, evaluate, layout_problem
-from .planner.specs import ModelSpec
-from .planner.strategies import ATTENTION_STRATEGIES
-from .train import RESUMED_SETTINGS, TrainConfig, validate
+from .checkpoints import REBALANCE, saved_settings, saved_split
+from ..comm.topology import cpu_topology
+from ..planner.local import local_cluster
+from ..planner.search import Options, evaluate, layout_problem
+from ..planner.specs import ModelSpec
+from ..planner.strategies import ATTENTION_STRATEGIES
+from .loop import RESUMED_SETTINGS, TrainConfig, validate
 
 LAYOUT_FIELDS = ("tp", "dp", "ep", "grad_accum")
 

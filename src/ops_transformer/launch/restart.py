@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from .launch import RankError, launch
+from .local import RankError, launch
 
 log = logging.getLogger("ops_transformer")
 

@@ -24,7 +24,6 @@ import threading
 import time
 import warnings
 
-import torch.distributed as dist
 
 DEFAULT_TEARDOWN_TIMEOUT_S = 10.0
 SETTLE_TIMEOUT_S = 2.0  # the most the end of a job waits for other threads to go idle
@@ -37,6 +36,8 @@ def destroy_process_groups(group=None, timeout: float = DEFAULT_TEARDOWN_TIMEOUT
     else only when the default group is ``group``. Returns ``True`` when a group was destroyed,
     ``False`` when there was nothing to do or the backend did not finish within ``timeout``
     seconds (it is then abandoned: the process can still exit)."""
+    import torch.distributed as dist  # (here: importing the launcher imports no torch)
+
     if not (dist.is_available() and dist.is_initialized()):
         return False
     if group is not None and dist.group.WORLD is not group:

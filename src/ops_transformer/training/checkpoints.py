@@ -12,10 +12,10 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from .api import load_checkpoint
-from .errors import CheckpointError, DamagedCheckpointError
-from .store import latest_step, list_steps, read_manifest, step_dirname
-from .writer import save_checkpoint
+from ..checkpoint.api import load_checkpoint
+from ..checkpoint.errors import CheckpointError, DamagedCheckpointError
+from ..checkpoint.store import latest_step, list_steps, read_manifest, step_dirname
+from ..checkpoint.writer import save_checkpoint
 
 
 REBALANCE = ("auto", "off")  # train --rebalance: re-plan a resume on another size, or not

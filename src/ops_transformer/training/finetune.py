@@ -19,17 +19,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .comm import collectives as C
+from ..comm import collectives as C
 from .corpus import packed_corpus
-from .models.documents import document_positions, document_targets
-from .layers.loss import vocab_parallel_cross_entropy
-from .loading import from_pretrained
-from .models.gpt import GPT
-from .models.hf import own_class
-from .parallelize.hf_plans import hf_plan
-from .parallelize.lora import check_lora_args, check_rank, lora, resolve_targets
-from .parallelize.moe_plan import check_expert_parallel, n_experts_of
-from .parallelize.sequence_plan import sequence_parallel_plan
+from ..models.documents import document_positions, document_targets
+from ..layers.loss import vocab_parallel_cross_entropy
+from ..loading import from_pretrained
+from ..models.gpt import GPT
+from ..models.hf import own_class
+from ..parallelize.hf_plans import hf_plan
+from ..parallelize.lora import check_lora_args, check_rank, lora, resolve_targets
+from ..parallelize.moe_plan import check_expert_parallel, n_experts_of
+from ..parallelize.sequence_plan import sequence_parallel_plan
 
 
 def meta_model(model_dir: str):

@@ -39,8 +39,6 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-import torch
-
 from .rank_process import RankError, rank_main
 
 __all__ = ["launch", "RankError", "DEFAULT_LAUNCH_TIMEOUT"]
@@ -78,6 +76,8 @@ def _fork_is_safe() -> bool:
     """Fork only where no GPU is visible: ``torch.cuda.is_available()`` (in the caller, or in a
     library it used) initialises the CUDA driver without ``is_initialized()`` saying so, and a rank
     forked after that cannot use CUDA. ``device_count`` asks NVML, which is fork-safe."""
+    import torch  # (here: importing the launcher imports no torch)
+
     return (sys.platform.startswith("linux") and not torch.cuda.is_initialized()
             and torch.cuda.device_count() == 0)
 

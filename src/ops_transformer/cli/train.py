@@ -30,6 +30,7 @@ from ..parallelize.gpt_plan import ATTENTION_CHOICES
 from ..parallelize.pipeline_split import SCHEDULES
 from ..planner.local import local_cluster
 from ..planner.search import chosen_layout
+from ..training.config import to_toml
 from ..training.rebalance import LAYOUT_FIELDS, LORA_SETTINGS, layout_text, rebalance, resumed_settings
 from ..training.schedule import LR_SCHEDULES
 from ..training.loop import RESUMED_SETTINGS, TrainConfig, train_worker, validate
@@ -46,6 +47,7 @@ from ._calibrated import command_profile
 from ._interrupt import Interrupted, Journal, report_interrupt, terminate_as_interrupt
 from ._hf import check_causal_lm, check_model_dir
 from .checkpoint import add_checkpoint_arguments, checkpoint_settings
+from ._config_file import with_config_file
 
 HELP = "train the reference GPT, or fine-tune a Hugging Face model, with tensor (and data) " \
        "parallelism"
@@ -55,6 +57,11 @@ JOURNAL = contextvars.ContextVar("journal", default=None)  # train's, while it r
 
 
 def add_parser(p) -> None:
+    p.add_argument("--config", metavar="FILE", help="a run's TOML file (sections [model] "
+                   "[layout] [parallel] [optim] [data] [checkpoint] [run], docs/run_config.md; "
+                   "a run's OUT/config.toml runs it again); flags given override its fields")
+    p.add_argument("--print-config", action="store_true", help="print the resolved run as TOML "
+                   "(the file, the flags over it) and exit without starting a rank")
     add_training_arguments(p)
     p.add_argument("--model", metavar="DIR", help="fine-tune this Hugging Face causal LM (a local "
                    "save_pretrained directory, safetensors weights) instead of a preset; each "
@@ -567,14 +574,20 @@ def given_settings(args) -> set[str]:
 
 
 def run(args) -> int:
-    cfg = config_from_args(args, "train")
-    cfg, kept = resumed_settings(cfg, given_settings(args))
+    cfg, in_file = config_from_args(args, "train"), set()
+    if getattr(args, "config", None):
+        cfg, in_file = with_config_file(args, cfg, add_parser)
+    if getattr(args, "print_config", False):
+        print(to_toml(cfg.run_config()), end="")
+        return 0
+    cfg, kept = resumed_settings(cfg, given_settings(args) | in_file)
     if kept:
         status(f"ops-transformer train: {kept}")
     check_free(cfg.out, output_bytes(cfg), "writing metrics.json and loss.png",
                "; nothing was run", place=f"--out {cfg.out}")
     nproc = launch_size(args, cfg)
-    resumed = {"stated": stated_layout(args)} if cfg.resume and cfg.rebalance == "auto" else {}
+    stated = stated_layout(args) | (in_file & set(LAYOUT_FIELDS))
+    resumed = {"stated": stated} if cfg.resume and cfg.rebalance == "auto" else {}
     journal = Journal()
     try:
         with terminate_as_interrupt():

@@ -24,6 +24,7 @@ import torch
 
 from . import checkpoints as ckpt
 from . import finetune
+from .config import PACKS, RunConfig, from_train_fields, to_toml
 from ..comm.engine import NodeLayout
 from ..comm.ledger import CommLedger
 from ..layers.dropout import micro_batch_masks
@@ -113,6 +114,16 @@ class TrainConfig:
     compile: bool = ParallelOptions.compile  # each Transformer block through torch.compile
     compile_backend: str = ParallelOptions.compile_backend  # "inductor", "aot_eager", "eager"
 
+    @classmethod
+    def from_run_config(cls, run: RunConfig) -> TrainConfig:
+        """The flat form of a :class:`~ops_transformer.training.config.RunConfig` (its sections'
+        fields, one keyword each)."""
+        return cls(**run.train_fields())
+
+    def run_config(self) -> RunConfig:
+        """This run in typed sections (each checked: a ``ValueError`` names the flag)."""
+        return from_train_fields(asdict(self))
+
     def parallel_options(self, **more) -> ParallelOptions:
         """The options ``parallelize`` runs this training with (``more``: e.g. the precision
         policy's ``grad_reduce_dtype``)."""
@@ -169,6 +180,7 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
         raise ValueError(f"--clip-grad must be positive, got {cfg.clip_grad}")
     ckpt.check_options(cfg)
     check_schedule(cfg.lr_schedule, cfg.warmup, cfg.steps)
+    cfg.run_config()  # each section checks its fields' types and ranges, naming the flag
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, ep, cp, tp = check_mesh_degrees(world_size, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, cp=cfg.cp,
@@ -218,8 +230,6 @@ def check_fp8(cfg: TrainConfig, model_cfg) -> None:
         if on:
             raise ValueError(f"--precision fp8 does not combine with {flag} yet: drop one of them")
 
-
-PACKS = ("docs", "naive")
 
 
 def check_train_cp(cfg: TrainConfig) -> None:
@@ -694,7 +704,8 @@ def _dense_param_count(model_cfg: GPTConfig) -> int:
 
 
 def write_outputs(out: Path, metrics: dict) -> None:
-    """``metrics.json`` and ``loss.png`` in ``out``; an ``OSError`` (a full disk) leaves no
+    """``metrics.json``, ``config.toml`` (the run's resolved configuration) and ``loss.png`` in
+    ``out``; an ``OSError`` (a full disk) leaves no
     truncated ``metrics.json``."""
     out.mkdir(parents=True, exist_ok=True)
     partial = out / ".metrics.json.tmp"
@@ -703,6 +714,8 @@ def write_outputs(out: Path, metrics: dict) -> None:
         partial.replace(out / "metrics.json")
     finally:
         partial.unlink(missing_ok=True)
+    if "config" in metrics:  # the resolved run: `train --config OUT/config.toml` runs it again
+        (out / "config.toml").write_text(to_toml(from_train_fields(metrics["config"])))
     write_line_plot_png(out / "loss.png", loss_series(metrics),
                         title=f"{metrics['preset'] or Path(metrics['model_dir']).name} "
                               f"training loss")

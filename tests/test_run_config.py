@@ -1,0 +1,185 @@
+"""Issue 34: a run as a file — ``RunConfig``'s typed sections, their flag-named checks, the TOML
+file (``train --config``, ``--print-config``, ``OUT/config.toml``) and the flat ``TrainConfig`` the
+loop runs from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ops_transformer.cli.main import main
+from ops_transformer.parallelize import ParallelOptions
+from ops_transformer.training.config import (SECTION_ORDER, LayoutSection, OptimSection,
+                                             RunConfig, RunSection, load_toml, to_toml)
+from ops_transformer.training.loop import TrainConfig, validate
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLE = EXAMPLES / "tiny_tp2.toml"
+WORLD = {"tiny_tp2": 2, "dp2_tp2_zero2_sp": 4, "moe_ep2": 2}  # each example's local ranks
+ODD = TrainConfig(preset="moe-tiny", tp=2, dp=2, ep=2, steps=7, batch=16, seq=32, lr=1e-4,
+                  seed=3, attention="heads", data="corpus.txt", out="runs/x", progress=False,
+                  layers=1, ranks_per_node=2, precision="bf16", clip_grad=0.5, zero=2,
+                  sequence_parallel="regather", recompute="selective", overlap="chunked",
+                  chunks=3, ckpt_dir="ck", save_every=2, resume="strict", keep_checkpoints=2,
+                  on_save_error="continue", lr_schedule="cosine", warmup=2, grad_accum=2,
+                  lora_rank=4, lora_alpha=8.0, lora_targets=("*.q", "*.v"), dropout=0.1,
+                  moe_statistics="global", cp_strategy="ring", pack="naive", pp_schedule="gpipe",
+                  microbatches=2, compile_backend="eager", sample_prompt='say "hi"\n')
+
+
+def test_every_train_config_field_is_one_section_field():
+    assert set(RunConfig().train_fields()) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert TrainConfig.from_run_config(RunConfig()) == TrainConfig()  # defaults defined once
+
+
+def test_train_config_round_trips_through_sections_and_toml(tmp_path):
+    run = ODD.run_config()
+    assert isinstance(run.parallel, ParallelOptions) and run.parallel.chunks == 3
+    assert run.layout.tp == 2 and run.optim.clip == 0.5 and run.model.dir is None
+    assert TrainConfig.from_run_config(run) == ODD
+    (tmp_path / "run.toml").write_text(to_toml(run))
+    loaded, in_file = load_toml(tmp_path / "run.toml")
+    assert loaded == run and TrainConfig.from_run_config(loaded) == ODD
+    assert {"tp", "clip_grad", "lora_targets", "cp_strategy"} <= in_file
+    assert "dp" not in to_toml(RunConfig())  # unset (None) fields are left out
+
+
+def test_sections_are_frozen_and_name_their_flag():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RunConfig().run.steps = 3
+    for build, message in ((lambda: RunSection(steps=0), "--steps must be at least 1, got 0"),
+                           (lambda: LayoutSection(tp=True), "--tp must be an integer, got True"),
+                           (lambda: OptimSection(lr=-1), "--lr must be positive, got -1.0"),
+                           (lambda: OptimSection(schedule="linear"),
+                            "--lr-schedule must be one of constant, cosine, got 'linear'"),
+                           (lambda: OptimSection(clip=0), "--clip-grad must be positive"),
+                           (lambda: RunSection(progress="no"), "--no-progress must be true/false"),
+                           (lambda: RunSection(sample_tokens=-1),  # a field with no flag
+                            "[run] sample_tokens must be at least 0")):
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            build()
+    assert OptimSection(lr=1).lr == 1.0 and isinstance(OptimSection(lr=1).lr, float)
+
+
+def test_parallel_precision_follows_optim():
+    run = RunConfig(optim=OptimSection(precision="fp8"))
+    assert run.parallel.precision == "fp8"
+    assert RunConfig(optim=OptimSection(precision="bf16")).parallel.precision == "fp32"
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[run]\nstepz = 1\n", "unknown key 'stepz' in [run]; valid keys: steps, batch,"),
+    ("[runs]\nsteps = 1\n", "unknown section [runs]; the sections are [model], [layout]"),
+    ('[optim]\nlr = "fast"\n', '[optim] lr = "fast": --lr must be a number, got \'fast\''),
+    ("[run]\nbatch = 0\n", "[run] batch = 0: --batch must be at least 1, got 0"),
+    ("[parallel]\nchunks = 0\n", "[parallel] chunks = 0: --chunks must be an integer >= 1"),
+    ("[parallel]\nattention = \"wide\"\n", "--attention must be one of"),
+    ("[optim]\nzero = 4\n", "[optim] zero = 4: --zero must be one of 0, 1, 2, 3, got 4"),
+    ("steps = = 2\n", "is not a TOML file"),
+])
+def test_bad_file_is_one_line_naming_file_key_and_what_is_valid(tmp_path, text, says):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_toml(path)
+    assert says in str(err.value) and f"--config {str(path)!r}" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def _resolved(capsys, *argv) -> str:
+    assert main(["train", *argv, "--print-config"]) == 0
+    return capsys.readouterr().out
+
+
+def test_print_config_flags_over_file_over_defaults(tmp_path, capsys):
+    out = _resolved(capsys, "--config", str(EXAMPLE), "--steps", "3", "--no-prog",
+                    "--out", str(tmp_path / "o"))
+    (tmp_path / "resolved.toml").write_text(out)
+    run, _ = load_toml(tmp_path / "resolved.toml")
+    assert run.run.steps == 3 and run.run.progress is False  # flags (abbreviated too)
+    assert run.layout.tp == 2 and run.optim.schedule == "cosine"  # the file
+    assert run.run.sample_tokens == TrainConfig.sample_tokens  # the defaults
+    assert run.parallel.attention == "heads"
+    assert not (tmp_path / "o").exists()  # no rank started, nothing written
+    assert [line.strip("[]") for line in out.splitlines() if line.startswith("[")] == \
+        list(SECTION_ORDER)
+
+
+def test_model_flag_replaces_the_files_model(tmp_path, capsys):
+    (tmp_path / "m.toml").write_text('[model]\ndir = "some-hf-dir"\n')
+    out = _resolved(capsys, "--config", str(tmp_path / "m.toml"), "--preset", "small")
+    assert 'preset = "small"' in out and "dir =" not in out.split("[layout]")[0]
+
+
+def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
+    (tmp_path / "bad.toml").write_text(f'[run]\nout = "{tmp_path / "o"}"\nseq = "long"\n')
+    assert main(["train", "--config", str(tmp_path / "bad.toml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "[run] seq = \"long\": --seq must be an integer" in err
+    assert not (tmp_path / "o").exists()
+
+
+def _train(tmp_path, capsys, name, *argv) -> dict:
+    out = tmp_path / name
+    assert main(["train", *argv, "--out", str(out), "--json"]) == 0
+    capsys.readouterr()
+    return json.loads((out / "metrics.json").read_text())
+
+
+def test_example_runs_two_steps_and_its_resolved_file_reproduces_it(tmp_path, capsys):
+    (tmp_path / "data.txt").write_text("def add(x, y):\n    return x + y\n" * 200)
+    first = _train(tmp_path, capsys, "a", "--config", str(EXAMPLE), "--tp", "1", "--steps",
+                   "2", "--seq", "16", "--batch", "2",
+                   "--data", str(tmp_path / "data.txt"), "--no-progress")
+    resolved = tmp_path / "a" / "config.toml"
+    run, _ = load_toml(resolved)
+    assert run.run.steps == 2 and run.optim.schedule == "cosine" and run.layout.tp == 1
+    again = _train(tmp_path, capsys, "b", "--config", str(resolved))
+    assert len(first["losses"]) == 2 and again["losses"] == first["losses"]  # bit for bit
+
+
+@pytest.mark.parametrize("name", sorted(WORLD))
+def test_every_example_prints_and_validates_at_its_size(name, tmp_path, capsys):
+    assert sorted(p.stem for p in EXAMPLES.glob("*.toml")) == sorted(WORLD)
+    (tmp_path / "r.toml").write_text(_resolved(capsys, "--config", str(EXAMPLES / f"{name}.toml"),
+                                               "--out", str(tmp_path / "o")))
+    run, _ = load_toml(tmp_path / "r.toml")
+    written, _ = load_toml(EXAMPLES / f"{name}.toml")
+    assert run == dataclasses.replace(written, run=dataclasses.replace(written.run,
+                                                                       out=str(tmp_path / "o")))
+    (tmp_path / "data.txt").write_text("def add(x, y):\n    return x + y\n" * 200)
+    cfg = dataclasses.replace(TrainConfig.from_run_config(run), data=str(tmp_path / "data.txt"))
+    dp, tp = validate(cfg, WORLD[name])
+    assert dp * tp * cfg.ep == WORLD[name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(WORLD))
+def test_example_runs_as_written(name, tmp_path, capsys):
+    (tmp_path / "data.txt").write_text("def add(x, y):\n    return x + y\n" * 400)
+    metrics = _train(tmp_path, capsys, "a", "--config", str(EXAMPLES / f"{name}.toml"),
+                     "--steps", "2", "--data", str(tmp_path / "data.txt"), "--no-progress")
+    run, _ = load_toml(EXAMPLES / f"{name}.toml")
+    assert (metrics["tp"], metrics["dp"], metrics.get("ep", 1)) == \
+        (run.layout.tp, WORLD[name] // (run.layout.tp * run.layout.ep), run.layout.ep)
+    assert len(metrics["losses"]) == 2
+
+
+def test_without_argv_the_flags_that_differ_from_the_defaults_override(tmp_path, capsys):
+    from ops_transformer.cli import train
+    from ops_transformer.cli.main import build_parser
+
+    args = build_parser().parse_args(["train", "--config", str(EXAMPLE), "--steps", "3",
+                                      "--print-config"])
+    assert train.run(args) == 0  # no args.argv: as a caller of run() builds it
+    run = load_toml_text(tmp_path, capsys.readouterr().out)
+    assert run.run.steps == 3 and run.layout.tp == 2 and run.run.out.startswith("runs/train-")
+
+
+def load_toml_text(tmp_path, text: str) -> RunConfig:
+    (tmp_path / "t.toml").write_text(text)
+    return load_toml(tmp_path / "t.toml")[0]

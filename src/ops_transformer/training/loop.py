@@ -180,7 +180,6 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
         raise ValueError(f"--clip-grad must be positive, got {cfg.clip_grad}")
     ckpt.check_options(cfg)
     check_schedule(cfg.lr_schedule, cfg.warmup, cfg.steps)
-    cfg.run_config()  # each section checks its fields' types and ranges, naming the flag
     if cfg.tp > world_size:
         raise ValueError(f"--tp ({cfg.tp}) is larger than the number of processes ({world_size})")
     dp, ep, cp, tp = check_mesh_degrees(world_size, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, cp=cfg.cp,
@@ -215,6 +214,9 @@ def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
         gpt_plan(model_cfg, tp, cfg.attention, batch=micro_batch(cfg, dp * ep), seq=cfg.seq)
         check_corpus(load_corpus(cfg.data), cfg.seq)
     check_log_dir(cfg.tensorboard)
+    # each section checks its fields' types and ranges, naming the flag (after the checks above,
+    # whose messages say more about the option itself)
+    cfg.run_config()
     return dp, tp
 
 

@@ -43,6 +43,7 @@ from torch import nn
 from ..comm.primitives import reduce_from_tp_region
 from ..layers.context_attention import (ContextParallelCore, head_tail_chunks, local_positions,
                                        shard_sequence)
+from ..layers.moe_context import use_context_statistics
 from ..models.documents import check_document_ids, document_positions, document_targets
 from ..models.gpt import GPT
 from ..planner.choose import resolve_profile
@@ -74,9 +75,8 @@ def check_context_parallel(model: nn.Module, ctx, options):
     if not (isinstance(model, GPT) or supports_context_parallel(model)):
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) supports the reference GPT and "
                          f"Hugging Face {', '.join(CP_FAMILIES)}; got {type(model).__name__}")
-    dropout, experts = _dropout_and_experts(model)
+    dropout = _dropout(model)
     unsupported = {"dropout > 0": ("dropout", dropout > 0),
-                   "MoE (n_experts > 0)": ("moe", experts > 0),
                    "LoRA dropout > 0": ("lora_dropout",
                                         options.lora is not None and options.lora.dropout > 0)}
     for what, (why, present) in unsupported.items():
@@ -90,10 +90,10 @@ def check_context_parallel(model: nn.Module, ctx, options):
     return dataclasses.replace(options, attention="heads")
 
 
-def _dropout_and_experts(model: nn.Module) -> tuple[float, int]:
+def _dropout(model: nn.Module) -> float:
     if isinstance(model, GPT):
-        return model.cfg.dropout, model.cfg.n_experts
-    return float(getattr(model.config, "attention_dropout", 0.0) or 0.0), 0
+        return model.cfg.dropout
+    return float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
 
 
 def _shapes(model: nn.Module) -> dict:
@@ -143,6 +143,7 @@ def apply_context_parallel(model: nn.Module, ctx, options) -> ContextParallelCho
                                                      switch=split.switch)
             block.attn.core = block.attn.cp_core.__call__
         model.sequence_split = split
+        use_context_statistics(model, ctx, split.switch)  # MoE: capacity and aux over the rows
         model.__class__ = ContextParallelGPT  # the same parameters and names; its forward splits
     else:
         apply_hf_context_parallel(model, ctx, choice, split)
@@ -160,12 +161,19 @@ class ContextParallelGPT(GPT):
             raise ValueError("a context-parallel model takes whole sequences: it places their "
                              "positions itself (positions= must be None)")
         if not self.sequence_split.switch.on:  # generate(): every rank the whole sequence
-            return super().forward(idx, targets, document_ids=document_ids)
+            logits, loss = super().forward(idx, targets, document_ids=document_ids)
+            return logits, GPT.add_aux_loss(self, loss)
         local, local_targets, positions, total = self.sequence_split.enter(idx, targets,
                                                                            document_ids)
         logits, loss = super().forward(local, local_targets, positions=positions,
                                        document_ids=document_ids)  # whole: the cores read them
-        return logits, self.sequence_split.exit(loss, local_targets, total)
+        # the MoE load-balancing loss after the exit: it is normalised over the cp group's
+        # tokens already (layers/moe_context.py), the cross-entropy by the exit
+        return logits, GPT.add_aux_loss(self, self.sequence_split.exit(loss, local_targets,
+                                                                       total))
+
+    def add_aux_loss(self, loss):
+        return loss  # added by forward, after the sequence split's exit
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, **kwargs):

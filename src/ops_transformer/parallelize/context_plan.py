@@ -43,6 +43,7 @@ from torch import nn
 from ..comm.primitives import reduce_from_tp_region
 from ..layers.context_attention import (ContextParallelCore, head_tail_chunks, local_positions,
                                        shard_sequence)
+from ..layers.dropout import ParallelDropout
 from ..layers.moe_context import use_context_statistics
 from ..models.documents import check_document_ids, document_positions, document_targets
 from ..models.gpt import GPT
@@ -75,14 +76,10 @@ def check_context_parallel(model: nn.Module, ctx, options):
     if not (isinstance(model, GPT) or supports_context_parallel(model)):
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) supports the reference GPT and "
                          f"Hugging Face {', '.join(CP_FAMILIES)}; got {type(model).__name__}")
-    dropout = _dropout(model)
-    unsupported = {"dropout > 0": ("dropout", dropout > 0),
-                   "LoRA dropout > 0": ("lora_dropout",
-                                        options.lora is not None and options.lora.dropout > 0)}
-    for what, (why, present) in unsupported.items():
-        if present:
-            raise ValueError(f"context parallelism (cp={ctx.cp_size}) does not compose with "
-                             f"{what} yet: {CP_LIMITS[why]}")
+    if not isinstance(model, GPT) and _hf_dropout(model) > 0:
+        raise ValueError(f"context parallelism (cp={ctx.cp_size}) does not compose with "
+                         f"a Hugging Face model's attention dropout > 0 yet: "
+                         f"{CP_LIMITS['hf_dropout']}")
     if options.attention not in ("auto", "heads"):
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) splits the tokens of "
                          f"attention='heads' (each TP rank its heads); got "
@@ -90,9 +87,7 @@ def check_context_parallel(model: nn.Module, ctx, options):
     return dataclasses.replace(options, attention="heads")
 
 
-def _dropout(model: nn.Module) -> float:
-    if isinstance(model, GPT):
-        return model.cfg.dropout
+def _hf_dropout(model: nn.Module) -> float:
     return float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
 
 
@@ -140,8 +135,10 @@ def apply_context_parallel(model: nn.Module, ctx, options) -> ContextParallelCho
             # a submodule, so print(model) names it; ``Attention.forward`` calls the instance's
             # ``core`` (as parallelize/dropout.py replaces it), a class method otherwise
             block.attn.cp_core = ContextParallelCore(ctx, choice.strategy, choice.reason,
-                                                     switch=split.switch)
+                                                     switch=split.switch,
+                                                     dropout=model.cfg.dropout)
             block.attn.core = block.attn.cp_core.__call__
+        head_tail_dropout(model, ctx)  # the embedding and residual sites: this rank's tokens
         model.sequence_split = split
         use_context_statistics(model, ctx, split.switch)  # MoE: capacity and aux over the rows
         model.__class__ = ContextParallelGPT  # the same parameters and names; its forward splits
@@ -150,6 +147,16 @@ def apply_context_parallel(model: nn.Module, ctx, options) -> ContextParallelCho
     log.info("parallelize: cp=%d context_parallel=%s (%s)", ctx.cp_size, choice.strategy,
              choice.reason)
     return choice
+
+
+def head_tail_dropout(model: nn.Module, ctx) -> int:
+    """Give every :class:`~ops_transformer.layers.dropout.ParallelDropout` of ``model`` (what
+    :mod:`.dropout` made of the reference GPT's embedding and residual sites) this rank's
+    head-tail tokens of the one-device mask; returns how many."""
+    sites = [m for m in model.modules() if isinstance(m, ParallelDropout)]
+    for module in sites:
+        module.layout = dataclasses.replace(module.layout, cp_rank=ctx.cp_rank, cp=ctx.cp_size)
+    return len(sites)
 
 
 class ContextParallelGPT(GPT):

@@ -34,10 +34,8 @@ CP_CHOICES = ("auto",) + CP_STRATEGIES
 # What context parallelism does not compose with yet, and why (the refusals' one line: train,
 # parallelize, the planner's rule; docs/context_parallel.md)
 CP_LIMITS = {
-    "dropout": "the ring's blockwise attention draws no one-device dropout mask",
-    "moe": "an expert's capacity queues the global batch's tokens in order, and a cp rank's "
-           "head and tail chunks interleave with the other cp ranks'",
-    "lora_dropout": "each cp rank would draw the adapter's masks for its own tokens",
+    "hf_dropout": "Hugging Face models keep their own attention dropout, whose masks no rank "
+                  "can split (the reference GPT's one-device masks: layers/dropout.py)",
 }
 
 

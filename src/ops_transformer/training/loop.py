@@ -40,7 +40,7 @@ from ..parallelize import ParallelOptions, parallelize
 from ..parallelize.compile import check_compile
 from ..parallelize.gpt_plan import gpt_plan
 from ..parallelize.moe_plan import n_experts_of
-from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence
+from ..planner.context_parallel import CP_CHOICES, check_sequence
 from ..parallelize.pipeline import Pipeline, pipeline
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
 from ..planner.strategies import model_comm_per_step
@@ -243,13 +243,6 @@ def check_train_cp(cfg: TrainConfig) -> None:
         raise ValueError(f"--pack must be one of {', '.join(PACKS)}, got {cfg.pack!r}")
     if cfg.cp == 1:
         return
-    preset_cfg = None if cfg.model else cfg.model_config()  # --model: parallelize checks it
-    for flag, why, on in (
-            ("--lora-dropout", "lora_dropout", cfg.lora_dropout > 0),
-            ("an MoE preset", "moe", preset_cfg is not None and preset_cfg.n_experts > 0),
-            ("--dropout", "dropout", preset_cfg is not None and preset_cfg.dropout > 0)):
-        if on:
-            raise ValueError(f"--cp {cfg.cp} does not combine with {flag} yet: {CP_LIMITS[why]}")
     check_sequence(cfg.seq, cfg.cp)
     if cfg.sequence_parallel and (cfg.seq // cfg.cp) % cfg.tp:
         raise ValueError(f"--sequence-parallel with --cp splits each rank's s/cp = "

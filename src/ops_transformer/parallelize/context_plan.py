@@ -91,7 +91,7 @@ def _hf_dropout(model: nn.Module) -> float:
     return float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
 
 
-def _shapes(model: nn.Module) -> dict:
+def context_shapes(model: nn.Module) -> dict:
     """``max_seq_len, n_kv_heads, head_dim, d_model`` of the reference GPT or a HF decoder."""
     if isinstance(model, GPT):
         cfg = model.cfg
@@ -109,7 +109,7 @@ def choose_context_parallel(model: nn.Module, ctx, requested: str) -> ContextPar
     if requested != "auto":
         return ContextParallelChoice(requested, f"forced (context_parallel={requested!r})",
                                      ctx.cp_size)
-    shapes, tp = _shapes(model), ctx.tp_size
+    shapes, tp = context_shapes(model), ctx.tp_size
     profile = resolve_profile(getattr(ctx, "profile", None))
     kv_heads = max(1, shapes["kv_heads"] // tp)  # replicated KV heads: one per rank
     strategy, reason = choose_strategy(
@@ -129,7 +129,7 @@ def apply_context_parallel(model: nn.Module, ctx, options) -> ContextParallelCho
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) splits the tokens of "
                          f"attention='heads'; the plan has attention={plan.attention!r}")
     choice = choose_context_parallel(model, ctx, options.context_parallel)
-    split = SequenceSplit(ctx, _shapes(model)["seq"])
+    split = SequenceSplit(ctx, context_shapes(model)["seq"])
     if isinstance(model, GPT):
         for block in model.layers:
             # a submodule, so print(model) names it; ``Attention.forward`` calls the instance's

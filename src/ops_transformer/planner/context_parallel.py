@@ -161,3 +161,23 @@ def propose_cp(*, activation_bytes: float, other_bytes: float, memory_bytes: flo
         cp *= 2
     raise ValueError(f"no context-parallel degree up to {ranks} ranks fits a sequence of {seq} "
                      f"tokens in {memory_bytes / 2**30:.3g} GiB per rank: {'; '.join(tried)}")
+
+
+def layer_figures(strategy: str, *, batch: int, seq: int, kv_dim: int, q_dim: int, cp: int,
+                  alpha_s: float, bandwidth: float, matmul_flops: float,
+                  bytes_per_element: int = 4, causal: bool = True) -> dict[str, float]:
+    """What the diagnostics compare, per layer and rank, in seconds: ``transfer`` (one ring
+    step's K/V, or the all-gather), ``block`` (the attention one ring step hides it behind),
+    ``exposed`` (:func:`layer_time`, forward and backward) and ``attention`` (this rank's whole
+    attention work, forward and backward: ``cp`` blocks, backward twice the forward)."""
+    check_strategy(strategy)
+    x = block_elements(batch=batch, seq=seq, kv_dim=kv_dim, cp=cp)
+    kind, elements = ("send_recv", x) if strategy == "ring" else ("all_gather", cp * x)
+    block = block_flops(batch=batch, seq=seq, q_dim=q_dim, cp=cp, causal=causal) / matmul_flops
+    return {"transfer": collective_time(kind, elements, cp, alpha_s=alpha_s, bandwidth=bandwidth,
+                                        bytes_per_element=bytes_per_element),
+            "block": block, "attention": 3 * cp * block,
+            "exposed": layer_time(strategy, batch=batch, seq=seq, kv_dim=kv_dim, q_dim=q_dim,
+                                  cp=cp, alpha_s=alpha_s, bandwidth=bandwidth,
+                                  matmul_flops=matmul_flops, bytes_per_element=bytes_per_element,
+                                  causal=causal)}

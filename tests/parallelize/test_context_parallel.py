@@ -105,8 +105,6 @@ def _bad_sequence():
     model = parallelize(GPT(preset("tiny", max_seq_len=32)), ctx, context_parallel="ring")
     with pytest.raises(ValueError, match=r"sequence length 10 is not divisible by 4 \(cp=2\)"):
         model(torch.zeros(1, 10, dtype=torch.long))
-    with pytest.raises(ValueError, match="does not compose with dropout"):
-        parallelize(GPT(preset("tiny", dropout=0.1)), ctx)
     with pytest.raises(ValueError, match="attention='kv_split'"):
         parallelize(GPT(preset("tiny")), ctx, attention="kv_split")
     auto = parallelize(GPT(preset("tiny", max_seq_len=32)), ctx).parallel_state.context_parallel

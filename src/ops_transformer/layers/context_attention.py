@@ -48,6 +48,7 @@ from ..comm.primitives import all_gather_along
 from ..comm.ring import ring_shift
 from ..models.documents import document_mask, document_runs
 from .dropout import Layout, _MaskedScale, draw_seed, head_tail_positions, keep_mask
+from .ulysses import ulysses_attention
 from ..planner.context_parallel import CP_STRATEGIES, check_sequence, check_strategy
 
 NEG_INF = float("-inf")
@@ -315,8 +316,8 @@ def _explicit_attention(q, k, v, mask, scale, drop: AttentionDropout, r: int, p:
 def context_parallel_attention(q, k, v, group, *, strategy: str = "ring", causal: bool = True,
                                scale: float | None = None, document_ids=None,
                                dropout: AttentionDropout | None = None):
-    """Attention over a sequence split head-tail over ``group`` with ``strategy`` (``ring`` or
-    ``allgather_kv``): this rank's ``(B, nh, S, d)`` queries, ``(B, nkv, S, d)`` keys and values;
+    """Attention over a sequence split head-tail over ``group`` with ``strategy`` (``ring``,
+    ``allgather_kv`` or ``ulysses``, :mod:`.ulysses`): this rank's ``(B, nh, S, d)`` queries, ``(B, nkv, S, d)`` keys and values;
     ``S`` must be even (two chunks). ``document_ids`` ``(B, cp·S)``: the whole sequences'
     documents (:mod:`ops_transformer.models.documents`); a query never sees another document."""
     check_strategy(strategy)
@@ -332,7 +333,8 @@ def context_parallel_attention(q, k, v, group, *, strategy: str = "ring", causal
         raise ValueError(f"context-parallel attention takes the whole sequences' document_ids: "
                          f"{q.shape[2] * group_size(group)} per row, got "
                          f"{tuple(document_ids.shape)}")
-    fn = ring_attention if strategy == "ring" else allgather_kv_attention
+    fn = {"ring": ring_attention, "allgather_kv": allgather_kv_attention,
+          "ulysses": ulysses_attention}[strategy]
     return fn(q, k, v, group, causal=causal, scale=scale, document_ids=document_ids,
               dropout=dropout)
 
@@ -364,8 +366,10 @@ class ContextParallelCore(nn.Module):
                                           document_ids=document_ids, dropout=drop)
 
     def extra_repr(self) -> str:
-        comm = ("ring send_recv of K/V (fwd), K/V and dK/dV (bwd)" if self.strategy == "ring"
-                else "all-gather K/V (fwd), reduce-scatter dK/dV (bwd)")
+        comm = {"ring": "ring send_recv of K/V (fwd), K/V and dK/dV (bwd)",
+                "allgather_kv": "all-gather K/V (fwd), reduce-scatter dK/dV (bwd)",
+                "ulysses": "all-to-all of Q, K/V and the output over heads (fwd and bwd)"
+                }[self.strategy]
         return f"strategy={self.strategy}, cp={self.cp_size}, {comm}" + (
             f", dropout={self.dropout:g} (one-device masks per block)" if self.dropout else "")
 

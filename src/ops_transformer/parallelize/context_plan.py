@@ -48,7 +48,8 @@ from ..layers.moe_context import use_context_statistics
 from ..models.documents import check_document_ids, document_positions, document_targets
 from ..models.gpt import GPT
 from ..planner.choose import resolve_profile
-from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence, choose_strategy
+from ..planner.context_parallel import (CP_CHOICES, CP_LIMITS, ULYSSES, check_sequence,
+                                        check_ulysses, choose_strategy)
 from .context_hf import CP_FAMILIES, apply_hf_context_parallel, supports_context_parallel
 from .gpt_plan import AUTO_BATCH
 
@@ -129,7 +130,11 @@ def apply_context_parallel(model: nn.Module, ctx, options) -> ContextParallelCho
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) splits the tokens of "
                          f"attention='heads'; the plan has attention={plan.attention!r}")
     choice = choose_context_parallel(model, ctx, options.context_parallel)
-    split = SequenceSplit(ctx, context_shapes(model)["seq"])
+    shapes = context_shapes(model)
+    if choice.strategy == ULYSSES:  # each cp rank 1/cp of this rank's heads: named now
+        check_ulysses(shapes["d_model"] // shapes["head_dim"] // ctx.tp_size,
+                      max(1, shapes["kv_heads"] // ctx.tp_size), ctx.cp_size)
+    split = SequenceSplit(ctx, shapes["seq"])
     if isinstance(model, GPT):
         for block in model.layers:
             # a submodule, so print(model) names it; ``Attention.forward`` calls the instance's

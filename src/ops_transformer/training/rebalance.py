@@ -230,7 +230,7 @@ def _planned_row(cfg, world: int, tp: int, ep: int, model: ModelSpec, cluster,
     dp, micro = world // (tp * ep * cp), model.micro_batch
     strategies = ([cfg.attention] if cfg.attention != "auto" else
                   ["heads"] if tp == 1 or cp > 1 else list(ATTENTION_STRATEGIES))
-    exchange = cfg.cp_strategy if cfg.cp_strategy != "auto" else "ring"
+    exchange = cfg.cp_strategy if cfg.cp_strategy in ("ring", "allgather_kv") else "ring"
     rows = []
     for attention in strategies:
         o = Options(dp, tp, ep, attention, bool(cfg.sequence_parallel) and tp > 1, cfg.recompute,

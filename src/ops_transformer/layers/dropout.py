@@ -23,7 +23,10 @@ only its own elements — skipping ahead costs nothing — so:
 =================== ===================================================== ====================
 
 and data-parallel rank ``d`` holds rows ``[d·b, (d+1)·b)`` of the global batch: ``dp × tp``
-draws the masks of one device running the global batch. The hash (:func:`keep_mask`) is two
+draws the masks of one device running the global batch. Under context parallelism (``cp_rank``
+of ``cp``) dim 1 holds the rank's head-tail chunks of the sequence, whose positions the index
+follows (:meth:`Layout._cp_index`); the attention probabilities' blocks take theirs from
+:meth:`Layout.attention_index` (:mod:`.context_attention`, :mod:`.ulysses`). The hash (:func:`keep_mask`) is two
 rounds of a 32-bit integer mixer (Wellons' ``lowbias32``, a bijection with low bias) over the
 index's two 32-bit halves and the seed's, in place on int32; a value is kept when its 32-bit hash
 is at least ``⌊p·2³²⌋``. It is not a cryptographic generator; its keep rate and independence are tested. The

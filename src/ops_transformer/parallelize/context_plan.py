@@ -22,7 +22,11 @@
    ``cp`` rank's gradient is a part of a sum, its loss gradient is scaled by ``cp`` (as
    Megatron-LM does).
 
-Hugging Face Llama, Mistral and Qwen2 get the same through :mod:`.context_hf`.
+Dropout keeps the one-device masks (each site's :class:`~ops_transformer.layers.dropout.Layout`
+learns this rank's head-tail tokens; the cores draw their blocks' masks), and MoE layers take
+their capacity and load-balancing statistics over the cp group's whole rows
+(:mod:`ops_transformer.layers.moe_context`). Hugging Face Llama, Mistral and Qwen2 get the same
+through :mod:`.context_hf` (without dropout).
 
 The logits a rank returns are those of its own tokens (in the head-tail order of
 :func:`shard_sequence`; :func:`~ops_transformer.layers.context_attention.unshard_sequence` puts

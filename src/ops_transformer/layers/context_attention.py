@@ -37,7 +37,6 @@ are :func:`ops_transformer.planner.context_parallel.layer_comm`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,30 +46,12 @@ from ..comm.collectives import group_rank, group_size
 from ..comm.primitives import all_gather_along
 from ..comm.ring import ring_shift
 from ..models.documents import document_mask, document_runs
-from .dropout import Layout, _MaskedScale, draw_seed, head_tail_positions, keep_mask
+from .context_dropout import AttentionDropout, block_dropout, explicit_attention
+from .dropout import Layout, draw_seed, head_tail_positions
 from .ulysses import ulysses_attention
 from ..planner.context_parallel import CP_STRATEGIES, check_sequence, check_strategy
 
 NEG_INF = float("-inf")
-
-
-@dataclass(frozen=True)
-class AttentionDropout:
-    """Dropout ``p`` of the attention probabilities with the one-device mask
-    (:mod:`.dropout`: a counter-based hash of each probability's index in the one-device
-    ``(b, heads, s, s)`` tensor under one ``seed`` per call): a block of query and key positions
-    draws exactly its part, in forward and again in the backward recompute, so nothing is kept.
-    ``layout`` places this rank's rows (``dp``) and heads (``tp``)."""
-
-    p: float
-    seed: torch.Tensor
-    layout: Layout
-
-    def scale(self, heads: int, q_pos, k_pos, seq: int, batch: int, dtype) -> torch.Tensor:
-        """``(batch, heads, len(q_pos), len(k_pos))``: ``1/(1−p)`` where kept, else 0."""
-        index = self.layout.attention_index(batch, heads, q_pos, k_pos, seq)
-        keep = keep_mask(self.seed, index, self.p)
-        return keep.to(dtype) * (1.0 / (1.0 - self.p))
 
 
 def head_tail_chunks(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -194,7 +175,7 @@ class _RingAttention(torch.autograd.Function):
                 blk_lse = torch.logsumexp(s, -1)
                 weights = torch.exp(s - _finite(blk_lse).unsqueeze(-1))  # (B, nkv, g, rows, cols)
                 if drop is not None:  # dropout after the softmax: it commutes with the merge
-                    weights = weights * _drop_scale(drop, r, (r - step) % p, rows, cols, q5)
+                    weights = weights * block_dropout(drop, r, (r - step) % p, rows, cols, q5)
                 blk_out = weights @ kv[1][..., cols, :].to(acc).unsqueeze(2)
                 blk_lse, blk_out = blk_lse.to(out.dtype), blk_out.to(out.dtype)
                 old_lse = lse[..., rows]
@@ -238,7 +219,7 @@ class _RingAttention(torch.autograd.Function):
                 do_rows = do5[..., rows, :]
                 dropped, dprobs = probs, do_rows @ v_blk.unsqueeze(2).transpose(-1, -2)
                 if ctx.drop is not None:  # the forward's mask, drawn again from its indices
-                    mask = _drop_scale(ctx.drop, r, (r - step) % p, rows, cols, q5)
+                    mask = block_dropout(ctx.drop, r, (r - step) % p, rows, cols, q5)
                     dropped, dprobs = probs * mask, dprobs * mask
                 dkv[1][..., cols, :] += (dropped.transpose(-1, -2) @ do_rows).sum(2)
                 ds = probs * (dprobs - delta[..., rows].unsqueeze(-1)) * scale
@@ -250,17 +231,6 @@ class _RingAttention(torch.autograd.Function):
         dkv = pending_dkv.wait()  # our own block's, home after p hops
         return (dq.reshape(B, H, S, D).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
                 None, None, None, None, None)
-
-
-def _drop_scale(drop: AttentionDropout, r: int, src: int, rows: slice, cols: slice, q5):
-    """The dropout factors of the block of rank ``r``'s query ``rows`` and rank ``src``'s key
-    ``cols``: ``(B, nkv, g, rows, cols)``."""
-    B, nkv, g, S, _ = q5.shape
-    p = drop.layout.cp
-    q_pos = local_positions(S, r, p, q5.device)[rows]
-    k_pos = local_positions(S, src, p, q5.device)[cols]
-    return drop.scale(nkv * g, q_pos, k_pos, S * p, B, q5.dtype).view(
-        B, nkv, g, len(q_pos), len(k_pos))
 
 
 def ring_attention(q, k, v, group, *, causal: bool = True, scale: float | None = None,
@@ -288,29 +258,12 @@ def allgather_kv_attention(q, k, v, group, *, causal: bool = True, scale: float 
         k_runs = torch.cat([shard_sequence(runs, j, p) for j in range(p)], 1)
         mask = _with_documents(mask, shard_sequence(runs, r, p), k_runs)[:, 0]  # (B, 1, S, pS)
     if dropout is not None:
-        return _explicit_attention(q, kv[0], kv[1], mask, scale, dropout, r, p)
+        k_pos = torch.cat([local_positions(S, j, p, q.device) for j in range(p)])
+        return explicit_attention(q, kv[0], kv[1], mask, scale, dropout,
+                                  local_positions(S, r, p, q.device), k_pos, S * p)
     return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask,
                                           is_causal=causal and mask is None, scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
-
-
-def _explicit_attention(q, k, v, mask, scale, drop: AttentionDropout, r: int, p: int):
-    """Scores, softmax, the one-device dropout, weighted sum (SDPA's math path; its own dropout
-    mask cannot be split): this rank's queries against the gathered ``(B, nkv, p·S, d)`` K/V."""
-    if k.shape[1] != q.shape[1]:  # GQA
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q @ k.transpose(-2, -1)) * scale  # (B, nh, S, p·S)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, NEG_INF)
-    probs = F.softmax(scores, dim=-1)
-    S = q.shape[2]
-    k_pos = torch.cat([local_positions(S, j, p, q.device) for j in range(p)])
-    index = drop.layout.attention_index(q.shape[0], q.shape[1],
-                                        local_positions(S, r, p, q.device), k_pos, S * p)
-    keep = keep_mask(drop.seed, index, drop.p)
-    return _MaskedScale.apply(probs, keep, 1.0 / (1.0 - drop.p)) @ v
 
 
 def context_parallel_attention(q, k, v, group, *, strategy: str = "ring", causal: bool = True,

@@ -24,8 +24,6 @@ mask of this rank's heads (:mod:`.dropout`).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -33,7 +31,8 @@ from ..comm.collectives import group_rank, group_size
 from ..comm.primitives import all_to_all
 from ..models.documents import document_mask
 from ..planner.context_parallel import check_ulysses
-from .dropout import Layout, _MaskedScale, head_tail_positions, keep_mask
+from .context_dropout import explicit_attention
+from .dropout import Layout, head_tail_positions
 
 LABEL = "cp.ulysses"
 
@@ -84,22 +83,13 @@ def ulysses_attention(q, k, v, group, *, causal: bool = True, scale: float | Non
 
 
 def _with_dropout(q, k, v, mask, causal, scale, drop, r: int, cp: int):
-    """Scores, softmax, the one-device dropout of heads ``r·h/cp …`` of this TP rank's heads,
-    weighted sum (SDPA's math path)."""
-    if k.shape[1] != q.shape[1]:  # GQA
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+    """The whole sequence's attention with the one-device dropout of this rank's heads: heads
+    ``r·h/cp …`` of the TP rank's, i.e. a TP layout of ``tp·cp`` ranks."""
     s = q.shape[2]
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None
-                                          else scale)
     if causal:
         visible = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
         mask = visible if mask is None else mask & visible
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = F.softmax(scores, dim=-1)
-    lay = drop.layout  # this rank's heads of the TP rank's: a TP layout of tp·cp ranks
+    lay = drop.layout
     heads = Layout("heads", lay.tp_rank * cp + r, lay.tp * cp, lay.dp_rank, lay.dp)
     position = torch.arange(s, device=q.device)
-    keep = keep_mask(drop.seed, heads.attention_index(q.shape[0], q.shape[1], position,
-                                                      position, s), drop.p)
-    return _MaskedScale.apply(probs, keep, 1.0 / (1.0 - drop.p)) @ v
+    return explicit_attention(q, k, v, mask, scale, drop, position, position, s, heads)

@@ -101,3 +101,26 @@ def test_moe_at_tp2_cp2_and_dropless_equal_one_process(run_ranks):
     dropless = run_ranks(moe_steps, 2, 1, 1, 2, "ring", "local", None)
     for out, _ in dropless:
         assert all(worst[0] <= 1e-5 for _, _, worst, _ in out), out
+
+
+def _train_losses(cfg):
+    from ops_transformer.training.loop import join, setup_training
+
+    with join(cfg) as ctx:
+        state = setup_training(cfg, ctx)
+        return [state.step(*state.batch(step))[0].metrics["loss"] for step in range(cfg.steps)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero,dp", [(1, 1), (2, 1), (3, 1), (3, 2)])
+def test_zero_with_moe_under_cp_equals_without_cp(run_ranks, zero, dp):
+    """``train --preset moe-tiny --ep 2 --cp 2 --zero N`` (global statistics): the experts' state
+    sharded (or, at dp 1, kept whole and averaged) over dp × cp, three steps equal to the same run
+    without cp and ZeRO (1e-5)."""
+    from ops_transformer.training.loop import TrainConfig
+
+    base = dict(preset="moe-tiny", layers=2, batch=8, seq=16, lr=1e-2, progress=False, steps=3,
+                ep=2, moe_statistics="global", tp=1, dp=dp)
+    ref = run_ranks(_train_losses, 2 * dp, TrainConfig(**base))[0]
+    got = run_ranks(_train_losses, 4 * dp, TrainConfig(**base, cp=2, zero=zero))[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)

@@ -186,7 +186,10 @@ class ParallelContext:
         if self.mesh is None:
             raise ValueError("this context has no device mesh (a single process): there is no "
                              "data-parallel group to shard over")
-        if self.cp_size > 1 and not experts:  # cp ranks hold the same parameters: × cp
+        if self.cp_size > 1:  # cp ranks hold the same parameters (and experts): × cp
+            if experts:
+                return self.mesh["cp"] if self.dp_size == 1 else \
+                    self.mesh["dp", "cp"]._flatten("dp_cp")  # made once, by from_mesh
             if self.dp_ep_size == 1:
                 return self.mesh["cp"]
             return self.mesh["dp", "ep", "cp"]._flatten("dp_ep_cp")  # made once, by from_mesh

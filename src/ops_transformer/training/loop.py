@@ -40,7 +40,7 @@ from ..parallelize import ParallelOptions, parallelize
 from ..parallelize.compile import check_compile
 from ..parallelize.gpt_plan import gpt_plan
 from ..parallelize.moe_plan import n_experts_of
-from ..planner.context_parallel import CP_CHOICES, check_sequence
+from ..planner.context_parallel import CP_CHOICES, ULYSSES, check_sequence, check_ulysses
 from ..parallelize.pipeline import Pipeline, pipeline
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
 from ..planner.strategies import model_comm_per_step
@@ -244,6 +244,12 @@ def check_train_cp(cfg: TrainConfig) -> None:
     if cfg.cp == 1:
         return
     check_sequence(cfg.seq, cfg.cp)
+    if cfg.cp_strategy == ULYSSES and not cfg.model:  # --model: parallelize checks it
+        m = cfg.model_config()
+        try:
+            check_ulysses(m.n_heads // cfg.tp, max(1, m.n_kv_heads // cfg.tp), cfg.cp)
+        except ValueError as exc:
+            raise ValueError(f"--cp-strategy ulysses --cp {cfg.cp}: {exc}") from None
     if cfg.sequence_parallel and (cfg.seq // cfg.cp) % cfg.tp:
         raise ValueError(f"--sequence-parallel with --cp splits each rank's s/cp = "
                          f"{cfg.seq // cfg.cp} tokens over tp ({cfg.tp}): --seq ({cfg.seq}) must "

@@ -75,7 +75,8 @@ def _check(results, ranks_per_loss=1):
         assert results[0][0][step][3] > 0  # the capacity dropped slots: the queues matter
 
 
-@pytest.mark.parametrize("strategy", ["ring", "allgather_kv"])
+@pytest.mark.parametrize("strategy", ["ring", pytest.param("allgather_kv",
+                                                            marks=pytest.mark.slow)])
 def test_moe_at_cp2_equals_one_process(run_ranks, strategy):
     results = run_ranks(moe_steps, 2, 1, 1, 2, strategy)
     _check(results)

@@ -36,7 +36,8 @@ def _cp_worker(strategy):
     return summary, summary_text(summary), found
 
 
-@pytest.mark.parametrize("strategy", ["ring", "allgather_kv"])
+@pytest.mark.parametrize("strategy", ["ring", pytest.param("allgather_kv",
+                                                            marks=pytest.mark.slow)])
 def test_profile_and_diagnose_see_the_cp_collectives(run_ranks, strategy):
     (summary, text, found), other = run_ranks(_cp_worker, 2, strategy)
     cfg = preset("llama-tiny")

@@ -28,6 +28,7 @@ from ..memory.recompute import RECOMPUTE
 from ..planner.context_parallel import CP_CHOICES
 from ..planner.overlap import OVERLAP_MODES
 from ..planner.strategies import VOCAB_MODES
+from ..precision.fp8 import BACKWARDS as FP8_BACKWARDS
 from ..precision.policy import check_grad_reduce_dtype
 from .compile import COMPILE_BACKENDS
 from .gpt_plan import ATTENTION_CHOICES
@@ -117,6 +118,10 @@ class ParallelOptions:
       ``fp32`` / ``bf16`` / ``fp16`` leave the layers as they are (16 bits: the caller's
       autocast, as ``train`` does). fp8 does not combine with sequence parallelism, chunked
       overlap (``auto`` runs as ``none``), LoRA, the int8 cache or compile yet.
+    * ``fp8_backward`` — with ``precision="fp8"``, the backward's matmuls: ``e5m2`` (the output
+      gradient cast to e5m2 by its dense amax, torchao's tensorwise recipe) or ``fp32``
+      (straight-through fp32 products with the dequantised saved operands);
+      :mod:`ops_transformer.precision.fp8`.
     * ``tp_plan`` — Hugging Face style names (``{pattern: style}``, as in ``transformers``) merged
       over a Hugging Face model's own plan and translated (``plan="auto"`` only).
     """
@@ -138,6 +143,7 @@ class ParallelOptions:
     compile: bool = False
     compile_backend: str = "inductor"
     precision: str = "fp32"
+    fp8_backward: str = "e5m2"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -226,4 +232,4 @@ CHOICES = {"attention": ATTENTION_CHOICES, "vocab": VOCAB_CHOICES,
            "overlap": OVERLAP_MODES, "moe_statistics": MOE_STATISTICS,
            "context_parallel": CP_CHOICES, "compile": (False, True),
            "compile_backend": COMPILE_BACKENDS,
-           "precision": ("fp32", "bf16", "fp16", "fp8")}
+           "precision": ("fp32", "bf16", "fp16", "fp8"), "fp8_backward": FP8_BACKWARDS}

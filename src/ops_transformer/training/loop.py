@@ -113,6 +113,7 @@ class TrainConfig:
     stages_per_rank: int | None = None  # None: 1, or 2 for the multi-stage schedules
     compile: bool = ParallelOptions.compile  # each Transformer block through torch.compile
     compile_backend: str = ParallelOptions.compile_backend  # "inductor", "aot_eager", "eager"
+    fp8_backward: str = ParallelOptions.fp8_backward  # --precision fp8: "e5m2" or "fp32" grads
 
     @classmethod
     def from_run_config(cls, run: RunConfig) -> TrainConfig:
@@ -134,7 +135,8 @@ class TrainConfig:
                                moe_statistics=self.moe_statistics,
                                context_parallel=self.cp_strategy, compile=self.compile,
                                compile_backend=self.compile_backend,
-                               precision="fp8" if self.precision == "fp8" else "fp32", **more)
+                               precision="fp8" if self.precision == "fp8" else "fp32",
+                               fp8_backward=self.fp8_backward, **more)
 
     @property
     def overlap_mode(self) -> str:

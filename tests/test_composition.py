@@ -74,7 +74,7 @@ KNOWN_LIMITS = {
     ("pp", "fp8"): "--precision fp8 does not combine with --pp yet",
     # fp8 linear layers (SPEC F20) do not compose with these yet (docs/compile.md)
     **{(name, "fp8"): f"--precision='fp8' does not combine with {what}" for name, what in (
-        ("sp", "sequence_parallel"), ("regather", "sequence_parallel"),
+        ("regather", "sequence_parallel='regather'"),
         ("int8-cache", "activation_cache='int8'"), ("overlap-chunked", "overlap='chunked'"),
         ("compile", "compile"))},
     **{(name, "fp8"): f"--precision fp8 does not combine with {flag} yet" for name, flag in (

@@ -34,12 +34,12 @@ def _dense_fp8(backward="e5m2"):
     return model, loss
 
 
-def _parallel(backward="e5m2"):
+def _parallel(backward="e5m2", sequence_parallel=False):
     torch.set_num_threads(1)
     ctx = ot.init_parallel(tp=int(__import__("os").environ["WORLD_SIZE"]))
     torch.manual_seed(0)
     model = ot.parallelize(ot.GPT(preset("llama-tiny")), ctx, attention="heads", precision="fp8",
-                           fp8_backward=backward)
+                           fp8_backward=backward, sequence_parallel=sequence_parallel)
     idx = _idx()
     with ot.CommLedger() as ledger:
         loss = model(idx[:, :-1], idx[:, 1:])[1]
@@ -48,7 +48,8 @@ def _parallel(backward="e5m2"):
     want = dict(dense.named_parameters())
     grads = {n: (p.grad, shard_spec(p).shard(want[n].grad) if shard_spec(p) else want[n].grad)
              for n, p in model.named_parameters() if n.startswith("layers.")}
-    return float(loss), grads, ledger.summary().get("all_reduce", {})
+    return float(loss), grads, ledger.summary().get("all_reduce", {}), \
+        [(r.kind, r.label, r.elements, r.bytes) for r in ledger.records if r.kind == "all_gather"]
 
 
 def test_dense_fp8_is_not_fp32():
@@ -65,7 +66,7 @@ def test_dense_fp8_is_not_fp32():
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fp8_matches_dense_fp8(run_ranks, tp, backward):
     _, loss = _dense_fp8(backward)
-    for rank, (got_loss, grads, all_reduce) in enumerate(run_ranks(_parallel, tp, backward)):
+    for rank, (got_loss, grads, all_reduce, _) in enumerate(run_ranks(_parallel, tp, backward)):
         assert got_loss == pytest.approx(float(loss.detach()), rel=TOL), rank
         assert len(grads) == 2 * 8  # 2 norms + 6 linear weights per block
         for name, (got, g) in grads.items():
@@ -76,8 +77,25 @@ def test_fp8_matches_dense_fp8(run_ranks, tp, backward):
             assert all_reduce["calls"] >= 2 * (4 + 4 + (4 if backward == "e5m2" else 0))
 
 
+@pytest.mark.parametrize("backward", ["e5m2", "fp32"])
+def test_fp8_sequence_parallel_matches_dense_fp8(run_ranks, backward):
+    """Under sequence parallelism each region's entry all-gathers the tokens as e4m3 bytes (one
+    byte an element in the ledger) by the dense scale; the model equals the dense fp8 one."""
+    _, loss = _dense_fp8(backward)
+    results = run_ranks(_parallel, 2, backward, True)
+    for rank, (got_loss, grads, _, gathers) in enumerate(results):
+        assert got_loss == pytest.approx(float(loss.detach()), rel=TOL), rank
+        for name, (got, g) in grads.items():
+            err = float((got - g).abs().max() / g.abs().max())
+            assert err < TOL, f"rank {rank} {name}: {err:.1e}"
+        # per block: the attention and the MLP entry, b·s·h = 2·16·64 tokens' values, 1 byte each
+        fp8 = [g for g in gathers if g[1] == "fp8.gather.fwd"]
+        assert fp8 == [("all_gather", "fp8.gather.fwd", 2 * 16 * 64, 2 * 16 * 64)] * 4, gathers
+
+
 @pytest.mark.parametrize("flags, line", [
-    ({"sequence_parallel": True}, "precision='fp8' does not combine with sequence_parallel"),
+    ({"sequence_parallel": "regather"},
+     "precision='fp8' does not combine with sequence_parallel='regather'"),
     ({"overlap": "chunked"}, "precision='fp8' does not combine with overlap='chunked'"),
     ({"compile": True}, "precision='fp8' does not combine with compile"),
     ({"activation_cache": "int8"}, "precision='fp8' does not combine with activation_cache"),

@@ -116,8 +116,8 @@ class ParallelOptions:
     * ``precision`` — ``fp8``: the Transformer blocks' linear layers run their matmuls in fp8
       (tensorwise dynamic scales agreed over the TP group; :mod:`ops_transformer.layers.fp8_linear`);
       ``fp32`` / ``bf16`` / ``fp16`` leave the layers as they are (16 bits: the caller's
-      autocast, as ``train`` does). fp8 does not combine with sequence parallelism, chunked
-      overlap (``auto`` runs as ``none``), LoRA, the int8 cache or compile yet.
+      autocast, as ``train`` does). fp8 does not combine with ``sequence_parallel="regather"``,
+      chunked overlap (``auto`` runs as ``none``), LoRA, the int8 cache or compile yet.
     * ``fp8_backward`` — with ``precision="fp8"``, the backward's matmuls: ``e5m2`` (the output
       gradient cast to e5m2 by its dense amax, torchao's tensorwise recipe) or ``fp32``
       (straight-through fp32 products with the dequantised saved operands);
@@ -173,7 +173,8 @@ class ParallelOptions:
                              f"{self.activation_cache!r} yet (Dynamo cannot enter the cache's "
                              f"saved-tensor hooks); use activation_cache='none'")
         if self.precision == "fp8":
-            for name, on in (("sequence_parallel", self.sequence_parallel),
+            for name, on in (("sequence_parallel='regather'",
+                              self.sequence_parallel == "regather"),
                              ("overlap='chunked'", self.overlap == "chunked"),
                              ("lora", self.lora is not None),
                              ("activation_cache='int8'", self.activation_cache != "none"),

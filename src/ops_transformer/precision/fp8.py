@@ -29,7 +29,13 @@ The backward (``backward=``, :data:`BACKWARDS`):
 ``train --precision fp8`` swaps the Transformer blocks' linear layers for the fp8 ones of
 :mod:`ops_transformer.layers.fp8_linear`.
 
-Not done yet: fp8 gathers under sequence parallelism.
+Under sequence parallelism (:func:`gather_tokens_fp8`) a region's entry all-gathers the tokens
+as e4m3 bytes: each rank casts its share by the dense tensor's scale (its amax all-reduced MAX,
+one fp32 scalar) and the all-gather moves 1-byte values; the scale is the same on every rank, so
+only the values travel. The gathered e4m3 tensor and its scale ride with the dequantised tokens
+(the tensor attribute ``fp8_cast``) into the region's fp8 column layers, which multiply them as
+they are: the operands the dense fp8 model computes. Backward: the reduce-scatter of the fp32
+input gradient (straight-through), as without fp8.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import collectives as C
+from ..comm.primitives import all_gather_along, reduce_scatter_along
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -86,8 +93,10 @@ class _Fp8Matmul(torch.autograd.Function):
     the dequantised operands. No other communication: the caller's regions reduce."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, scale_x, scale_w, out_dtype, backward, grad_group):
-        x8, w8 = to_fp8(x2d, scale_x), to_fp8(weight, scale_w)
+    def forward(ctx, x2d, weight, scale_x, scale_w, out_dtype, backward, grad_group, x8=None):
+        # x8: x2d already cast (a gathered fp8 input, gather_tokens_fp8)
+        x8 = to_fp8(x2d, scale_x) if x8 is None else x8
+        w8 = to_fp8(weight, scale_w)
         inv_x, inv_w = scale_x.reciprocal().squeeze(), scale_w.reciprocal().squeeze()
         ctx.save_for_backward(x8, w8, inv_x, inv_w)
         ctx.dtypes, ctx.backward, ctx.grad_group = (x2d.dtype, weight.dtype), backward, grad_group
@@ -105,7 +114,8 @@ class _Fp8Matmul(torch.autograd.Function):
             grad_x = grad_y @ (w8.float() * inv_w) if want_x else None
             grad_w = grad_y.t() @ (x8.float() * inv_x) if want_w else None
         return (None if grad_x is None else grad_x.to(ctx.dtypes[0]),
-                None if grad_w is None else grad_w.to(ctx.dtypes[1]), None, None, None, None, None)
+                None if grad_w is None else grad_w.to(ctx.dtypes[1]), None, None, None, None, None,
+                None)
 
 
 def _e5m2_grads(grad_y, x8, w8, inv_x, inv_w, group, want_x: bool, want_w: bool):
@@ -130,12 +140,48 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     group ``x`` is split over (a row-parallel layer's input), ``grad_group`` the group the output
     (hence its gradient) is split over (a column-parallel layer's), ``None`` where the tensor is
     whole on this rank. ``backward``: ``"e5m2"`` or ``"fp32"`` (:data:`BACKWARDS`).
-    ``return_scales``: also ``(scale_x, scale_w)``."""
+    ``return_scales``: also ``(scale_x, scale_w)``. An ``x`` from :func:`gather_tokens_fp8`
+    brings its e4m3 values and scale (``x.fp8_cast``): they are used as they are."""
     check_backward(backward)
-    scale_x, scale_w = fp8_scale(tp_amax(x, input_group)), fp8_scale(tp_amax(weight, weight_group))
+    x8, scale_x = getattr(x, "fp8_cast", (None, None))
+    if x8 is None:
+        scale_x = fp8_scale(tp_amax(x, input_group))
+    scale_w = fp8_scale(tp_amax(weight, weight_group))
     y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, scale_x, scale_w, out_dtype,
-                         backward, grad_group)
+                         backward, grad_group, x8)
     if bias is not None:
         y = y + bias.to(out_dtype)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return (y, (scale_x, scale_w)) if return_scales else y
+
+
+class _GatherTokensFp8(torch.autograd.Function):
+    """Forward: this rank's tokens cast to e4m3 by the dense scale, all-gathered as bytes;
+    returns the dequantised tokens and the gathered e4m3 tensor. Backward: reduce-scatter of the
+    tokens' gradient (fp32, straight-through through the cast)."""
+
+    @staticmethod
+    def forward(ctx, x_share, group, scale):
+        x8 = to_fp8(x_share, scale)
+        full8 = all_gather_along(x8.view(torch.uint8), group, 0, label="fp8.gather").view(FP8)
+        ctx.group = group
+        ctx.mark_non_differentiable(full8)
+        return full8.float() * scale.reciprocal(), full8
+
+    @staticmethod
+    def backward(ctx, grad_full, _grad_full8):
+        return reduce_scatter_along(grad_full.contiguous(), ctx.group, 0), None, None
+
+
+def gather_tokens_fp8(x_share: torch.Tensor, group: C.ProcessGroup) -> torch.Tensor:
+    """Sequence parallelism's region entry in fp8: ``x_share`` ``(b, s/t, h)`` (this rank's
+    tokens) → the ``(b, s, h)`` gathered tokens, dequantised, carrying ``fp8_cast = (e4m3 tokens
+    (b·s, h), scale)`` for the fp8 layers that read them. One all-reduce (MAX) of one fp32 scalar
+    (``fp8.amax``) and one all-gather of ``b·s·h`` bytes (``fp8.gather.fwd``); backward one
+    reduce-scatter (fp32)."""
+    t = C.group_size(group)
+    scale = fp8_scale(tp_amax(x_share, group))
+    full, full8 = _GatherTokensFp8.apply(x_share.reshape(-1, x_share.shape[-1]), group, scale)
+    full = full.view(x_share.shape[0], x_share.shape[1] * t, *x_share.shape[2:])
+    full.fp8_cast = (full8, scale)
+    return full

@@ -105,6 +105,13 @@ INT8_LOSS = 1e-3
 # from the others, while tp 2 stays within 3e-4 of them — the reference is the outlier. Bounded by
 # 1e-2 (bf16's own loss bound is 5e-3).
 INT8_16BIT_LOSS = 1e-2
+# fp8: one step equals the dense fp8 model to 1e-5 (tests/precision/test_fp8_train.py); over steps
+# the tp-2 master weights drift from tp 1's by fp32 rounding, and fp8's forward is a step function
+# of them: a weight (or an e5m2 gradient) at a rounding boundary of its 3 (2) mantissa bits lands
+# on the neighbouring value, 2^-4 (2^-3) of itself away. Most cells stay at 0.0 – 1e-7 (most
+# values sit far from a boundary); with clipping, which rescales every update, the step-3 losses
+# differ by 4.4e-5 (e5m2 backward; 6.5e-6 with the fp32 one; 1.7e-4 by step 4). Bounded by 1e-4.
+FP8_LOSS = 1e-4
 
 
 def cell_config(pair: tuple[str, ...], tp: int) -> tuple[TrainConfig, int]:
@@ -156,7 +163,9 @@ def run_cell(pair: tuple[str, ...], run_ranks) -> tuple[str, str]:
 def bound(pair) -> float:
     precision = next((FEATURES[n]["precision"] for n in pair if "precision" in FEATURES[n]),
                      "fp32")
-    tol = tolerance_for("fp32" if precision == "fp8" else precision).loss  # fp8: tp 1's fp8
+    if precision == "fp8":  # against tp 1's fp8
+        return FP8_LOSS
+    tol = tolerance_for(precision).loss
     if "int8-cache" not in pair:
         return tol
     return INT8_LOSS if precision == "fp32" else INT8_16BIT_LOSS

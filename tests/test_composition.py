@@ -246,7 +246,8 @@ def write_table(path: Path, only: str | None = None) -> None:
              "(dp 2 × tp 2 with ZeRO, tp 2 × ep 2 with MoE, tp 2 × cp 2 with cp, pp 2 × tp 2 with pp) "
              "and compares every step's loss with the same options at tp 1 (cp, pp: on one "
              "process; fp32: 1e-5 relative; bf16/fp16: the loss bound of "
-             "`check`; with the int8 cache 1e-3, with int8 and 16 bits 1e-2, explained in "
+             "`check`; with the int8 cache 1e-3, with int8 and 16 bits 1e-2, fp8 1e-4 against "
+             "tp 1's fp8, explained in "
              "`tests/test_composition.py`). ✓: equal "
              "within the bound; a refusal is its one-line message.", "",
              "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]

@@ -78,8 +78,7 @@ KNOWN_LIMITS = {
         ("int8-cache", "activation_cache='int8'"), ("overlap-chunked", "overlap='chunked'"),
         ("compile", "compile"))},
     **{(name, "fp8"): f"--precision fp8 does not combine with {flag} yet" for name, flag in (
-        ("zero3", "--zero 3"), ("lora", "--lora-rank"), ("moe-ep", "an MoE preset"),
-        ("cp", "--cp"))},
+        ("moe-ep", "an MoE preset"), ("cp", "--cp"))},
 }
 # What the matrix does not show, listed with it in docs/composition.md.
 LIMITS = (

@@ -44,6 +44,12 @@ def _group(layer):
     return layer.tp_group if layer.tp_size > 1 else None
 
 
+def _with_adapter(layer, partial: torch.Tensor, x_local: torch.Tensor) -> torch.Tensor:
+    """A row layer's partial output plus its LoRA adapter's partial (:mod:`.lora`: fp32, summed
+    by the layer's own collective), where it has one."""
+    return partial + layer.adapter(x_local) if hasattr(layer, "adapter") else partial
+
+
 def _sequence_active(group) -> bool:
     """Whether the sequence-parallel layout is on (as :mod:`.sequence_parallel`: with autograd)."""
     return C.group_size(group) > 1 and torch.is_grad_enabled()
@@ -83,7 +89,7 @@ class Fp8RowParallelLinear(RowParallelLinear):
         group = _group(self)
         partial = fp8_linear(x_local, weight, weight_group=group, input_group=group,
                              backward=self.fp8_backward)
-        return reduce_from_tp_region(partial, group)
+        return reduce_from_tp_region(_with_adapter(self, partial, x_local), group)
 
     def partial_output(self, x_local, weight, bias=None):
         return fp8_linear(x_local, weight, bias, backward=self.fp8_backward)
@@ -100,8 +106,9 @@ class Fp8SequenceParallelRowLinear(SequenceParallelRowLinear, Fp8RowParallelLine
         if not _sequence_active(self.tp_group):
             return Fp8RowParallelLinear.exit(self, x_local, weight)
         group = self.tp_group
-        partial = fp8_linear(x_local, weight, weight_group=group, input_group=group,
-                             backward=self.fp8_backward)
+        partial = _with_adapter(self, fp8_linear(x_local, weight, weight_group=group,
+                                                 input_group=group, backward=self.fp8_backward),
+                                x_local)
         y = reduce_scatter_along(partial.reshape(-1, partial.shape[-1]), group, 0)
         return y.view(x_local.shape[0], x_local.shape[SEQ_DIM] // self.tp_size,
                       *x_local.shape[2:-1], weight.shape[0])
@@ -114,6 +121,10 @@ class Fp8GatherSequenceRegion(GatherSequenceRegion):
     def _gather(self, x):
         if not _sequence_active(self.region_group):
             return x
+        if any(hasattr(m, "lora_A") for m in self.modules()):
+            raise ValueError("precision='fp8' with sequence_parallel does not combine with LoRA "
+                             "yet: the region gathers e4m3 tokens, an adapter needs the fp32 ones; "
+                             "drop one of them")
         return gather_tokens_fp8(x, self.region_group)
 
     def extra_repr(self) -> str:

@@ -117,7 +117,7 @@ class ParallelOptions:
       (tensorwise dynamic scales agreed over the TP group; :mod:`ops_transformer.layers.fp8_linear`);
       ``fp32`` / ``bf16`` / ``fp16`` leave the layers as they are (16 bits: the caller's
       autocast, as ``train`` does). fp8 does not combine with ``sequence_parallel="regather"``,
-      chunked overlap (``auto`` runs as ``none``), LoRA, the int8 cache or compile yet.
+      chunked overlap (``auto`` runs as ``none``), the int8 cache or compile yet.
     * ``fp8_backward`` — with ``precision="fp8"``, the backward's matmuls: ``e5m2`` (the output
       gradient cast to e5m2 by its dense amax, torchao's tensorwise recipe) or ``fp32``
       (straight-through fp32 products with the dequantised saved operands);
@@ -176,12 +176,15 @@ class ParallelOptions:
             for name, on in (("sequence_parallel='regather'",
                               self.sequence_parallel == "regather"),
                              ("overlap='chunked'", self.overlap == "chunked"),
-                             ("lora", self.lora is not None),
                              ("activation_cache='int8'", self.activation_cache != "none"),
                              ("compile", self.compile)):
                 if on:
                     raise ValueError(f"precision='fp8' does not combine with {name} yet: drop "
                                      f"one of them")
+            if self.sequence_parallel and self.lora is not None:
+                raise ValueError("precision='fp8' with sequence_parallel does not combine with "
+                                 "lora yet: the regions gather e4m3 tokens, an adapter needs the "
+                                 "fp32 ones; drop one of them")
             if self.overlap == "auto":  # the fp8 layers have no chunked form
                 object.__setattr__(self, "overlap", "none")
         if self.compile and self.overlap == "auto":  # the compiler schedules; see above

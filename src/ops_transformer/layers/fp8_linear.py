@@ -64,6 +64,16 @@ class Fp8Linear(nn.Linear):
         return fp8_linear(x, self.weight, self.bias, backward=self.fp8_backward)
 
 
+class Fp8Conv1D(nn.Module):
+    """Mixed into a GPT-2 ``Conv1D`` (``y = x W + b``, ``W [in, out]``; a Hugging Face class, so
+    the fp8 class is made from it at conversion): its matmul in fp8, ``W`` cast as ``Wᵀ``."""
+
+    fp8_backward = "e5m2"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight.t(), self.bias, backward=self.fp8_backward)
+
+
 class Fp8ColumnParallelLinear(ColumnParallelLinear):
     """:class:`ColumnParallelLinear` whose local matmul is fp8 (weight amax over the TP group)."""
 
@@ -146,10 +156,14 @@ def _fp8_class(cls: type) -> type:
     with its mixin and its base each in fp8 form; ``cls`` itself where nothing changes."""
     if cls in _FP8:
         return _FP8[cls]
+    if cls.__name__ == "Conv1D" and issubclass(cls, nn.Module):
+        return mixed_class(Fp8Conv1D, cls, "Fp8{}")
     parts = mixed_parts(cls)
     if parts is None:
         return cls
     mixin, base = parts
+    if mixin is Fp8Conv1D:
+        return cls
     if issubclass(base, _LINEAR) and mixin not in _FP8_MIXINS:
         return cls  # a chunked, fed or LoRA layer: its own matmul, no fp8 form
     fp8_mixin, fp8_base = _FP8_MIXINS.get(mixin, mixin), _fp8_class(base)
@@ -166,7 +180,7 @@ def convert_to_fp8(blocks, backward: str = "e5m2") -> int:
     fed, LoRA or GPT-2 ``Conv1D`` layer, a re-gathering region) is a ``ValueError`` naming it: it
     has no fp8 form yet."""
     check_backward(backward)
-    fp8_layers = tuple(_FP8.values())
+    fp8_layers = (*_FP8.values(), Fp8Conv1D)
     count = 0
     for block in blocks:
         for name, module in block.named_modules():

@@ -142,7 +142,8 @@ def apply_fp8(model: nn.Module, precision: str, backward: str = "e5m2") -> None:
     Other precisions: nothing here (16 bits: the caller's autocast)."""
     if precision != "fp8":
         return
-    if getattr(getattr(model, "cfg", None), "n_experts", 0):
+    if getattr(getattr(model, "cfg", None), "n_experts", 0) \
+            or getattr(getattr(model, "config", None), "num_local_experts", 0):
         raise ValueError("precision='fp8' does not combine with an MoE model yet")
     convert_to_fp8(transformer_blocks(model), backward)
 

@@ -226,7 +226,7 @@ def check_fp8(cfg: TrainConfig, model_cfg) -> None:
     """``--precision fp8``: what it does not combine with yet (the rest: ``ParallelOptions``)."""
     if cfg.precision != "fp8":
         return
-    for flag, on in (("--cp", cfg.cp > 1), ("--model", bool(cfg.model)),
+    for flag, on in (("--cp", cfg.cp > 1),
                      # a micro-batch's activation amax is not the batch's: other scales
                      ("--pp", cfg.pp > 1),
                      ("an MoE preset", bool(getattr(model_cfg, "n_experts", 0)))):

@@ -117,7 +117,8 @@ class ParallelOptions:
       (tensorwise dynamic scales agreed over the TP group; :mod:`ops_transformer.layers.fp8_linear`);
       ``fp32`` / ``bf16`` / ``fp16`` leave the layers as they are (16 bits: the caller's
       autocast, as ``train`` does). fp8 does not combine with ``sequence_parallel="regather"``,
-      chunked overlap (``auto`` runs as ``none``), the int8 cache or compile yet.
+      chunked overlap (``auto`` runs as ``none``), the int8 cache, compile, or LoRA under
+      sequence parallelism yet.
     * ``fp8_backward`` — with ``precision="fp8"``, the backward's matmuls: ``e5m2`` (the output
       gradient cast to e5m2 by its dense amax, torchao's tensorwise recipe) or ``fp32``
       (straight-through fp32 products with the dequantised saved operands);

@@ -43,7 +43,7 @@ from .cost import Comm
 from .memory import (activation_bytes_per_layer, effective_recompute, layer_matmuls, logits_bytes,
                      ops_saved)
 from .cp_exchange import cp_layer_comm, exposed_cp_time
-from .network import group_alpha_beta, group_time, placement
+from .network import group_time, p2p_alpha_beta, placement
 from .pipeline import boundary_elements, bubble_fraction, stage_layers
 from .roofline import (attention_bounds, bounded, gemm_bounds, memory_bound_time,
                        training_gemms)
@@ -253,10 +253,10 @@ def _moe(model, o, ep: int, tp: int):
 
 def p2p_time(cluster, elements: float, where, bytes_per_element: int, calls: int) -> float:
     """``calls`` point-to-point transfers of ``elements`` in all between neighbours of the group
-    ``where`` (flat: one hop, on the link the group crosses)."""
+    ``where`` (one hop each; across nodes at one NIC's rate, :func:`.network.p2p_alpha_beta`)."""
     if where.size <= 1 or calls == 0:
         return 0.0
-    alpha, beta = group_alpha_beta(cluster, where)("send_recv", 2)
+    alpha, beta = p2p_alpha_beta(cluster, where)("send_recv", 2)
     return calls * alpha + elements * bytes_per_element / beta
 
 

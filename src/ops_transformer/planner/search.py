@@ -19,6 +19,7 @@ from . import efficiency as fitted
 from .memory import (ATTENTION_KERNELS, LOSS_KERNELS, activation_bytes_per_layer,
                      logits_bytes, model_state_bytes)
 from .cp_exchange import CP_STRATEGIES
+from .layout import CostOptions
 from .pipeline import SCHEDULES, in_flight_micro_batches, stage_layers
 from .runnable import runtime_problem
 from .strategies import ATTENTION_STRATEGIES
@@ -220,13 +221,13 @@ def memory(model, o: Options, bytes_per_element: int, attention_kernel: str = "f
     published runs that report reserved memory show about 5 % more, docs/planner.md)."""
     states = model_state_bytes(params_per_gpu(model, o), o.zero_stage, o.dp * o.cp,
                                bytes_per_element)
-    shape = dict(sequence_parallel=o.sequence_parallel, bytes_per_element=bytes_per_element,
-                 attention_kernel=attention_kernel, kv_heads=model.kv_heads, ffn=model.ffn,
-                 gated=model.ffn_type == "swiglu", dropout=model.dropout > 0)
-    seq = model.seq // o.cp  # context parallelism: each rank keeps 1/cp of every activation
-    args = (seq, o.micro_batch, model.hidden, model.heads, o.tp)
-    kept = activation_bytes_per_layer(*args, recompute=o.recompute, **shape)
-    rebuilt = activation_bytes_per_layer(*args, **shape) - kept if o.recompute != "none" else 0.0
+    # o is the layout and the options; context parallelism keeps 1/cp of every activation
+    shape = dict(batch=o.micro_batch, seq=model.seq, bytes_per_element=bytes_per_element,
+                 attention_kernel=attention_kernel)
+    kept = activation_bytes_per_layer(model, o, o, **shape)
+    rebuilt = (activation_bytes_per_layer(model, o, CostOptions.of(o, recompute="none"), **shape)
+               - kept if o.recompute != "none" else 0.0)
+    seq = model.seq // o.cp
     logits = logits_bytes(o.micro_batch * seq, model.vocab, o.tp, bytes_per_element, loss_kernel)
     layers = stage_layers(model.layers, o.pp)
     micro_steps = max(1, model.global_batch // (o.dp * o.micro_batch))

@@ -43,6 +43,7 @@ from .cost import Comm
 from .memory import (activation_bytes_per_layer, effective_recompute, layer_matmuls, logits_bytes,
                      ops_saved)
 from .cp_exchange import cp_layer_comm, exposed_cp_time
+from .layout import CostOptions
 from .network import group_time, p2p_alpha_beta, placement
 from .pipeline import boundary_elements, bubble_fraction, stage_layers
 from .roofline import (attention_bounds, bounded, gemm_bounds, memory_bound_time,
@@ -202,11 +203,9 @@ def compute_parts(model, cluster, o, attention_kernel: str, loss_kernel: str,
         flops=core, batch=o.micro_batch, heads=heads, q_len=model.seq // cp, kv_len=model.seq,
         head_dim=model.head_dim, kv_heads=max(1, model.kv_heads // o.tp), peak=peak,
         bandwidth=gpu.memory_bandwidth, bytes_per_element=size, sms=gpu.sms)
-    act = activation_bytes_per_layer(
-        model.seq // cp, o.micro_batch, model.hidden, model.heads, o.tp,
-        sequence_parallel=o.sequence_parallel, bytes_per_element=size,
-        attention_kernel=attention_kernel, kv_heads=model.kv_heads, ffn=model.ffn,
-        gated=model.ffn_type == "swiglu", dropout=model.dropout > 0)
+    act = activation_bytes_per_layer(  # all the layer's activations: no recompute
+        model, o, CostOptions(sequence_parallel=o.sequence_parallel), batch=o.micro_batch,
+        seq=model.seq, bytes_per_element=size, attention_kernel=attention_kernel)
     redo = 1 + f["recomputed_fraction"] / 3 if recompute in ("full", "ops") else 1.0
     traffic = (f["stage_layers"] * act * redo
                + logits_bytes(o.micro_batch * model.seq // cp, model.vocab, o.tp, size,

@@ -51,6 +51,10 @@ from .roofline import (attention_bounds, bounded, gemm_bounds, memory_bound_time
 from .strategies import attention_cost, layer_cost, moe_cost, vocab_cost
 
 ADAM_STEP_BYTES = 32
+# Gradients reduce in fp32 when the weights are 16-bit: torchtitan's default
+# (training.mixed_precision_reduce = "float32", FSDP2's reduce_dtype), Megatron-LM's with bf16
+# (accumulate_allreduce_grads_in_fp32 is forced on), and this library's (grad_reduce_dtype None).
+GRAD_REDUCE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,14 @@ def zero_comm(stage: int, params: float, micro_steps: int) -> Comm:
         return Comm().add("reduce_scatter", n * micro_steps, micro_steps).add("all_gather", n)
     return (Comm().add("all_gather", 2 * n * micro_steps, 2 * micro_steps)
             .add("reduce_scatter", n * micro_steps, micro_steps))
+
+
+def split_dp_comm(comm: Comm) -> tuple[Comm, Comm]:
+    """``(parameters, gradients)`` of :func:`zero_comm`: the all-gathers move the 16-bit
+    parameters, the all-reduces and reduce-scatters the gradients, in
+    :data:`GRAD_REDUCE_BYTES`."""
+    params = Comm({k: dict(v) for k, v in comm.items() if k == "all_gather"})
+    return params, Comm({k: dict(v) for k, v in comm.items() if k != "all_gather"})
 
 
 def sequence_parallel_comm(comm: dict) -> Comm:
@@ -311,10 +323,12 @@ def step_parts(model, cluster, o, run: Execution, peak: float, params_per_gpu: f
     dp = zero_comm(o.zero_stage, params_per_gpu, micro_steps) if replicas > 1 else Comm()
     shard = params_per_gpu / (replicas if o.zero_stage >= 1 else 1)
     cpp, ppp = cp_parts(model, cluster, o), pp_parts(model, cluster, o, micro_steps)
+    params, grads = split_dp_comm(dp)
     wire = (micro_steps * (tp["main"].wire_elements(o.tp) + ep.wire_elements(o.ep)
                            + tp["sub"].wire_elements(tp["sub_size"])
                            + layers * cpp["cp_layer_elements"] + ppp["pp_elements"])
-            + dp.wire_elements(replicas)) * size
+            + params.wire_elements(replicas)) * size \
+        + grads.wire_elements(replicas) * GRAD_REDUCE_BYTES
     dp_where = placement(cluster, replicas, o.tp if cp > 1 else o.tp * o.ep)
     return {**compute_parts(model, cluster, o, run.attention_kernel, run.loss_kernel, peak,
                             run.matmul_precision),
@@ -323,7 +337,8 @@ def step_parts(model, cluster, o, run: Execution, peak: float, params_per_gpu: f
             "recompute_forward": effective_recompute(o.recompute, run.attention_kernel) == "full",
             "cp_strategy": getattr(o, "cp_strategy", "ring"),
             "ep_comm_s": group_time(cluster, ep, placement(cluster, o.ep, o.tp), size),
-            "dp_comm_s": group_time(cluster, dp, dp_where, size),
+            "dp_comm_s": (group_time(cluster, params, dp_where, size)
+                          + group_time(cluster, grads, dp_where, GRAD_REDUCE_BYTES)),
             "optimizer_s": ADAM_STEP_BYTES * shard / cluster.gpu.memory_bandwidth,
             "comm_bytes_per_step": wire, "dp_comm": dp}
 

@@ -7,8 +7,7 @@ chosen, the search's :class:`~ops_transformer.planner.search.Options`).
 ``activation_bytes_per_layer(spec, layout, options, batch=, seq=)`` and
 ``LocalTimeModel.step_time(spec, layout, options, nproc=, batch=, seq=)`` read them here, by
 attribute (the planner sits below ``parallelize`` and ``training``: it imports neither, and a
-``RunConfig``'s ``layout`` section or a ``ParallelContext``'s sizes serve as well as a
-:class:`Layout`). Their older keyword forms (``tp=``, ``attention=``, ``sequence_parallel=``, …)
+``RunConfig``'s ``layout`` section serves as well as a :class:`Layout`). Their older keyword forms (``tp=``, ``attention=``, ``sequence_parallel=``, …)
 build these objects with :func:`legacy_arguments` and give the same numbers
 (``tests/planner/test_cost_objects.py``).
 """
@@ -64,9 +63,8 @@ class CostOptions:
     chunks: int = 2
 
     def __post_init__(self):
-        if self.sequence_parallel not in (False, True) and self.sequence_parallel != "regather" \
-                or isinstance(self.sequence_parallel, int) \
-                and not isinstance(self.sequence_parallel, bool):
+        sp = self.sequence_parallel
+        if not (sp is True or sp is False or sp == "regather"):
             raise ValueError(f"options.sequence_parallel must be one of {SEQUENCE_PARALLEL}, got "
                              f"{self.sequence_parallel!r}")
         if self.recompute not in RECOMPUTE:

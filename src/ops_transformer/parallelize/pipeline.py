@@ -41,9 +41,14 @@ from torch import nn
 from torch.distributed import pipelining as _pp
 
 from ..comm import collectives as C
+from ..layers.loss import vocab_parallel_cross_entropy
 from ..models.gpt import GPT, rope_tables
+from ..models.hf import is_hf
 from ..parallel.state import no_sync, parallel_state_of
+from .moe_plan import n_experts_of
 from .options import ParallelOptions
+from .pipeline_hf import FAMILIES as HF_FAMILIES
+from .pipeline_hf import HFStage, n_layers_of, prune_hf, tied_names
 from .pipeline_split import SCHEDULES, check_pipeline, rank_stages, stage_layers
 from .reducers import gradient_reducers
 
@@ -122,13 +127,19 @@ class RecordedStage(_pp.PipelineStage):
 
 class MicroBatchLoss:
     """The last stage's loss function: ``scale · CE_i / m`` for micro-batch ``i`` (its mean token
-    loss over the ``m`` micro-batches; ``scale``: the fp16 loss scale of this step, else 1)."""
+    loss over the ``m`` micro-batches; ``scale``: the fp16 loss scale of this step, else 1).
+    ``sharded``: ``(ctx, vocabulary size)`` when the logits are this TP rank's vocabulary columns
+    (a Hugging Face head under ``loss_parallel``): the vocab-parallel cross-entropy."""
 
-    def __init__(self, microbatches: int):
-        self.microbatches, self.scale = microbatches, 1.0
+    def __init__(self, microbatches: int, sharded=None):
+        self.microbatches, self.scale, self.sharded = microbatches, 1.0, sharded
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if self.sharded is not None:
+            ctx, vocab = self.sharded
+            loss = vocab_parallel_cross_entropy(logits.float(), targets, ctx, vocab_size=vocab)
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return loss * (self.scale / self.microbatches)
 
 
@@ -138,12 +149,12 @@ class Pipeline:
     ``stages`` (this rank's :class:`GPTStage` s), ``schedule`` (pipelining's). :meth:`step`
     runs one step's forwards and backwards."""
 
-    model: GPT
+    model: nn.Module
     ctx: object
     schedule_name: str
     microbatches: int
     stages_per_rank: int
-    stages: list[GPTStage]
+    stages: list[nn.Module]  # GPTStage or HFStage
     schedule: object = field(repr=False)
     tied: nn.Parameter | None = field(default=None, repr=False)
     loss_fn: MicroBatchLoss | None = field(default=None, repr=False)
@@ -200,40 +211,48 @@ class Pipeline:
         return {"loss": (loss if loss is not None else torch.zeros(())) * weight}
 
 
-def pipeline(model: GPT, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
+def pipeline(model: nn.Module, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
              stages_per_rank: int = 1) -> Pipeline:
-    """Split the reference GPT over ``ctx``'s ``pp`` axis by layers and return its
-    :class:`Pipeline` (module docstring). Call it after ``parallelize`` (TP and dp inside each
-    stage stay as they are) and ``lora`` (its factors are drawn in the dense model's order), or on
-    a plain model. ``schedule``: one of
+    """Split the reference GPT, or a Hugging Face causal LM of the families
+    :data:`~.pipeline_hf.FAMILIES` (GPT-2, Llama, Mistral, Qwen2, Qwen3), over ``ctx``'s ``pp``
+    axis by layers and return its :class:`Pipeline` (module docstring). Call it after
+    ``parallelize`` (TP and dp inside each stage stay as they are) and ``lora`` (its factors are
+    drawn in the dense model's order), or on a plain model. ``schedule``: one of
     :data:`~.pipeline_split.SCHEDULES` (``gpipe``, ``1f1b``, ``interleaved``, ``looped_bfs``,
     ``zero_bubble``, ``zbv``); ``microbatches`` per step; ``stages_per_rank`` (``v``) for the
     interleaved, looped and zero-bubble schedules. A split the layers do not divide is a
     ``ValueError`` here, on every rank alike, before any stage communicates."""
-    if not isinstance(model, GPT):
-        raise ValueError(f"pipeline splits the reference GPT (ops_transformer.GPT); got "
-                         f"{type(model).__name__} (Hugging Face models are not split yet)")
-    if model.cfg.n_experts:
-        raise ValueError("pipeline does not split MoE models yet (n_experts "
-                         f"{model.cfg.n_experts}): their auxiliary loss spans every stage")
+    hf = is_hf(model)
+    if not hf and not isinstance(model, GPT):
+        raise ValueError(f"pipeline splits the reference GPT (ops_transformer.GPT) and Hugging "
+                         f"Face causal LMs ({', '.join(HF_FAMILIES)}); got {type(model).__name__}")
+    n_layers = n_layers_of(model) if hf else model.cfg.n_layers
+    experts = n_experts_of(model) if hf else model.cfg.n_experts
+    if experts:
+        raise ValueError(f"pipeline does not split MoE models yet (n_experts {experts}): their "
+                         f"auxiliary loss spans every stage")
     if ctx.pp_size < 2:
         raise ValueError(f"pipeline needs a pp axis of 2 or more stages, but ctx has pp "
                          f"{ctx.pp_size}: use init_parallel(pp=2, ...) (pp 1 is the model itself)")
-    check_pipeline(model.cfg.n_layers, ctx.pp_size, schedule=schedule,
-                   microbatches=microbatches, stages_per_rank=stages_per_rank)
+    check_pipeline(n_layers, ctx.pp_size, schedule=schedule, microbatches=microbatches,
+                   stages_per_rank=stages_per_rank)
     state = parallel_state_of(model)
     options = state.options if state is not None and state.options else ParallelOptions()
-    if options.loss_parallel:
+    if options.loss_parallel and not hf:
         raise ValueError("pipeline computes the loss from the last stage's full logits; "
                          "loss_parallel=True is not supported with pp yet")
+    if getattr(model, "sequence_split", None) is not None:
+        raise ValueError("pipeline does not split a context-parallel model (cp > 1) yet")
     cls_name, _, placement = SCHEDULES[schedule]
     n_stages = ctx.pp_size * stages_per_rank
     mine = rank_stages(ctx.pp_rank, ctx.pp_size, stages_per_rank, placement)
     first, last = 0 in mine, n_stages - 1 in mine
     tied = _tied_weight(model, first, last, ctx)
-    stages = [GPTStage(model, stage_layers(model.cfg.n_layers, n_stages, s), first=s == 0,
-                       last=s == n_stages - 1) for s in mine]
-    _prune(model, {i for s in stages for i in s.layer_ids}, first=first, last=last)
+    stage_cls = HFStage if hf else GPTStage
+    stages = [stage_cls(model, stage_layers(n_layers, n_stages, s), first=s == 0,
+                        last=s == n_stages - 1) for s in mine]
+    (prune_hf if hf else _prune)(model, {i for s in stages for i in s.layer_ids}, first=first,
+                                 last=last)
     if state is not None:  # the reducers over what this rank kept (LoRA's adapters, if any)
         for reducer in state.reducers:
             reducer.remove()
@@ -242,7 +261,7 @@ def pipeline(model: GPT, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
     runtime = [RecordedStage(stage, s, n_stages, ctx.device, group=ctx.pp_group)
                for stage, s in zip(stages, mine)]
     m = microbatches
-    loss_fn = MicroBatchLoss(m)
+    loss_fn = MicroBatchLoss(m, _sharded_vocab(model, ctx, options) if hf else None)
     cls = getattr(_pp, cls_name)
     sched = (cls(runtime[0], m, loss_fn=loss_fn, scale_grads=False) if len(runtime) == 1
              and SCHEDULES[schedule][1] == "one" else
@@ -252,19 +271,36 @@ def pipeline(model: GPT, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
     return Pipeline(model, ctx, schedule, m, stages_per_rank, stages, sched, tied, loss_fn)
 
 
-def _tied_weight(model: GPT, first: bool, last: bool, ctx) -> nn.Parameter | None:
+def _sharded_vocab(model: nn.Module, ctx, options: ParallelOptions):
+    """``(ctx, vocabulary size)`` when a Hugging Face model's head hands on its rank's vocabulary
+    columns (``loss_parallel`` with a vocab-parallel plan: the loss is
+    :func:`~ops_transformer.layers.loss.vocab_parallel_cross_entropy`), else ``None``."""
+    plan = getattr(model, "parallel_plan", None)
+    if ctx.tp_size == 1 or not options.loss_parallel or getattr(plan, "vocab", None) != "parallel":
+        return None
+    return ctx, model.config.get_text_config().vocab_size
+
+
+def _tied_weight(model: nn.Module, first: bool, last: bool, ctx) -> nn.Parameter | None:
     """The tied embedding whose two halves live on different ranks (first xor last stage here),
     else ``None``: with both on this rank the one parameter already sums both gradients."""
-    if not model.cfg.tie_embeddings or ctx.pp_size == 1:
+    if is_hf(model):
+        names = tied_names(model)
+        embed, head = names if names else (None, None)
+    else:
+        embed, head = ("tok_emb.weight", "lm_head.weight") if model.cfg.tie_embeddings else \
+            (None, None)
+    if embed is None or ctx.pp_size == 1:
         return None
     ctx.pp_ends_group()  # made on every rank alike (new_group is collective)
     if first == last:
         return None
     if last:  # the gradient norm counts the tied weight once, on the first stage, and a
         # checkpoint holds it once, under the dense name (checkpoint/contents.py)
-        model.lm_head.weight.pipeline_tied_copy = "tok_emb.weight"
-        return model.lm_head.weight
-    return model.tok_emb.weight
+        weight = model.get_parameter(head)
+        weight.pipeline_tied_copy = embed
+        return weight
+    return model.get_parameter(embed)
 
 
 def _prune(model: GPT, layers: set[int], *, first: bool, last: bool) -> None:

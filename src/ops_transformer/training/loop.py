@@ -42,6 +42,7 @@ from ..parallelize.gpt_plan import gpt_plan
 from ..parallelize.moe_plan import n_experts_of
 from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence
 from ..parallelize.pipeline import Pipeline, pipeline
+from ..parallelize.pipeline_hf import n_layers_of
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
 from ..planner.strategies import model_comm_per_step
 from ..precision import DynamicLossScaler, optimizer_step, precision_policy
@@ -263,11 +264,15 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
         raise ValueError(f"--pp {cfg.pp} does not combine with --cp yet: drop one of them")
     if not cfg.model and cfg.model_config().dropout > 0:  # micro-batches draw other masks
         raise ValueError(f"--pp {cfg.pp} does not combine with --dropout yet: drop one of them")
-    if cfg.model or cfg.grad_accum > 1:
-        raise ValueError("--pp runs a reference preset without --model or --grad-accum (use "
-                         "--microbatches) yet (docs/pipeline.md)")
+    if cfg.grad_accum > 1:
+        raise ValueError("--pp runs without --grad-accum (use --microbatches) yet "
+                         "(docs/pipeline.md)")
+    if cfg.model:
+        n_layers = _pipeline_hf_layers(cfg)
+    else:
+        n_layers = cfg.model_config().n_layers
     try:
-        check_pipeline(cfg.model_config().n_layers, cfg.pp, schedule=cfg.pp_schedule,
+        check_pipeline(n_layers, cfg.pp, schedule=cfg.pp_schedule,
                        microbatches=cfg.microbatches, stages_per_rank=cfg.pp_stages_per_rank)
     except ValueError as exc:
         message = str(exc).replace("schedule must", "--pp-schedule must")
@@ -276,6 +281,23 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
     if rows is None or rows % cfg.microbatches:
         raise ValueError(f"--batch {cfg.batch} over {dp_ep} data-parallel rank(s) does not split "
                          f"into --microbatches {cfg.microbatches}")
+
+
+def _pipeline_hf_layers(cfg: TrainConfig) -> int:
+    """``--pp --model``: the layers of a Hugging Face decoder ``pipeline`` splits (GPT-2, Llama,
+    Mistral, Qwen2, Qwen3; dense), trained on whole packed rows (``--pack naive``)."""
+    model = finetune.meta_model(cfg.model)
+    if n_experts_of(model):
+        raise ValueError(f"--pp {cfg.pp} does not split {type(model).__name__} yet (MoE): use a "
+                         f"dense model or --pp 1")
+    try:
+        n_layers = n_layers_of(model)
+    except ValueError as exc:
+        raise ValueError(f"--pp {cfg.pp} --model {cfg.model}: {exc}") from None
+    if cfg.pack != "naive":  # a stage sees hidden states only, not the documents' positions
+        raise ValueError(f"--pp {cfg.pp} with --model trains whole packed rows: pass --pack "
+                         f"naive (--pack {cfg.pack} with pp is not done yet)")
+    return n_layers
 
 
 def check_batch(batch: int, dp: int, ep: int, grad_accum: int) -> None:
@@ -445,6 +467,8 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
     policy = precision_policy(cfg.precision)
     if cfg.model:
         model, data = finetune.build(cfg, ctx, policy)
+        if ctx.pp_size > 1:  # split after parallelize and LoRA, as the reference GPT
+            return _pipelined(cfg, ctx, model, data, policy)
         return _with_optimizer(cfg, ctx, model, data, policy)
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
@@ -453,14 +477,19 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
                     batch=micro_batch(cfg, ctx.dp_ep_size), seq=cfg.seq,
                     profile=ctx.profile)  # `auto`: for this run's shapes, on the agreed profile
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan, options)
-    if ctx.pp_size > 1:  # split after parallelize and LoRA (its factors drawn in the dense
-        # model's order): TP, dp and the adapters inside each stage as they are
-        model = finetune.with_lora(cfg, ctx, model)
-        pipe = pipeline(model, ctx, cfg.pp_schedule, microbatches=cfg.microbatches,
-                        stages_per_rank=cfg.pp_stages_per_rank)
-        return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy,
-                                                   add_lora=False), pipe=pipe)
+    if ctx.pp_size > 1:
+        return _pipelined(cfg, ctx, model, data, policy)
     return _with_optimizer(cfg, ctx, model, data, policy)
+
+
+def _pipelined(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
+    """Split after parallelize and LoRA (its factors drawn in the dense model's order): TP, dp
+    and the adapters inside each stage as they are."""
+    model = finetune.with_lora(cfg, ctx, model)
+    pipe = pipeline(model, ctx, cfg.pp_schedule, microbatches=cfg.microbatches,
+                    stages_per_rank=cfg.pp_stages_per_rank)
+    return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy, add_lora=False),
+                               pipe=pipe)
 
 
 def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy, *,

@@ -91,12 +91,14 @@ def _run_hf(tmp_path, model_dir, data, name, *flags):
 
 @pytest.mark.parametrize("family,flags", [
     ("llama", ("--nproc", "2", "--pp", "2", "--microbatches", "2")),
-    ("gpt2", ("--nproc", "2", "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "4")),
+    ("gpt2", ("--nproc", "2", "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "2",
+              "--grad-accum", "2")),
     pytest.param("llama", ("--nproc", "4", "--pp", "2", "--tp", "2", "--microbatches", "2"),
                  marks=pytest.mark.slow),
 ])
 def test_train_hf_model_pp_equals_one_process(tmp_path_factory, tmp_path, family, flags):
-    """``train --model DIR --pp 2`` (GPT-2: tied embeddings between the end stages; Llama at
+    """``train --model DIR --pp 2`` (GPT-2: tied embeddings between the end stages, 2 accumulated
+    schedules of 2 micro-batches; Llama at
     pp 2 × tp 2: the vocab-parallel loss on the last stage): the losses and the clipped norm of
     one process within 1e-5 over 3 Adam steps."""
     import hf_tiny

@@ -430,3 +430,45 @@ def _lora_after_split():
 
 def test_lora_after_the_split_is_refused(run_ranks):
     assert all(run_ranks(_lora_after_split, 2))
+
+
+def _accumulated(cfg, n, m, dense_grads):
+    """pp 2 with ``grad_accum=n``: n schedules of m micro-batches per step."""
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    pipe = pipeline(model, ctx, "1f1b", microbatches=m)
+    with CommLedger() as led:
+        (idx, y), = _data(1)
+        loss = pipe.step(idx, y, grad_accum=n)
+    grads = {n_: (p.grad.clone(), dense_grads[_dense_name(n_, cfg)])
+             for n_, p in model.named_parameters()}
+    sends = sum(r.kind == "send" for r in led.records if r.label == "pp_boundary")
+    return None if loss is None else loss.item(), grads, sends
+
+
+def test_pp2_grad_accum_equals_dense(run_ranks):
+    """Micro-batches of micro-batches: 2 schedules of 2 micro-batches, each piece's loss
+    CE / 4, the tied sum and the reducers once: the dense batch's loss and gradients."""
+    dense_losses, dense_grads = _dense(CFG, 1)
+    results = run_ranks(_accumulated, 2, CFG, 2, 2, dense_grads)
+    assert results[0][0] is None and abs(results[1][0] - dense_losses[0]) <= RTOL * dense_losses[0]
+    for _, grads, sends in results:
+        assert sends == 2 * 2  # per rank: n · m sends (activations forward or gradients back)
+        for name, (grad, want) in grads.items():
+            assert_rel(grad, want, RTOL, name)
+
+
+def test_pp_grad_accum_must_divide_the_batch(run_ranks):
+    def bad():
+        ctx = init_parallel(pp=2)
+        torch.manual_seed(0)
+        pipe = pipeline(GPT(CFG), ctx, "1f1b", microbatches=2)
+        idx = torch.zeros(6, T, dtype=torch.long)
+        with pytest.raises(ValueError, match=r"the batch \(6 rows\) is not divisible by "
+                                             r"grad_accum \(2\) × microbatches \(2\)"):
+            pipe.step(idx, idx, grad_accum=2)
+        return True
+
+    assert run_ranks(bad, 2) == [True, True]

@@ -126,13 +126,15 @@ class RecordedStage(_pp.PipelineStage):
 
 
 class MicroBatchLoss:
-    """The last stage's loss function: ``scale · CE_i / m`` for micro-batch ``i`` (its mean token
-    loss over the ``m`` micro-batches; ``scale``: the fp16 loss scale of this step, else 1).
+    """The last stage's loss function: ``scale · CE_i / (n · m)`` for micro-batch ``i`` (its mean
+    token loss over the ``m`` micro-batches of each of the ``n = accumulate`` schedules of a step,
+    ``Pipeline.step(grad_accum=)``; ``scale``: the fp16 loss scale of this step, else 1).
     ``sharded``: ``(ctx, vocabulary size)`` when the logits are this TP rank's vocabulary columns
     (a Hugging Face head under ``loss_parallel``): the vocab-parallel cross-entropy."""
 
     def __init__(self, microbatches: int, sharded=None):
         self.microbatches, self.scale, self.sharded = microbatches, 1.0, sharded
+        self.accumulate = 1
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.sharded is not None:
@@ -140,7 +142,7 @@ class MicroBatchLoss:
             loss = vocab_parallel_cross_entropy(logits.float(), targets, ctx, vocab_size=vocab)
         else:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        return loss * (self.scale / self.microbatches)
+        return loss * (self.scale / (self.microbatches * self.accumulate))
 
 
 @dataclass
@@ -167,8 +169,8 @@ class Pipeline:
     def has_last(self) -> bool:
         return any(s.last for s in self.stages)
 
-    def step(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None,
-             policy=None) -> torch.Tensor | None:
+    def step(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None, policy=None,
+             grad_accum: int = 1) -> torch.Tensor | None:
         """Forward and backward of one batch ``idx, targets (B, T)`` in ``microbatches`` pieces of
         ``B / microbatches`` rows; gradients accumulate into ``.grad`` (zero them between steps),
         reduced over the stage's data-parallel ranks and between tied stages. Returns the loss
@@ -178,19 +180,31 @@ class Pipeline:
         :class:`~ops_transformer.precision.DynamicLossScaler` whose scale multiplies the backward's
         loss (``optimizer_step(scaler=)`` unscales and agrees on an overflow over every stage).
         ``policy``: a :class:`~ops_transformer.precision.PrecisionPolicy` whose autocast every
-        stage's forward runs in (bf16, fp16), ``None``: fp32; the loss is taken in float32."""
-        if idx.shape[0] % self.microbatches:
-            raise ValueError(f"the batch ({idx.shape[0]} rows) is not divisible by microbatches "
-                             f"({self.microbatches})")
+        stage's forward runs in (bf16, fp16), ``None``: fp32; the loss is taken in float32.
+
+        ``grad_accum`` (``n``): the batch runs as ``n`` schedules one after the other, each of
+        ``B / n`` rows in ``microbatches`` pieces — micro-batches of micro-batches, ``n · m``
+        forwards and backwards per stage. Each piece's loss is ``CE / (n · m)``, so the
+        accumulated gradient is the mean loss's; the tied embedding's sum and the gradient
+        reducers run once, after the last schedule."""
+        n, m = grad_accum, self.microbatches
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"grad_accum must be a positive integer, got {n!r}")
+        if idx.shape[0] % (n * m):
+            what = f"grad_accum ({n}) × microbatches ({m})" if n > 1 else f"microbatches ({m})"
+            raise ValueError(f"the batch ({idx.shape[0]} rows) is not divisible by {what}")
         losses: list[torch.Tensor] = []
         self.loss_fn.scale = 1.0 if scaler is None else scaler.scale_value
+        self.loss_fn.accumulate = n
         for stage in self.stages:
             stage.seq_len = idx.shape[1]
             stage.autocast = (contextlib.nullcontext if policy is None else
                               lambda: policy.autocast(self.ctx.device))
         with no_sync(self.model):  # the reducers run once, after every micro-batch
-            self.schedule.step(*((idx,) if self.has_first else ()), target=targets,
-                               losses=losses)
+            for x, y in zip(idx.chunk(n), targets.chunk(n)):
+                piece: list[torch.Tensor] = []  # (pipelining refills the list it is given)
+                self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=piece)
+                losses += piece
         if self.tied is not None and self.tied.grad is not None:  # before the reducers: ZeRO-2's
             C.all_reduce(self.tied.grad, self.ctx.pp_ends_group(),  # reduce-scatter frees it
                          label="pp_tied_embedding")
@@ -202,11 +216,11 @@ class Pipeline:
         return torch.stack(losses).sum().detach() / self.loss_fn.scale
 
     def step_metrics(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None,
-                     policy=None) -> dict:
+                     policy=None, grad_accum: int = 1) -> dict:
         """:meth:`step` for ``optimizer_step(metrics=...)``, which averages each metric over the
         ``pp × dp × ep`` ranks of a TP position: the last stage's loss counts ``pp`` times, the
         other stages' 0, so the average is the dense loss on every rank (no extra collective)."""
-        loss = self.step(idx, targets, scaler=scaler, policy=policy)
+        loss = self.step(idx, targets, scaler=scaler, policy=policy, grad_accum=grad_accum)
         weight = float(self.ctx.pp_size) if loss is not None else 0.0
         return {"loss": (loss if loss is not None else torch.zeros(())) * weight}
 

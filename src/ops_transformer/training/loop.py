@@ -264,9 +264,6 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
         raise ValueError(f"--pp {cfg.pp} does not combine with --cp yet: drop one of them")
     if not cfg.model and cfg.model_config().dropout > 0:  # micro-batches draw other masks
         raise ValueError(f"--pp {cfg.pp} does not combine with --dropout yet: drop one of them")
-    if cfg.grad_accum > 1:
-        raise ValueError("--pp runs without --grad-accum (use --microbatches) yet "
-                         "(docs/pipeline.md)")
     if cfg.model:
         n_layers = _pipeline_hf_layers(cfg)
     else:
@@ -278,9 +275,10 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
         message = str(exc).replace("schedule must", "--pp-schedule must")
         raise ValueError(f"--pp {cfg.pp}: {message}") from None
     rows = cfg.batch // dp_ep if cfg.batch % dp_ep == 0 else None
-    if rows is None or rows % cfg.microbatches:
+    if rows is None or rows % (cfg.microbatches * cfg.grad_accum):
+        accum = f" × --grad-accum {cfg.grad_accum}" if cfg.grad_accum > 1 else ""
         raise ValueError(f"--batch {cfg.batch} over {dp_ep} data-parallel rank(s) does not split "
-                         f"into --microbatches {cfg.microbatches}")
+                         f"into --microbatches {cfg.microbatches}{accum}")
 
 
 def _pipeline_hf_layers(cfg: TrainConfig) -> int:
@@ -372,7 +370,8 @@ class TrainState:
         collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
             metrics = (self.accumulate(x, y) if self.pipe is None else
-                       self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy))
+                       self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy,
+                                              grad_accum=self.cfg.grad_accum))
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
                                     max_norm=self.cfg.clip_grad, metrics=metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)

@@ -273,7 +273,7 @@ def _adamw_dense(steps, max_norm, lr=1e-3):
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _zero_run(zero, steps, max_norm, lr=1e-3):
+def _zero_run(zero, steps, max_norm, lr=1e-3, schedule="1f1b", v=1):
     """pp 2 × dp 2 (4 ranks), ZeRO ``zero``: ``steps`` AdamW steps with clipping through
     ``optimizer_step``; the losses, the gradient norms and the parameters after, by name."""
     from ops_transformer import optimizer_step, zero_optimizer
@@ -282,8 +282,14 @@ def _zero_run(zero, steps, max_norm, lr=1e-3):
     ctx = init_parallel(pp=2, dp=2)
     torch.manual_seed(0)
     model = parallelize(GPT(CFG), ctx)
-    pipe = pipeline(model, ctx, "1f1b", microbatches=2)
-    opt = zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, lr=lr)
+    pipe = pipeline(model, ctx, schedule, microbatches=2, stages_per_rank=v)
+    if zero == 3:  # FSDP2 per stage: each stage module a root, pipelining drives its syncs
+        from ops_transformer.memory.fsdp import shard_parameters
+
+        shard_parameters(model, ctx)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    else:
+        opt = zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, lr=lr)
     losses, norms = [], []
     for idx, y in _data(steps):
         idx, y = idx.chunk(2)[ctx.dp_rank], y.chunk(2)[ctx.dp_rank]  # this replica's rows
@@ -292,18 +298,26 @@ def _zero_run(zero, steps, max_norm, lr=1e-3):
                                 metrics=pipe.step_metrics(idx, y))
         losses.append(report.metrics["loss"])
         norms.append(report.grad_norm)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
     return ctx.pp_rank, losses, norms, params
 
 
-@pytest.mark.parametrize("zero", [1, 2])
-def test_pp2_dp2_zero_equals_one_process(run_ranks, zero):
+def _full(param):
+    """A ZeRO-3 (FSDP2) shard gathered over dp; any other parameter as it is."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+@pytest.mark.parametrize("zero,schedule,v", [(1, "1f1b", 1), (2, "1f1b", 1), (3, "1f1b", 1),
+                                             pytest.param(3, "interleaved", 2,
+                                                          marks=pytest.mark.slow)])
+def test_pp2_dp2_zero_equals_one_process(run_ranks, zero, schedule, v):
     """pp 2 × dp 2 with ZeRO-1/2 equals one process (plain AdamW, torch's clipping): losses,
     norms before clipping and every updated parameter after 3 steps. The traps: the tied
     embedding's gradient is summed between the end stages *before* ZeRO-2's reduce-scatter cuts it
     into chunks, and its last-stage copy stays out of ZeRO's share of the norm."""
     want_losses, want_norms, dense = _adamw_dense(3, 0.05)
-    for pp_rank, losses, norms, params in run_ranks(_zero_run, 4, zero, 3, 0.05):
+    for pp_rank, losses, norms, params in run_ranks(_zero_run, 4, zero, 3, 0.05, 1e-3, schedule,
+                                                    v):
         assert losses == pytest.approx(want_losses, rel=1e-5), pp_rank
         assert norms == pytest.approx(want_norms, rel=1e-5), pp_rank
         for name, value in params.items():

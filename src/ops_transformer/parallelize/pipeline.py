@@ -160,6 +160,7 @@ class Pipeline:
     schedule: object = field(repr=False)
     tied: nn.Parameter | None = field(default=None, repr=False)
     loss_fn: MicroBatchLoss | None = field(default=None, repr=False)
+    tied_name: str | None = None  # its name here: ZeRO-3 (FSDP2) registers a new parameter
 
     @property
     def has_first(self) -> bool:
@@ -205,9 +206,12 @@ class Pipeline:
                 piece: list[torch.Tensor] = []  # (pipelining refills the list it is given)
                 self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=piece)
                 losses += piece
+        if self.tied_name is not None:  # sharded by ZeRO-3 after the split: its new parameter
+            self.tied = self.model.get_parameter(self.tied_name)
         if self.tied is not None and self.tied.grad is not None:  # before the reducers: ZeRO-2's
-            C.all_reduce(self.tied.grad, self.ctx.pp_ends_group(),  # reduce-scatter frees it
-                         label="pp_tied_embedding")
+            grad = self.tied.grad  # reduce-scatter frees it. ZeRO-3: each end's dp shard, the
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad  # same rows on both
+            C.all_reduce(grad, self.ctx.pp_ends_group(), label="pp_tied_embedding")
         state = parallel_state_of(self.model)
         for reducer in (state.reducers if state is not None else ()):
             reducer.finish()
@@ -261,7 +265,8 @@ def pipeline(model: nn.Module, ctx, schedule: str = "1f1b", *, microbatches: int
     n_stages = ctx.pp_size * stages_per_rank
     mine = rank_stages(ctx.pp_rank, ctx.pp_size, stages_per_rank, placement)
     first, last = 0 in mine, n_stages - 1 in mine
-    tied = _tied_weight(model, first, last, ctx)
+    tied_name = _tied_weight(model, first, last, ctx)
+    tied = None if tied_name is None else model.get_parameter(tied_name)
     stage_cls = HFStage if hf else GPTStage
     stages = [stage_cls(model, stage_layers(n_layers, n_stages, s), first=s == 0,
                         last=s == n_stages - 1) for s in mine]
@@ -272,6 +277,7 @@ def pipeline(model: nn.Module, ctx, schedule: str = "1f1b", *, microbatches: int
             reducer.remove()
         state.reducers = gradient_reducers(model, ctx, options)
         state.pipeline_stages = tuple(mine)
+        state.pipeline_modules = tuple(stages)
     runtime = [RecordedStage(stage, s, n_stages, ctx.device, group=ctx.pp_group)
                for stage, s in zip(stages, mine)]
     m = microbatches
@@ -282,7 +288,8 @@ def pipeline(model: nn.Module, ctx, schedule: str = "1f1b", *, microbatches: int
              cls(runtime, m, loss_fn=loss_fn, scale_grads=False))
     log.info("pipeline: pp=%d schedule=%s microbatches=%d stages %s on pp rank %d", ctx.pp_size,
              schedule, m, mine, ctx.pp_rank)
-    return Pipeline(model, ctx, schedule, m, stages_per_rank, stages, sched, tied, loss_fn)
+    return Pipeline(model, ctx, schedule, m, stages_per_rank, stages, sched, tied, loss_fn,
+                    tied_name)
 
 
 def _sharded_vocab(model: nn.Module, ctx, options: ParallelOptions):
@@ -295,9 +302,10 @@ def _sharded_vocab(model: nn.Module, ctx, options: ParallelOptions):
     return ctx, model.config.get_text_config().vocab_size
 
 
-def _tied_weight(model: nn.Module, first: bool, last: bool, ctx) -> nn.Parameter | None:
-    """The tied embedding whose two halves live on different ranks (first xor last stage here),
-    else ``None``: with both on this rank the one parameter already sums both gradients."""
+def _tied_weight(model: nn.Module, first: bool, last: bool, ctx) -> str | None:
+    """The name of the tied embedding whose two halves live on different ranks (first xor last
+    stage here), else ``None``: with both on this rank the one parameter already sums both
+    gradients."""
     if is_hf(model):
         names = tied_names(model)
         embed, head = names if names else (None, None)
@@ -311,10 +319,9 @@ def _tied_weight(model: nn.Module, first: bool, last: bool, ctx) -> nn.Parameter
         return None
     if last:  # the gradient norm counts the tied weight once, on the first stage, and a
         # checkpoint holds it once, under the dense name (checkpoint/contents.py)
-        weight = model.get_parameter(head)
-        weight.pipeline_tied_copy = embed
-        return weight
-    return model.get_parameter(embed)
+        model.get_parameter(head).pipeline_tied_copy = embed
+        return head
+    return embed
 
 
 def _prune(model: GPT, layers: set[int], *, first: bool, last: bool) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -106,7 +107,33 @@ class GPTStage(nn.Module):
 
 class RecordedStage(_pp.PipelineStage):
     """pipelining's ``PipelineStage`` whose boundary sends and receives are built through
-    :func:`~ops_transformer.comm.collectives.p2p_op`, which records each in the ledger."""
+    :func:`~ops_transformer.comm.collectives.p2p_op`, which records each in the ledger. While
+    ``busy_s`` is not ``None`` (``Pipeline.measure``) it adds up the wall time of this stage's
+    forwards and backwards (on a GPU after synchronising the device): the stage's busy time, the
+    rest of a schedule's time is its bubble and its transfers."""
+
+    busy_s: float | None = None
+
+    def _timed(self, run, *args, **kwargs):
+        if self.busy_s is None:
+            return run(*args, **kwargs)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            sync()
+            self.busy_s += time.perf_counter() - start
+
+    def forward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
 
     def _recorded(self, ops):
         return [C.p2p_op("send" if op.op is dist.isend else "recv", op.tensor, op.peer, op.group,
@@ -161,6 +188,9 @@ class Pipeline:
     tied: nn.Parameter | None = field(default=None, repr=False)
     loss_fn: MicroBatchLoss | None = field(default=None, repr=False)
     tied_name: str | None = None  # its name here: ZeRO-3 (FSDP2) registers a new parameter
+    runtime: list = field(default_factory=list, repr=False)  # this rank's RecordedStage s
+    measure: bool = False  # time each step's schedule and this rank's busy part (timings)
+    timings: list = field(default_factory=list, repr=False)
 
     @property
     def has_first(self) -> bool:
@@ -201,11 +231,18 @@ class Pipeline:
             stage.seq_len = idx.shape[1]
             stage.autocast = (contextlib.nullcontext if policy is None else
                               lambda: policy.autocast(self.ctx.device))
+        for stage in self.runtime:
+            stage.busy_s = 0.0 if self.measure else None
+        start = time.perf_counter()
         with no_sync(self.model):  # the reducers run once, after every micro-batch
             for x, y in zip(idx.chunk(n), targets.chunk(n)):
                 piece: list[torch.Tensor] = []  # (pipelining refills the list it is given)
                 self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=piece)
                 losses += piece
+        if self.measure:
+            if self.ctx.device.type == "cuda":
+                torch.cuda.synchronize(self.ctx.device)
+            self._timing(time.perf_counter() - start)
         if self.tied_name is not None:  # sharded by ZeRO-3 after the split: its new parameter
             self.tied = self.model.get_parameter(self.tied_name)
         if self.tied is not None and self.tied.grad is not None:  # before the reducers: ZeRO-2's
@@ -218,6 +255,11 @@ class Pipeline:
         if not losses:
             return None
         return torch.stack(losses).sum().detach() / self.loss_fn.scale
+
+    def _timing(self, schedule_s: float) -> None:
+        busy = sum(stage.busy_s for stage in self.runtime)
+        self.timings.append({"schedule_s": schedule_s, "busy_s": busy,
+                             "bubble": (schedule_s - busy) / busy if busy > 0 else None})
 
     def step_metrics(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None,
                      policy=None, grad_accum: int = 1) -> dict:
@@ -289,7 +331,7 @@ def pipeline(model: nn.Module, ctx, schedule: str = "1f1b", *, microbatches: int
     log.info("pipeline: pp=%d schedule=%s microbatches=%d stages %s on pp rank %d", ctx.pp_size,
              schedule, m, mine, ctx.pp_rank)
     return Pipeline(model, ctx, schedule, m, stages_per_rank, stages, sched, tied, loss_fn,
-                    tied_name)
+                    tied_name, runtime)
 
 
 def _sharded_vocab(model: nn.Module, ctx, options: ParallelOptions):

@@ -59,7 +59,7 @@ KNOWN_LIMITS = {
         ("dropout", "--dropout"), ("moe-ep", "an MoE preset"))},
     # pipeline parallelism (SPEC F19) does not compose with these yet (docs/pipeline.md)
     **{(name, "pp"): f"--pp 2 does not combine with {flag} yet" for name, flag in (
-        ("dropout", "--dropout"), ("cp", "--cp"))},
+        ("cp", "--cp"),)},
     ("moe-ep", "pp"): "--pp 2 does not split the MoE preset",
     # torch.compile per block (SPEC F20) does not compose with these yet (docs/compile.md)
     ("regather", "compile"): "--compile does not combine with sequence_parallel='regather'",

@@ -486,3 +486,65 @@ def test_pp_grad_accum_must_divide_the_batch(run_ranks):
         return True
 
     assert run_ranks(bad, 2) == [True, True]
+
+
+def _dropout_run(pp, tp, schedule="1f1b", v=1, m=2, grad_accum=1, recompute="none", steps=2,
+                 sequence_parallel=False, want=None):
+    """Dropout 0.1 in training mode: the losses and the first step's gradients by name, at
+    pp × tp (pp 1: one forward of the whole batch, the one-device masks)."""
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=pp, tp=tp)
+    cfg = ROPE.with_(dropout=0.1)
+    torch.manual_seed(0)
+    model = parallelize(GPT(cfg), ctx, recompute=recompute, sequence_parallel=sequence_parallel)
+    pipe = pipeline(model, ctx, schedule, microbatches=m, stages_per_rank=v) if pp > 1 else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, grads = [], None
+    for idx, y in _data(steps):
+        opt.zero_grad()
+        if pipe is None:
+            loss = model(idx, y)[1]
+            loss.backward()
+        else:
+            loss = pipe.step(idx, y, grad_accum=grad_accum)
+        if grads is None:  # (with the one device's: this rank's part of each gradient)
+            grads = {n: (p.grad.clone(), None if want is None else local_part(p, want[n][0]))
+                     for n, p in model.named_parameters()}
+        losses.append(None if loss is None else loss.item())
+        opt.step()
+    return ctx.pp_rank, ctx.tp_rank, losses, grads, torch.rand(()).item()
+
+
+@pytest.mark.parametrize("schedule,v,grad_accum", [("1f1b", 1, 1), ("interleaved", 2, 2)])
+def test_pp2_dropout_equals_one_device(run_ranks, schedule, v, grad_accum):
+    """Dropout under pp draws the one-device masks: each stage's forward of a micro-batch seeks
+    the seeds one device draws before its first site and takes the micro-batch's rows."""
+    ref = run_ranks(_dropout_run, 1, 1, 1)[0]
+    results = run_ranks(_dropout_run, 2, 2, 1, schedule, v, 2, grad_accum, want=ref[3])
+    _, _, want_losses, _, want_rng = ref
+    plain = _dense(ROPE, 2)[0]  # the same model without dropout: the masks do matter
+    assert abs(want_losses[0] - plain[0]) > 1e-3 * plain[0]
+    for pp_rank, _, losses, grads, rng in results:
+        if losses[0] is not None:
+            assert losses == pytest.approx(want_losses, rel=RTOL), pp_rank
+        for name, (grad, want) in grads.items():
+            assert_rel(grad, want, RTOL, f"pp rank {pp_rank}: {name}")
+        assert rng == want_rng  # the generator where one device's is after the steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [dict(sequence_parallel=True, recompute="full"),
+                                     dict(recompute="selective")])
+def test_pp2_tp2_dropout_equals_one_device(run_ranks, options):
+    """pp 2 × tp 2 with dropout: the heads' and the tokens' (SP) parts of the one-device masks,
+    recompute replaying them."""
+    ref = run_ranks(_dropout_run, 1, 1, 1)[0]
+    results = run_ranks(_dropout_run, 4, 2, 2, "1f1b", 1, 2, 1, options.get("recompute", "none"),
+                        2, options.get("sequence_parallel", False), want=ref[3])
+    _, _, want_losses, _, want_rng = ref
+    for pp_rank, tp_rank, losses, grads, rng in results:
+        if losses[0] is not None:
+            assert losses == pytest.approx(want_losses, rel=RTOL), pp_rank
+        for name, (grad, want) in grads.items():
+            assert_rel(grad, want, RTOL, f"pp rank {pp_rank}, tp rank {tp_rank}: {name}")
+        assert rng == want_rng

@@ -43,7 +43,8 @@ from torch.distributed import pipelining as _pp
 
 from ..comm import collectives as C
 from ..layers.loss import vocab_parallel_cross_entropy
-from ..models.gpt import GPT, rope_tables
+from ..layers.dropout import ParallelDropout, draw_seed, micro_batch_masks
+from ..models.gpt import GPT, Attention, rope_tables
 from ..models.hf import is_hf
 from ..parallel.state import no_sync, parallel_state_of
 from .moe_plan import n_experts_of
@@ -113,6 +114,20 @@ class RecordedStage(_pp.PipelineStage):
     rest of a schedule's time is its bubble and its transfers."""
 
     busy_s: float | None = None
+    dropout = None  # _DropoutStream of the pipeline when the model has dropout, else None
+    stage_draws_before = 0  # dropout seeds one device draws before this stage's first site
+
+    def _masked(self, run, chunk: int, *args, forward: bool = False, **kwargs):
+        """``run`` with the dropout sites drawing the one-device masks of micro-batch ``chunk``
+        (its rows of the batch) and, for a forward, the seeds one device draws at these sites."""
+        stream = self.dropout
+        if stream is None:
+            return run(chunk, *args, **kwargs)
+        index, count = stream.piece * stream.microbatches + chunk, stream.count
+        if forward:
+            stream.seek(self.stage_draws_before)
+        with micro_batch_masks(self.submod, index, count):
+            return run(chunk, *args, **kwargs)
 
     def _timed(self, run, *args, **kwargs):
         if self.busy_s is None:
@@ -126,11 +141,13 @@ class RecordedStage(_pp.PipelineStage):
             sync()
             self.busy_s += time.perf_counter() - start
 
-    def forward_one_chunk(self, *args, **kwargs):
-        return self._timed(super().forward_one_chunk, *args, **kwargs)
+    def forward_one_chunk(self, chunk, *args, **kwargs):
+        return self._timed(self._masked, super().forward_one_chunk, chunk, *args, forward=True,
+                           **kwargs)
 
-    def backward_one_chunk(self, *args, **kwargs):
-        return self._timed(super().backward_one_chunk, *args, **kwargs)
+    def backward_one_chunk(self, chunk, *args, **kwargs):  # (a full recompute replays the
+        return self._timed(self._masked, super().backward_one_chunk, chunk, *args, **kwargs)
+        # forward with the checkpoint's saved random state: the masks' rows must match too)
 
     def backward_weight_one_chunk(self, *args, **kwargs):
         return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
@@ -150,6 +167,59 @@ class RecordedStage(_pp.PipelineStage):
 
     def get_bwd_send_ops(self, bwd_chunk_id):
         return self._recorded(super().get_bwd_send_ops(bwd_chunk_id))
+
+
+class _DropoutStream:
+    """Dropout under pp, exactly as one device: every dropout site draws one seed from the
+    device's default generator in forward order (``layers.dropout``), so the one-device step
+    draws ``K`` seeds for the whole batch. Each stage's forward of a micro-batch starts from the
+    step's random state advanced by the seeds one device draws before the stage's first site
+    (:meth:`seek`), and its sites take the micro-batch's rows (``micro_batch_masks``); after the
+    step every rank's generator is where one device's is (:meth:`finish`: ``K`` seeds on)."""
+
+    def __init__(self, device: torch.device, total: int, microbatches: int):
+        self.device, self.total, self.microbatches = device, total, microbatches
+        self.piece, self.count, self.start = 0, microbatches, None
+
+    def _state(self):
+        return (torch.get_rng_state(), torch.cuda.get_rng_state(self.device)
+                if self.device.type == "cuda" else None)
+
+    def _restore(self, state) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
+
+    def begin(self, grad_accum: int) -> None:
+        self.start, self.count, self.piece = self._state(), grad_accum * self.microbatches, 0
+
+    def seek(self, draws: int) -> None:
+        self._restore(self.start)
+        for _ in range(draws):
+            draw_seed(self.device)
+
+    def finish(self) -> None:
+        self.seek(self.total)
+
+
+def _dropout_draws(model: GPT) -> list[int] | None:
+    """The dropout seeds one forward of each layer of a parallelised reference GPT draws (its
+    attention core once, its residual dropout twice), after the embedding's one (``[emb, layer
+    0, ...]``); ``None`` without dropout. A site these do not describe is a ``ValueError``."""
+    if model.cfg.dropout == 0.0:
+        return None
+    if not isinstance(model.drop, ParallelDropout):
+        raise ValueError("pipeline with dropout draws the one-device masks of parallelize's "
+                         "dropout: call parallelize(model, ctx) first (at tp 1 too)")
+    draws = [1]
+    for i, block in enumerate(model.layers):
+        if not isinstance(getattr(block, "drop", None), ParallelDropout) or not isinstance(
+                getattr(block, "attn", None), Attention):
+            raise ValueError(f"pipeline with dropout splits the reference attention; layer {i} "
+                             f"has {type(getattr(block, 'attn', None)).__name__} (attention "
+                             f"kv_split draws its own masks: use heads)")
+        draws.append(3)
+    return draws
 
 
 class MicroBatchLoss:
@@ -233,12 +303,19 @@ class Pipeline:
                               lambda: policy.autocast(self.ctx.device))
         for stage in self.runtime:
             stage.busy_s = 0.0 if self.measure else None
+        stream = self.runtime[0].dropout if self.runtime else None
+        if stream is not None:
+            stream.begin(n)
         start = time.perf_counter()
         with no_sync(self.model):  # the reducers run once, after every micro-batch
-            for x, y in zip(idx.chunk(n), targets.chunk(n)):
+            for i, (x, y) in enumerate(zip(idx.chunk(n), targets.chunk(n))):
+                if stream is not None:
+                    stream.piece = i
                 piece: list[torch.Tensor] = []  # (pipelining refills the list it is given)
                 self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=piece)
                 losses += piece
+        if stream is not None:
+            stream.finish()
         if self.measure:
             if self.ctx.device.type == "cuda":
                 torch.cuda.synchronize(self.ctx.device)
@@ -307,6 +384,7 @@ def pipeline(model: nn.Module, ctx, schedule: str = "1f1b", *, microbatches: int
     n_stages = ctx.pp_size * stages_per_rank
     mine = rank_stages(ctx.pp_rank, ctx.pp_size, stages_per_rank, placement)
     first, last = 0 in mine, n_stages - 1 in mine
+    draws = None if hf else _dropout_draws(model)  # before the split: every layer's sites
     tied_name = _tied_weight(model, first, last, ctx)
     tied = None if tied_name is None else model.get_parameter(tied_name)
     stage_cls = HFStage if hf else GPTStage
@@ -322,6 +400,12 @@ def pipeline(model: nn.Module, ctx, schedule: str = "1f1b", *, microbatches: int
         state.pipeline_modules = tuple(stages)
     runtime = [RecordedStage(stage, s, n_stages, ctx.device, group=ctx.pp_group)
                for stage, s in zip(stages, mine)]
+    if draws is not None:  # one stream per rank: each stage seeks the seeds before its sites
+        stream = _DropoutStream(ctx.device, sum(draws), microbatches)
+        for stage, s in zip(runtime, mine):
+            stage.dropout = stream
+            first_layer = stage_layers(n_layers, n_stages, s).start
+            stage.stage_draws_before = 0 if s == 0 else sum(draws[:1 + first_layer])
     m = microbatches
     loss_fn = MicroBatchLoss(m, _sharded_vocab(model, ctx, options) if hf else None)
     cls = getattr(_pp, cls_name)

@@ -262,8 +262,9 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
     """``--pp``: the split (:func:`check_pipeline`, flags named) and what it runs with."""
     if cfg.cp > 1:
         raise ValueError(f"--pp {cfg.pp} does not combine with --cp yet: drop one of them")
-    if not cfg.model and cfg.model_config().dropout > 0:  # micro-batches draw other masks
-        raise ValueError(f"--pp {cfg.pp} does not combine with --dropout yet: drop one of them")
+    if not cfg.model and cfg.model_config().dropout > 0 and cfg.attention == "kv_split":
+        raise ValueError(f"--pp {cfg.pp} with --dropout needs --attention heads (or auto): "
+                         f"kv_split draws its own masks")
     if cfg.model:
         n_layers = _pipeline_hf_layers(cfg)
     else:

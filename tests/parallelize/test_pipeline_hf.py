@@ -130,11 +130,15 @@ def test_pp2_llama_tied_interleaved_equals_dense(run_ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,loss_parallel", [("llama", True), ("gpt2", False)])
-def test_pp2_tp2_hf_equals_dense(run_ranks, family, loss_parallel):
+@pytest.mark.parametrize("family,options", [
+    ("llama", {"loss_parallel": True}), ("gpt2", {}),
+    ("llama", {"sequence_parallel": True}), ("gpt2", {"sequence_parallel": True})])
+def test_pp2_tp2_hf_equals_dense(run_ranks, family, options):
+    """pp 2 × tp 2: the vocabulary split (with the vocab-parallel loss), GPT-2's Conv1D weights,
+    sequence parallelism (each boundary transfer (b/m, s/tp, h))."""
     dense_losses, dense_grads = _dense(family, False, 3)
     results = run_ranks(_piped, 4, family, False, "1f1b", 1, 2, 2, 3, dense_grads,
-                        vocab="parallel", loss_parallel=loss_parallel)
+                        vocab="parallel", **options)
     _check(results, dense_losses, dense_grads)
 
 

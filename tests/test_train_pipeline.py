@@ -99,17 +99,21 @@ def _run_hf(tmp_path, model_dir, data, name, *flags):
                  marks=pytest.mark.slow),
     pytest.param("qwen2", ("--nproc", "4", "--pp", "2", "--zero", "3", "--microbatches", "2"),
                  marks=pytest.mark.slow),
+    pytest.param("llama", ("--nproc", "2", "--pp", "2", "--microbatches", "2", "--lora-rank", "4"),
+                 marks=pytest.mark.slow),
 ])
 def test_train_hf_model_pp_equals_one_process(tmp_path_factory, tmp_path, family, flags):
     """``train --model DIR --pp 2`` (GPT-2: tied embeddings between the end stages, 2 accumulated
     schedules of 2 micro-batches; Llama at
-    pp 2 × tp 2: the vocab-parallel loss on the last stage): the losses and the clipped norm of
-    one process within 1e-5 over 3 Adam steps."""
+    pp 2 × tp 2: the vocab-parallel loss on the last stage; Qwen2 with ZeRO-3; Llama with LoRA
+    adapters added before the split): the losses and the clipped norm of one process within 1e-5
+    over 3 Adam steps."""
     import hf_tiny
 
     model_dir = hf_tiny.checkpoint(tmp_path_factory, family, tokenizer=family == "llama")
     data = _hf_data(tmp_path)
-    one = _run_hf(tmp_path, model_dir, data, "one", "--nproc", "1")
+    lora = ("--lora-rank", "4") if "--lora-rank" in flags else ()  # LoRA: on both runs
+    one = _run_hf(tmp_path, model_dir, data, "one", "--nproc", "1", *lora)
     piped = _run_hf(tmp_path, model_dir, data, "pp", *flags)
     assert piped["pp"] == 2 and piped["model_dir"] == str(model_dir)
     assert piped["losses"] == pytest.approx(one["losses"], rel=1e-5)

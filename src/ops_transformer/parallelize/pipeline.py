@@ -1,5 +1,6 @@
-"""Pipeline parallelism for the reference GPT on ``torch.distributed.pipelining`` (no scheduler of
-our own): :func:`pipeline` splits the model into stages by layers over ``ctx``'s ``pp`` axis.
+"""Pipeline parallelism for the reference GPT and Hugging Face decoders (:mod:`.pipeline_hf`) on
+``torch.distributed.pipelining`` (no scheduler of our own): :func:`pipeline` splits the model into
+stages by layers over ``ctx``'s ``pp`` axis.
 
 Each rank keeps the **dense** model object with only its stages' parts in it: the other layers
 become parameter-less ``nn.Identity`` entries of ``model.layers`` (so ``layers.5.attn.wq.weight``
@@ -16,6 +17,9 @@ One step (:meth:`Pipeline.step`), ``m`` micro-batches of ``b`` rows::
     loss (last stage)      : Σ_i CE_i / m — each micro-batch's mean token loss over m, so the
                              summed gradient is the dense mean (scale_grads=False: pipelining's
                              default would divide the gradients by m once more)
+    accumulation (n)       : n schedules per step, each piece's loss CE_i / (n·m)
+    dropout                : each stage's forward of a micro-batch seeks the seeds one device
+                             draws before its first site (_DropoutStream), its rows' masks
     after the schedule     : a tied embedding's gradient summed between the first and the last
                              stage (``ctx.pp_ends_group()``), then the stage's gradient reducers
                              (dp averaging or ZeRO-2's reduce-scatter, partial sums over tp): the

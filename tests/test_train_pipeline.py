@@ -80,8 +80,8 @@ def _hf_data(tmp_path):
     return path
 
 
-HF_ARGS = ["--steps", "3", "--batch", "4", "--seq", "32", "--lr", "1e-3", "--pack", "naive",
-           "--clip-grad", "0.5", "--no-progress"]
+HF_ARGS = ["--steps", "3", "--batch", "4", "--seq", "32", "--lr", "1e-3", "--clip-grad", "0.5",
+           "--no-progress"]  # --pack docs (the default), except where a case says naive
 
 
 def _run_hf(tmp_path, model_dir, data, name, *flags):
@@ -94,7 +94,7 @@ def _run_hf(tmp_path, model_dir, data, name, *flags):
 @pytest.mark.parametrize("family,flags", [
     ("llama", ("--nproc", "2", "--pp", "2", "--microbatches", "2")),
     ("gpt2", ("--nproc", "2", "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "2",
-              "--grad-accum", "2")),
+              "--grad-accum", "2", "--pack", "naive")),
     pytest.param("llama", ("--nproc", "4", "--pp", "2", "--tp", "2", "--microbatches", "2"),
                  marks=pytest.mark.slow),
     pytest.param("qwen2", ("--nproc", "4", "--pp", "2", "--zero", "3", "--microbatches", "2"),
@@ -112,8 +112,9 @@ def test_train_hf_model_pp_equals_one_process(tmp_path_factory, tmp_path, family
 
     model_dir = hf_tiny.checkpoint(tmp_path_factory, family, tokenizer=family == "llama")
     data = _hf_data(tmp_path)
-    lora = ("--lora-rank", "4") if "--lora-rank" in flags else ()  # LoRA: on both runs
-    one = _run_hf(tmp_path, model_dir, data, "one", "--nproc", "1", *lora)
+    same = [f for pair in (("--lora-rank", "4"), ("--pack", "naive")) if pair[0] in flags
+            for f in pair]  # on both runs
+    one = _run_hf(tmp_path, model_dir, data, "one", "--nproc", "1", *same)
     piped = _run_hf(tmp_path, model_dir, data, "pp", *flags)
     assert piped["pp"] == 2 and piped["model_dir"] == str(model_dir)
     assert piped["losses"] == pytest.approx(one["losses"], rel=1e-5)
@@ -127,9 +128,8 @@ def test_train_hf_model_pp_refusals_are_one_line(tmp_path_factory, tmp_path, cap
 
     data = _hf_data(tmp_path)
     for family, extra, match in (
-            ("llama", [], "--pp 2 with --model trains whole packed rows: pass --pack naive"),
-            ("mixtral", ["--pack", "naive"], "--pp 2 does not split MixtralForCausalLM yet"),
-            ("llama", ["--pack", "naive", "--pp-schedule", "interleaved"],
+            ("mixtral", [], "--pp 2 does not split MixtralForCausalLM yet"),
+            ("llama", ["--pp-schedule", "interleaved"],
              "--pp 2: pp \\(2\\) × stages_per_rank \\(2\\) = 4 stages, more than the model's 2")):
         model_dir = hf_tiny.checkpoint(tmp_path_factory, family, tokenizer=family == "llama")
         argv = ["train", "--model", str(model_dir), "--data", str(data), "--nproc", "2", "--pp",

@@ -236,13 +236,19 @@ class MicroBatchLoss:
     def __init__(self, microbatches: int, sharded=None):
         self.microbatches, self.scale, self.sharded = microbatches, 1.0, sharded
         self.accumulate = 1
+        self.per_target = None  # Pipeline.step(target_weight=): the loss a target contributes
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        reduction = "mean" if self.per_target is None else "sum"
         if self.sharded is not None:
             ctx, vocab = self.sharded
-            loss = vocab_parallel_cross_entropy(logits.float(), targets, ctx, vocab_size=vocab)
+            loss = vocab_parallel_cross_entropy(logits.float(), targets, ctx, vocab_size=vocab,
+                                                reduction=reduction)
         else:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                   reduction=reduction)
+        if self.per_target is not None:  # targets of ignore_index (-100) count nothing
+            return loss * (self.scale * self.per_target)
         return loss * (self.scale / (self.microbatches * self.accumulate))
 
 
@@ -275,7 +281,8 @@ class Pipeline:
         return any(s.last for s in self.stages)
 
     def step(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None, policy=None,
-             grad_accum: int = 1) -> torch.Tensor | None:
+             grad_accum: int = 1, position_ids: torch.Tensor | None = None,
+             target_weight: float | None = None) -> torch.Tensor | None:
         """Forward and backward of one batch ``idx, targets (B, T)`` in ``microbatches`` pieces of
         ``B / microbatches`` rows; gradients accumulate into ``.grad`` (zero them between steps),
         reduced over the stage's data-parallel ranks and between tied stages. Returns the loss
@@ -291,7 +298,13 @@ class Pipeline:
         ``B / n`` rows in ``microbatches`` pieces — micro-batches of micro-batches, ``n · m``
         forwards and backwards per stage. Each piece's loss is ``CE / (n · m)``, so the
         accumulated gradient is the mean loss's; the tied embedding's sum and the gradient
-        reducers run once, after the last schedule."""
+        reducers run once, after the last schedule.
+
+        ``position_ids`` ``(B, T)`` (a Hugging Face model, ``train --pack docs``): each token's
+        place in its packed document, given to every stage. ``target_weight``: the loss of a
+        micro-batch is then ``target_weight · Σ`` its targets' cross-entropies (the targets of
+        ``-100`` count nothing) instead of ``CE / (n·m)`` — e.g. ``readers / (targets of the
+        global batch)``, so that the step's gradient is the mean over every target."""
         n, m = grad_accum, self.microbatches
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"grad_accum must be a positive integer, got {n!r}")
@@ -301,6 +314,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         self.loss_fn.scale = 1.0 if scaler is None else scaler.scale_value
         self.loss_fn.accumulate = n
+        self.loss_fn.per_target = target_weight
         for stage in self.stages:
             stage.seq_len = idx.shape[1]
             stage.autocast = (contextlib.nullcontext if policy is None else
@@ -312,11 +326,14 @@ class Pipeline:
             stream.begin(n)
         start = time.perf_counter()
         with no_sync(self.model):  # the reducers run once, after every micro-batch
-            for i, (x, y) in enumerate(zip(idx.chunk(n), targets.chunk(n))):
+            positions = position_ids.chunk(n) if position_ids is not None else [None] * n
+            for i, (x, y, pos) in enumerate(zip(idx.chunk(n), targets.chunk(n), positions)):
                 if stream is not None:
                     stream.piece = i
                 piece: list[torch.Tensor] = []  # (pipelining refills the list it is given)
-                self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=piece)
+                more = {} if pos is None else {"position_ids": pos}  # (to every stage)
+                self.schedule.step(*((x,) if self.has_first else ()), target=y, losses=piece,
+                                   **more)
                 losses += piece
         if stream is not None:
             stream.finish()
@@ -343,11 +360,12 @@ class Pipeline:
                              "bubble": (schedule_s - busy) / busy if busy > 0 else None})
 
     def step_metrics(self, idx: torch.Tensor, targets: torch.Tensor, *, scaler=None,
-                     policy=None, grad_accum: int = 1) -> dict:
+                     policy=None, grad_accum: int = 1, **more) -> dict:
         """:meth:`step` for ``optimizer_step(metrics=...)``, which averages each metric over the
         ``pp × dp × ep`` ranks of a TP position: the last stage's loss counts ``pp`` times, the
         other stages' 0, so the average is the dense loss on every rank (no extra collective)."""
-        loss = self.step(idx, targets, scaler=scaler, policy=policy, grad_accum=grad_accum)
+        loss = self.step(idx, targets, scaler=scaler, policy=policy, grad_accum=grad_accum,
+                         **more)
         weight = float(self.ctx.pp_size) if loss is not None else 0.0
         return {"loss": (loss if loss is not None else torch.zeros(())) * weight}
 

@@ -90,12 +90,16 @@ class HFStage(nn.Module):
         self.norm = base.get_submodule(parts.norm) if last else None
         self.lm_head = model.get_submodule(parts.head) if last else None
 
-    def forward(self, x):
+    def forward(self, x, position_ids=None):
         with self.autocast():
-            return self._forward(x)
+            return self._forward(x, position_ids)
 
-    def _forward(self, x):
-        positions = torch.arange(self.seq_len or x.shape[1], device=x.device).unsqueeze(0)
+    def _forward(self, x, position_ids=None):
+        """``position_ids`` ``(B, T)``: each token's place in its packed document (``train
+        --pack docs``): the masks keep attention inside each document, as the model's own
+        forward makes them from restarting positions; ``None``: ``0..T−1``."""
+        positions = (position_ids if position_ids is not None else
+                     torch.arange(self.seq_len or x.shape[1], device=x.device).unsqueeze(0))
         if self.first:
             h = self.embed[0](x)
             if self.gpt2:  # learned positions, then the embedding dropout

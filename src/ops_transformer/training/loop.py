@@ -284,7 +284,7 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
 
 def _pipeline_hf_layers(cfg: TrainConfig) -> int:
     """``--pp --model``: the layers of a Hugging Face decoder ``pipeline`` splits (GPT-2, Llama,
-    Mistral, Qwen2, Qwen3; dense), trained on whole packed rows (``--pack naive``)."""
+    Mistral, Qwen2, Qwen3; dense)."""
     model = finetune.meta_model(cfg.model)
     if n_experts_of(model):
         raise ValueError(f"--pp {cfg.pp} does not split {type(model).__name__} yet (MoE): use a "
@@ -293,9 +293,6 @@ def _pipeline_hf_layers(cfg: TrainConfig) -> int:
         n_layers = n_layers_of(model)
     except ValueError as exc:
         raise ValueError(f"--pp {cfg.pp} --model {cfg.model}: {exc}") from None
-    if cfg.pack != "naive":  # a stage sees hidden states only, not the documents' positions
-        raise ValueError(f"--pp {cfg.pp} with --model trains whole packed rows: pass --pack "
-                         f"naive (--pack {cfg.pack} with pp is not done yet)")
     return n_layers
 
 
@@ -370,15 +367,21 @@ class TrainState:
         optimizer's report (``report.metrics["loss"]``: the global-batch loss) and the step's
         collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
-            metrics = (self.accumulate(x, y) if self.pipe is None else
-                       self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy,
-                                              grad_accum=self.cfg.grad_accum))
+            metrics = self.accumulate(x, y) if self.pipe is None else self.pipelined(x, y)
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
                                     max_norm=self.cfg.clip_grad, metrics=metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)
         self.state_bytes = self.state_bytes or measured_state_bytes(self.model, self.opt)
         self.opt.zero_grad(set_to_none=True)
         return report, ledger
+
+    def pipelined(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        """``--pp``: the step's schedules (``cfg.grad_accum`` of them) and their metrics; with
+        ``--model --pack docs`` the documents' positions and per-target loss weights."""
+        y, more = (finetune.pipeline_pack(self.cfg, self.data, self.ctx, x, y) if self.cfg.model
+                   else (y, {}))
+        return self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy,
+                                      grad_accum=self.cfg.grad_accum, **more)
 
     def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> dict:
         """Forward and backward of each micro-batch of ``x, y``, the gradients accumulating

@@ -44,6 +44,7 @@ from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence
 from ..parallelize.pipeline import Pipeline, pipeline
 from ..parallelize.pipeline_hf import n_layers_of
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
+from ..planner.layout import CostOptions, Layout
 from ..planner.strategies import model_comm_per_step
 from ..precision import DynamicLossScaler, optimizer_step, precision_policy
 from .schedule import check_schedule, lr_at, set_lr
@@ -114,6 +115,7 @@ class TrainConfig:
     stages_per_rank: int | None = None  # None: 1, or 2 for the multi-stage schedules
     compile: bool = ParallelOptions.compile  # each Transformer block through torch.compile
     compile_backend: str = ParallelOptions.compile_backend  # "inductor", "aot_eager", "eager"
+    fp8_backward: str = ParallelOptions.fp8_backward  # --precision fp8: "e5m2" or "fp32" grads
 
     @classmethod
     def from_run_config(cls, run: RunConfig) -> TrainConfig:
@@ -135,7 +137,8 @@ class TrainConfig:
                                moe_statistics=self.moe_statistics,
                                context_parallel=self.cp_strategy, compile=self.compile,
                                compile_backend=self.compile_backend,
-                               precision="fp8" if self.precision == "fp8" else "fp32", **more)
+                               precision="fp8" if self.precision == "fp8" else "fp32",
+                               fp8_backward=self.fp8_backward, **more)
 
     @property
     def overlap_mode(self) -> str:
@@ -225,8 +228,7 @@ def check_fp8(cfg: TrainConfig, model_cfg) -> None:
     """``--precision fp8``: what it does not combine with yet (the rest: ``ParallelOptions``)."""
     if cfg.precision != "fp8":
         return
-    for flag, on in (("--lora-rank", cfg.lora_rank is not None), ("--zero 3", cfg.zero == 3),
-                     ("--cp", cfg.cp > 1), ("--model", bool(cfg.model)),
+    for flag, on in (("--cp", cfg.cp > 1),
                      # a micro-batch's activation amax is not the batch's: other scales
                      ("--pp", cfg.pp > 1),
                      ("an MoE preset", bool(getattr(model_cfg, "n_experts", 0)))):
@@ -331,8 +333,13 @@ def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch:
     """The tensor-parallel collectives the cost model predicts for one training step on one rank
     (:func:`ops_transformer.planner.strategies.model_comm_per_step`, checked against the ledger by
     the tests) at a micro-batch of ``batch``; ``memory``: its ``sequence_parallel``,
-    ``recompute``, ``partial_elements`` and ``grad_accum``."""
-    return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab, **memory)
+    ``recompute``, ``overlap``, ``chunks``, ``ep``, ``partial_elements``, ``profile`` and
+    ``grad_accum``."""
+    layout = Layout(tp=tp, ep=memory.pop("ep", 1))
+    options = CostOptions(attention=attention, vocab=vocab, **{
+        k: memory.pop(k) for k in ("sequence_parallel", "recompute", "overlap", "chunks")
+        if k in memory})
+    return model_comm_per_step(model_cfg, layout, options, batch=batch, seq=seq, **memory)
 
 
 @dataclass

@@ -182,7 +182,8 @@ PAIRS = list(itertools.combinations(FEATURES, 2))
 SINGLES = [(name,) for name in FEATURES]
 SAMPLE = [("sp", "lora"), ("overlap-chunked", "lora"), ("zero2", "grad-accum"),
           ("regather", "overlap-chunked"), ("sp", "moe-ep"), ("lora", "zero3"),
-          ("grad-accum", "cp"), ("zero2", "cp"), ("clip", "pp"), ("zero2", "pp"), ("grad-accum", "pp"),
+          ("grad-accum", "cp"), ("zero2", "cp"), ("clip", "pp"), ("zero2", "pp"),
+          ("grad-accum", "pp"),
           ("moe-ep", "compile"), ("zero2", "fp8"), ("sp", "fp8")]  # compile's own cells: tests/compile (~9 s a cell)
 
 

@@ -58,7 +58,6 @@ SEVERITIES = ("error", "warning", "info")
 # collectives and syncs, then the profiled steps
 STEP_CALLS = 2 + PROFILED_STEPS
 CODES = ("not_divisible", "unaligned_dim", "implicit_broadcast", "host_sync", "redundant_collective",
-CODES = ("not_divisible", "unaligned_dim", "implicit_broadcast", "host_sync", "redundant_collective",
          "small_collectives", "exposed_comm", "load_imbalance", "cp_exposed_exchange",
          "cp_short_sequence", "pp_unbalanced")
 

@@ -78,6 +78,7 @@ def diagnose_worker(cfg: TrainConfig, steps: bool = True, profile=None) -> list[
     The small-message threshold and α come from the profile the ranks agreed on."""
     with join(cfg, profile) as ctx:
         state = setup_training(cfg, ctx)
+        state.read_metrics = False  # train's step: its numbers read once per logging interval
         batches = iter([state.batch(i) for i in range(STEP_CALLS)])
         step_fn = (lambda: state.step(*next(batches))) if steps else None
         found = diagnose(state.model, ctx, step_fn)

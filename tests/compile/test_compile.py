@@ -197,3 +197,25 @@ def test_each_option_compiled_equals_eager(run_ranks, name):
             for n in e:
                 assert_rel(c[n], e[n], 1e-6, what=f"{name}: rank {rank} step {step} grad {n}",
                            floor=0.02)
+
+
+@pytest.mark.slow
+def test_gpu_block_eager_and_compiled_run_on_a_cpu():
+    """``make gpu-check``'s ``block_compile`` section (benchmarks/gpu_block.py) at a tiny size on
+    a CPU: both methods time the block and report their figures."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "benchmarks/gpu_block.py", "--device", "cpu",
+                           "--hidden", "64", "--heads", "4", "--seq", "32", "--steps", "1",
+                           "--warmup", "1", "--methods", "eager,compiled", "--backend",
+                           "aot_eager"], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(result["methods"]) == {"eager", "compiled"} and result["compiled/eager"] > 0
+    assert all(m["tokens_per_s"] > 0 and m["achieved_tflops"] > 0
+               for m in result["methods"].values())

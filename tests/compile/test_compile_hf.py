@@ -97,3 +97,21 @@ def test_train_model_dir_compile_equals_eager(tmp_path_factory, tmp_path, capsys
     capsys.readouterr()
     assert_rel(torch.tensor(losses["compiled"]), torch.tensor(losses["eager"]), 1e-6,
                what="train --model --compile losses")
+
+
+@pytest.mark.slow
+def test_more_decoder_layers_than_dynamo_recompile_limit():
+    """A decoder layer's ``layer_idx`` makes each layer a graph of its own; with ``fullgraph``
+    the 9th would fail at Dynamo's default limit of 8 unless ``compile`` raises it."""
+    from ops_transformer import parallelize
+    from ops_transformer.parallel.context import ParallelContext
+
+    config = tr.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=10,
+                            num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
+                            max_position_embeddings=32, use_cache=False)
+    torch.manual_seed(0)
+    model = parallelize(tr.LlamaForCausalLM(config), ParallelContext.single(torch.device("cpu")),
+                        compile=True, compile_backend="eager")
+    ids = torch.randint(0, 64, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert torch._dynamo.config.recompile_limit >= 10

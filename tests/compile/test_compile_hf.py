@@ -41,6 +41,7 @@ def _graph_breaks(path):
     return found
 
 
+@pytest.mark.slow  # ~7 s on 2 cores
 def test_hf_llama_decoder_layers_compile_without_graph_breaks(run_ranks, tmp_path_factory):
     path = hf_tiny.checkpoint(tmp_path_factory, "llama")
     for rank, layers in enumerate(run_ranks(_graph_breaks, 2, path)):

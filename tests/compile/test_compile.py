@@ -219,3 +219,24 @@ def test_gpu_block_eager_and_compiled_run_on_a_cpu():
     assert set(result["methods"]) == {"eager", "compiled"} and result["compiled/eager"] > 0
     assert all(m["tokens_per_s"] > 0 and m["achieved_tflops"] > 0
                for m in result["methods"].values())
+
+
+def _losses_over_lengths(compile):
+    ctx, model = _model("llama", compile)
+    losses = []
+    for t in (16, 8, 12):  # a new length recompiles with dynamic shapes (Dynamo's automatic dynamic)
+        ids = torch.randint(0, 250, (2, t + 1), generator=torch.Generator().manual_seed(t))
+        loss = model(ids[:, :-1], ids[:, 1:])[1]
+        loss.backward()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.slow
+def test_a_new_sequence_length_recompiles_dynamic_and_equals_eager(run_ranks):
+    """The second length makes Dynamo trace the blocks with symbolic sizes (the chunk arithmetic
+    of the regions once failed there: ``divmod`` of a SymInt)."""
+    eager = run_ranks(_losses_over_lengths, 2, False)
+    compiled = run_ranks(_losses_over_lengths, 2, True)
+    for e, c in zip(eager, compiled):
+        assert_rel(c, e, 1e-6, what="losses over lengths 16, 8, 12")

@@ -55,6 +55,7 @@ def _compiled(size, ctx, backend):
 
 def bench_size(size, ctx, rounds: int, steps: int | None, warmup: int | None,
                backend: str) -> dict:
+    torch._dynamo.reset()  # this size's graphs traced static, not dynamic after the last size's
     eager = parallelize(dense_llama(size), ctx, overlap="none")
     compiled = _compiled(size, ctx, backend)
     with communication_removed():

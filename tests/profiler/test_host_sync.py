@@ -89,3 +89,29 @@ def test_log_every_is_checked():
 
     with pytest.raises(ValueError, match="--log-every must be at least 1, got 0"):
         validate(TrainConfig(log_every=0), 1)
+
+
+class _Journal:
+    def __init__(self):
+        self.messages = []
+
+    def send(self, message):
+        self.messages.append(message)
+
+
+def _trained(log_every):
+    from ops_transformer.training.loop import train_worker
+
+    journal = _Journal()
+    cfg = TrainConfig(preset="tiny", steps=5, batch=4, seq=32, progress=False,
+                      sample_tokens=0, log_every=log_every)
+    metrics = train_worker(cfg, journal=journal)
+    return metrics["losses"], [m["loss"] for m in journal.messages if "loss" in m]
+
+
+def test_every_steps_loss_is_reported_whatever_the_interval(run_ranks):
+    """Read once per 3 steps (at steps 3 and 5), the losses are every step's, in order, the same
+    as read every step — in the metrics and in the journal."""
+    (every, every_journal), = run_ranks(_trained, 1, 1)
+    (third, third_journal), = run_ranks(_trained, 1, 3)
+    assert len(every) == 5 and third == every and third_journal == every_journal == every

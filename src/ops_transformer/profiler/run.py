@@ -52,6 +52,7 @@ def profile_worker(cfg: TrainConfig, steps: int, warmup: int, profile=None) -> d
 
 def _profile(state, steps: int, warmup: int) -> dict | None:
     cfg = state.cfg
+    state.read_metrics = False  # train's step: no host read of its loss in the profiled steps
     batches = iter([state.batch(i) for i in range(warmup + steps)])
     prof = profile_step(lambda: state.step(*next(batches)), state.ctx, steps=steps,
                         warmup=warmup)

@@ -188,6 +188,10 @@ def add_training_arguments(p) -> None:
                    help="compute dtype: fp32, or bf16 / fp16 autocast over fp32 master weights "
                    f"(fp16 with a dynamic loss scaler), or fp8 (the blocks' matmuls in fp8 with "
                    f"tensorwise dynamic scales agreed over tp); default {D.precision}")
+    p.add_argument("--fp8-backward", default=D.fp8_backward, choices=("e5m2", "fp32"),
+                   help="--precision fp8: the backward's matmuls with the gradients cast to e5m2 "
+                   "(torchao's recipe) or in fp32 from the dequantised operands (straight-through) "
+                   f"(default {D.fp8_backward})")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
     add_lora_arguments(p)
@@ -303,6 +307,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        pack=getattr(args, "pack", None) or D.pack,
                        compile=getattr(args, "compile", D.compile),
                        compile_backend=getattr(args, "compile_backend", D.compile_backend),
+                       fp8_backward=getattr(args, "fp8_backward", D.fp8_backward),
                        **checkpoint_settings(args), **lora_settings(args),
                        **pipeline_settings(args))
 

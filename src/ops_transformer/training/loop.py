@@ -40,7 +40,7 @@ from ..parallelize import ParallelOptions, parallelize
 from ..parallelize.compile import check_compile
 from ..parallelize.gpt_plan import gpt_plan
 from ..parallelize.moe_plan import n_experts_of
-from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence
+from ..planner.context_parallel import CP_CHOICES, ULYSSES, check_sequence, check_ulysses
 from ..parallelize.pipeline import Pipeline, pipeline
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
 from ..planner.layout import CostOptions, Layout
@@ -114,6 +114,7 @@ class TrainConfig:
     stages_per_rank: int | None = None  # None: 1, or 2 for the multi-stage schedules
     compile: bool = ParallelOptions.compile  # each Transformer block through torch.compile
     compile_backend: str = ParallelOptions.compile_backend  # "inductor", "aot_eager", "eager"
+    fp8_backward: str = ParallelOptions.fp8_backward  # --precision fp8: "e5m2" or "fp32" grads
     log_every: int = 10  # read the loss and metrics from the device once per this many steps
 
     @classmethod
@@ -136,7 +137,8 @@ class TrainConfig:
                                moe_statistics=self.moe_statistics,
                                context_parallel=self.cp_strategy, compile=self.compile,
                                compile_backend=self.compile_backend,
-                               precision="fp8" if self.precision == "fp8" else "fp32", **more)
+                               precision="fp8" if self.precision == "fp8" else "fp32",
+                               fp8_backward=self.fp8_backward, **more)
 
     @property
     def overlap_mode(self) -> str:
@@ -226,8 +228,7 @@ def check_fp8(cfg: TrainConfig, model_cfg) -> None:
     """``--precision fp8``: what it does not combine with yet (the rest: ``ParallelOptions``)."""
     if cfg.precision != "fp8":
         return
-    for flag, on in (("--lora-rank", cfg.lora_rank is not None), ("--zero 3", cfg.zero == 3),
-                     ("--cp", cfg.cp > 1), ("--model", bool(cfg.model)),
+    for flag, on in (("--cp", cfg.cp > 1),
                      # a micro-batch's activation amax is not the batch's: other scales
                      ("--pp", cfg.pp > 1),
                      ("an MoE preset", bool(getattr(model_cfg, "n_experts", 0)))):
@@ -245,14 +246,13 @@ def check_train_cp(cfg: TrainConfig) -> None:
         raise ValueError(f"--pack must be one of {', '.join(PACKS)}, got {cfg.pack!r}")
     if cfg.cp == 1:
         return
-    preset_cfg = None if cfg.model else cfg.model_config()  # --model: parallelize checks it
-    for flag, why, on in (
-            ("--lora-dropout", "lora_dropout", cfg.lora_dropout > 0),
-            ("an MoE preset", "moe", preset_cfg is not None and preset_cfg.n_experts > 0),
-            ("--dropout", "dropout", preset_cfg is not None and preset_cfg.dropout > 0)):
-        if on:
-            raise ValueError(f"--cp {cfg.cp} does not combine with {flag} yet: {CP_LIMITS[why]}")
     check_sequence(cfg.seq, cfg.cp)
+    if cfg.cp_strategy == ULYSSES and not cfg.model:  # --model: parallelize checks it
+        m = cfg.model_config()
+        try:
+            check_ulysses(m.n_heads // cfg.tp, max(1, m.n_kv_heads // cfg.tp), cfg.cp)
+        except ValueError as exc:
+            raise ValueError(f"--cp-strategy ulysses --cp {cfg.cp}: {exc}") from None
     if cfg.sequence_parallel and (cfg.seq // cfg.cp) % cfg.tp:
         raise ValueError(f"--sequence-parallel with --cp splits each rank's s/cp = "
                          f"{cfg.seq // cfg.cp} tokens over tp ({cfg.tp}): --seq ({cfg.seq}) must "

@@ -180,6 +180,10 @@ def add_training_arguments(p) -> None:
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-every", type=int, default=D.log_every, metavar="N",
+                   help=f"read the loss and metrics from the device once per N steps (default "
+                   f"{D.log_every}: no host synchronisation in the steps between; every step's "
+                   f"loss is still reported)")
     p.add_argument("--precision", default=D.precision, choices=PRECISIONS,
                    help="compute dtype: fp32, or bf16 / fp16 autocast over fp32 master weights "
                    f"(fp16 with a dynamic loss scaler), or fp8 (the blocks' matmuls in fp8 with "
@@ -315,6 +319,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        warmup=getattr(args, "lr_warmup", D.warmup),
                        grad_accum=D.grad_accum if accum is None else accum,
                        progress=not args.no_progress, **layout,
+                       log_every=getattr(args, "log_every", D.log_every),
                        precision=args.precision, clip_grad=args.clip_grad,
                        tensorboard=getattr(args, "tensorboard", None),
                        ranks_per_node=getattr(args, "ranks_per_node", None),

@@ -89,6 +89,9 @@ LIMITS = (
     "per direction more than a reduce-scatter exit); the cell is exact.",
     "The `moe-ep` column uses `--moe-statistics global`; with the default `local` MoE at "
     "dp × ep > 1 differs from one process by design (docs/moe.md).",
+    "The `moe-ep`+`pp` cell's reference (tp 1, one stage) runs `--grad-accum` × the pp cell's "
+    "`--microbatches`: a pipelined MoE routes each micro-batch by itself, as Megatron-LM and "
+    "torchtitan do (docs/pipeline.md); against one pass over the batch it differs by ~1e-3.",
 )
 # int8 cache: each rank quantises its own shard of a saved activation (blocks of 128 values), so
 # at tp 2 the blocks, hence the rounding, differ from tp 1's: after the first step the weights

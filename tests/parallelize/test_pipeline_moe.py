@@ -54,9 +54,12 @@ def _piped(schedule, v, m, n):
     return {k: float(t) for k, t in metrics.items()}, grads
 
 
+SLOW = pytest.mark.slow  # ~3-9 s each on a loaded machine: the default suite keeps two
+
+
 @pytest.mark.parametrize("schedule, v, m, n", [
-    ("gpipe", 1, 2, 1), ("1f1b", 1, 4, 1), ("1f1b", 1, 2, 2), ("interleaved", 2, 2, 1),
-    ("zero_bubble", 2, 2, 1),
+    ("gpipe", 1, 2, 1), ("zero_bubble", 2, 2, 1), pytest.param("1f1b", 1, 4, 1, marks=SLOW),
+    pytest.param("1f1b", 1, 2, 2, marks=SLOW), pytest.param("interleaved", 2, 2, 1, marks=SLOW),
 ])
 def test_pp2_moe_equals_one_device_with_the_same_micro_batches(run_ranks, schedule, v, m, n):
     want_loss, want_grads, want_aux = _one_device(n * m)

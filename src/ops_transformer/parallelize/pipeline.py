@@ -20,6 +20,9 @@ One step (:meth:`Pipeline.step`), ``m`` micro-batches of ``b`` rows::
     accumulation (n)       : n schedules per step, each piece's loss CE_i / (n·m)
     dropout                : each stage's forward of a micro-batch seeks the seeds one device
                              draws before its first site (_DropoutStream), its rows' masks
+    MoE (reference GPT)    : each micro-batch routed by itself (as one device with grad_accum
+                             n·m); each stage adds c · its layers' aux loss / (n·m) through its
+                             output's backward (:mod:`.pipeline_moe`), ``ep`` inside the stage
     after the schedule     : a tied embedding's gradient summed between the first and the last
                              stage (``ctx.pp_ends_group()``), then the stage's gradient reducers
                              (dp averaging or ZeRO-2's reduce-scatter, partial sums over tp): the
@@ -371,7 +374,10 @@ class Pipeline:
                      policy=None, grad_accum: int = 1, **more) -> dict:
         """:meth:`step` for ``optimizer_step(metrics=...)``, which averages each metric over the
         ``pp × dp × ep`` ranks of a TP position: the last stage's loss counts ``pp`` times, the
-        other stages' 0, so the average is the dense loss on every rank (no extra collective)."""
+        other stages' 0, so the average is the dense loss on every rank (no extra collective).
+        MoE: each rank adds ``c ·`` its stages' mean aux loss to the loss and reports their
+        statistics (``moe_aux_loss``, ``moe_dropped``, ``moe_slots``), ``pp`` times too, so the
+        average is their sum over the stages: one device's micro-batch means."""
         loss = self.step(idx, targets, scaler=scaler, policy=policy, grad_accum=grad_accum,
                          **more)
         weight = float(self.ctx.pp_size) if loss is not None else 0.0

@@ -20,6 +20,8 @@ module                                    replaces               forward        
                                                                                     in chunks
 :class:`ChunkedGatherSequenceRegion`      ``GatherSequence-``    all-gather in      reduce-scatter
                                           ``Region``             chunks ∥ matmuls   in chunks
+``ChunkedGatherSequenceRegion``           ``RegatherSequence-``  the same, keeps    the share all-
+(``regather=True``)                       ``Region``             only the share     gathered again
 ========================================= ====================== ================== ==============
 
 The entry regions subclass the regions they replace (``isinstance`` and their printed names still
@@ -174,6 +176,7 @@ class ChunkedGatherSequenceRegion(_ChunkedEntry, GatherSequenceRegion):
     chunks. Without autograd, plain tensor parallelism (as :class:`GatherSequenceRegion`)."""
 
     region_name, replaces = "sp_entry", GatherSequenceRegion
+    regather = False  # sequence_parallel="regather": keep the share, all-gather it in backward
 
     def forward(self, *args, **kwargs):
         if not _active(self.region_group):
@@ -183,10 +186,13 @@ class ChunkedGatherSequenceRegion(_ChunkedEntry, GatherSequenceRegion):
         columns = self._columns()
         chunks = self._chunks(x.numel() // h * t, h, columns, x.dtype)
         x_full, outputs = gather_matmul(x.reshape(-1, h), [c.weight for c in columns],
-                                        [c.bias for c in columns], self.region_group, chunks)
+                                        [c.bias for c in columns], self.region_group, chunks,
+                                        regather=self.regather)
         return self._run(args, kwargs, x_full.view(b, s * t, *x.shape[2:]), columns, outputs)
 
     def _mine(self) -> str:
+        kept = ("; keeps this rank's share, all-gathered again in backward (regather)"
+                if self.regather else "")
         return (f"input: gather_sequence_region {self._over()} (fwd all-gather of the tokens, bwd "
-                f"reduce-scatter) as gather_matmul with {self._names()}: each chunk multiplied "
-                f"while the next arrives, {self.overlap!r}")
+                f"reduce-scatter{kept}) as gather_matmul with {self._names()}: each chunk "
+                f"multiplied while the next arrives, {self.overlap!r}")

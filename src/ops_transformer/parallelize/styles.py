@@ -208,15 +208,17 @@ def colwise(module, ctx, model, *, sub_blocks=None, kv_heads=None, reduce_input_
     own = reduce_input_grad and entry == "copy" and not regather
     layer = _column_layer(module, ctx, sub_blocks, kv_heads, reduce_input_grad=own,
                           gather_output=gather_output, pad=pad)
-    if regather:
+    fused = overlap != "none" and entry == "sequence" and reduce_input_grad and not gather_output
+    if regather and not fused:
         layer = RegatherColumnLinear.from_column(layer)
         return RegatherSequenceRegion.wrap(layer, ctx.tp_group) if entry == "sequence" else layer
     if overlap != "none" and own:  # its own entry op, the chunks from the policy
         layer.overlap = _policy(ctx, overlap, chunks)
     if entry != "sequence":
         return layer
-    if overlap != "none" and reduce_input_grad and not gather_output:
-        return _entry(ChunkedGatherSequenceRegion, layer, ctx, ("",), overlap, chunks)
+    if fused:  # the entry's op computes the layer (and, regather, keeps only the share)
+        return _entry(ChunkedGatherSequenceRegion, layer, ctx, ("",), overlap, chunks,
+                      regather=regather)
     return GatherSequenceRegion.wrap(layer, ctx.tp_group)
 
 
@@ -264,11 +266,16 @@ def region(module, ctx, model, *, set=None, entry="copy", regather=False, column
     its ``columns`` children (``fed`` column layers) as one collective matmul in ``chunks``."""
     entry, overlap = _entry_of("region", entry), _overlap_of("region", overlap, chunks)
     module = attrs(module, ctx, model, set=set)
-    if overlap != "none" and not regather:
+    if overlap != "none":
         if not columns:
             raise ValueError("region: overlap needs columns (the column children it computes)")
-        cls = ChunkedGatherSequenceRegion if entry == "sequence" else ChunkedCopyToTPRegion
-        return _entry(cls, module, ctx, columns, overlap, chunks)
+        if regather and entry != "sequence":
+            raise ValueError("region: regather=True re-gathers a sequence entry "
+                             "(entry='sequence')")
+        if entry == "sequence":
+            return _entry(ChunkedGatherSequenceRegion, module, ctx, columns, overlap, chunks,
+                          regather=regather)
+        return _entry(ChunkedCopyToTPRegion, module, ctx, columns, overlap, chunks)
     if entry == "copy":
         return CopyToTPRegion.wrap(module, ctx.tp_group)
     cls = RegatherSequenceRegion if regather else GatherSequenceRegion
@@ -355,9 +362,9 @@ def _policy(ctx, overlap, chunks) -> OverlapPolicy:
     return OverlapPolicy(overlap, chunks, getattr(ctx, "profile", None))  # agreed by every rank
 
 
-def _entry(cls, module, ctx, columns, overlap, chunks):
+def _entry(cls, module, ctx, columns, overlap, chunks, **settings):
     return cls.wrap(module, ctx.tp_group, columns=tuple(columns),
-                    overlap=_policy(ctx, overlap, chunks))
+                    overlap=_policy(ctx, overlap, chunks), **settings)
 
 
 STYLES = {style.__name__: style for style in (

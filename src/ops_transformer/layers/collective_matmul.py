@@ -215,23 +215,26 @@ def gather_matmul(x_share: torch.Tensor, weights, biases, group, chunks: int,
 
 class _CopyMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, chunks, label, *params):
+    def forward(ctx, x, group, chunks, label, input_from, *params):
         weights, biases = params[0::2], params[1::2]
         outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
-        # without column weights (the plain entry) backward needs no input
-        ctx.save_for_backward(x if weights else None, *weights)
+        # without column weights (the plain entry) backward needs no input; with
+        # ``input_from`` it gets it there (a re-gathering region's entry: nothing kept here)
+        ctx.save_for_backward(x if weights and input_from is None else None, *weights)
         ctx.group, ctx.bounds, ctx.label = group, chunk_bounds(x.shape[0], chunks), label
-        ctx.shape = x.shape
+        ctx.shape, ctx.dtype, ctx.input_from = x.shape, x.dtype, input_from
         ctx.has_bias = [b is not None for b in biases]
         return (x.view_as(x), *outs)
 
     @staticmethod
     def backward(ctx, grad_x_own, *grad_outs):
         x, *weights = ctx.saved_tensors
+        if ctx.input_from is not None:  # the input, all-gathered again while ∂x is computed
+            return _CopyMatmul._from_input(ctx, grad_x_own, grad_outs, weights)
         used = [(g, w) for g, w in zip(grad_outs, weights) if g is not None]
         if not ctx.needs_input_grad[0]:  # nobody needs the input gradient: no all-reduce
-            return (None, None, None, None,
-                    *_weight_grads(grad_outs, x, None, ctx.has_bias, ctx.needs_input_grad[4:]))
+            return (None,) * 5 + tuple(_weight_grads(grad_outs, x, None, ctx.has_bias,
+                                                     ctx.needs_input_grad[5:]))
         like = grad_x_own if x is None else x
         grad_x, handles = like.new_empty(ctx.shape), []
         for s, m in ctx.bounds:  # each chunk's all-reduce runs while the next is computed
@@ -248,22 +251,43 @@ class _CopyMatmul(torch.autograd.Function):
             elif not used:
                 g_x.zero_()
             handles.append(C.all_reduce(g_x, ctx.group, async_op=True, label=ctx.label))
-        grads = _weight_grads(grad_outs, x, None, ctx.has_bias, ctx.needs_input_grad[4:])
+        grads = _weight_grads(grad_outs, x, None, ctx.has_bias, ctx.needs_input_grad[5:])
         _wait(handles)
-        return (grad_x, None, None, None, *grads)
+        return (grad_x, None, None, None, None, *grads)
+
+    @staticmethod
+    def _from_input(ctx, grad_x_own, grad_outs, weights):
+        """Backward of a column matmul inside a re-gathering region: ``∂x = Σ ∂Y_c·W_c`` (the
+        region's entry reduce-scatters it: no all-reduce here) while ``input_from()`` re-gathers
+        the input, then the weight gradients from it."""
+        full, pending = ctx.input_from()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_x_own
+            for g, w in zip(grad_outs, weights):
+                if g is not None:
+                    grad_x = g.mm(w) if grad_x is None else grad_x + g.mm(w)
+        _wait([pending])
+        x = full.reshape(ctx.shape).to(ctx.dtype)  # (the compute dtype, as forward's input)
+        grads = _weight_grads(grad_outs, x, None, ctx.has_bias, ctx.needs_input_grad[5:])
+        return (grad_x, None, None, None, None, *grads)
 
 
 def copy_matmul(x: torch.Tensor, weights, biases, group, chunks: int,
-                label: str = "copy_matmul.bwd"):
+                label: str = "copy_matmul.bwd", *, input_from=None):
     """Tensor-parallel entry: ``y_c = x W_cᵀ + b_c`` for every column weight, with one
     copy-to-region for all of them — its backward all-reduce of ``∂L/∂x`` split into ``chunks``
     (each running while the next chunk's input gradient is computed, the last ones behind the
     weight gradients). ``x`` ``(n, h)``; returns ``(x, [y_c])`` (``x``'s own uses in the region
     add their gradient to the all-reduced sum). With no weights and one chunk, the plain
-    ``copy_to_tp_region`` of a region's input (:class:`~.regions.CopyToTPRegion`): nothing kept."""
+    ``copy_to_tp_region`` of a region's input (:class:`~.regions.CopyToTPRegion`): nothing kept.
+    ``input_from`` (a column layer of a re-gathering sequence-parallel region,
+    :mod:`.sequence_regather`): keep no input; backward calls ``input_from() -> (x_full,
+    handle)`` for it (the region's re-gather, waited on after ``∂x``) and all-reduces nothing
+    (pass ``group=None``: the region's entry reduce-scatters ``∂x``)."""
     _, (x, *params) = _compute(x, [x] + [p for pair in zip(weights, biases) for p in pair])
     with _plain(x):
-        out = _CopyMatmul.apply(x.contiguous(), group, chunks, label, *params)
+        out = _CopyMatmul.apply(x.contiguous(), group, chunks, label, input_from, *params)
     return out[0], list(out[1:])
 
 

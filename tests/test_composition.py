@@ -98,8 +98,8 @@ LIMITS = (
     "config's dropout (one-device masks for Hugging Face families are not done).",
     "ZeRO-3 leaves the parameters with partial gradients whole (SP norms, KV replicas, LoRA's "
     "replicated factors): exact, averaged by our own reducer, but not sharded.",
-    "`sequence_parallel=\"regather\"` entries stay unchunked under `--overlap` (the exits and "
-    "the experts run in chunks).",
+    "`sequence_parallel=\"regather\"` under `--overlap chunked`: the entries' all-gathers and "
+    "reduce-scatters run in chunks, the backward re-gather of the share is one call.",
     "MoE under sequence parallelism all-gathers its input and cuts its output (one all-gather "
     "per direction more than a reduce-scatter exit); the cell is exact.",
     "The `moe-ep` column uses `--moe-statistics global`; with the default `local` MoE at "

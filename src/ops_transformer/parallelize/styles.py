@@ -76,15 +76,17 @@ Sixteen kinds; what were renamed variants are options of the communicating kinds
   ``entry="sequence"`` behind its own :class:`RegatherSequenceRegion`); ``fed=True``: inside a
   chunked region, its output from the region's collective matmul; ``overlap="chunked"|"auto"``:
   the layer's own entry op (``copy_matmul``) runs in the policy's chunks (behind
-  ``entry="sequence"``: its own chunked entry, :mod:`ops_transformer.layers.overlap_regions`);
-  ``chunks=1`` / ``overlap="none"`` is the same class in one chunk.
+  ``entry="sequence"``: its own :class:`GatherSequenceRegion` with the layer as its column, one
+  ``gather_matmul``, ``regather`` an option of it); ``chunks=1`` / ``overlap="none"`` is the same
+  class in one chunk.
 * ``rowwise(exit="all_reduce"|"reduce_scatter", overlap=, chunks=)`` — ``reduce_scatter``:
   :class:`SequenceParallelRowLinear`; ``overlap``: the matmul and its exit collective in chunks
   (the same class: its exit op is ``matmul_all_reduce`` / ``matmul_reduce_scatter`` at any chunk
   count, the policy an attribute).
-* ``region(entry="copy"|"sequence", regather=, columns=, overlap=, chunks=)`` — ``sequence``: a
-  :class:`GatherSequenceRegion` (``regather``: :class:`RegatherSequenceRegion`); ``overlap``:
-  the entry and its ``columns`` children as one collective matmul.
+* ``region(entry="copy"|"sequence", regather=, columns=, overlap=, chunks=)`` — a
+  :class:`CopyToTPRegion` (``sequence``: a :class:`GatherSequenceRegion`; ``regather`` without
+  ``overlap``: :class:`RegatherSequenceRegion`); ``overlap``: the same class with ``columns``,
+  the entry and those children as one collective matmul (:mod:`ops_transformer.layers.fused_entry`).
 * ``moe(sequence=, overlap=, chunks=)`` — ``sequence``: on the gathered sequence
   (:class:`FullSequenceRegion`); ``overlap``: dispatch and combine in chunks
   (:mod:`ops_transformer.layers.moe_overlap`).
@@ -117,8 +119,7 @@ from ..layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParal
                                       PaddedRowParallelLinear)
 from ..layers.moe import ParallelExperts, to_expert_parallel
 from ..layers.overlap_policy import OverlapPolicy
-from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
-                                      FedColumn, as_variant)
+from ..layers.fused_entry import FedColumn, as_variant
 from ..layers.regions import (CopyToTPRegion, FullSequenceRegion, GatherInput, GatherSequenceOutput,
                               GatherSequenceRegion, ReduceOutput, RegatherSequenceRegion,
                               RopeGradRegion, ScatterSequence)
@@ -217,7 +218,7 @@ def colwise(module, ctx, model, *, sub_blocks=None, kv_heads=None, reduce_input_
     if entry != "sequence":
         return layer
     if fused:  # the entry's op computes the layer (and, regather, keeps only the share)
-        return _entry(ChunkedGatherSequenceRegion, layer, ctx, ("",), overlap, chunks,
+        return _entry(GatherSequenceRegion, layer, ctx, ("",), overlap, chunks,
                       regather=regather)
     return GatherSequenceRegion.wrap(layer, ctx.tp_group)
 
@@ -273,9 +274,9 @@ def region(module, ctx, model, *, set=None, entry="copy", regather=False, column
             raise ValueError("region: regather=True re-gathers a sequence entry "
                              "(entry='sequence')")
         if entry == "sequence":
-            return _entry(ChunkedGatherSequenceRegion, module, ctx, columns, overlap, chunks,
+            return _entry(GatherSequenceRegion, module, ctx, columns, overlap, chunks,
                           regather=regather)
-        return _entry(ChunkedCopyToTPRegion, module, ctx, columns, overlap, chunks)
+        return _entry(CopyToTPRegion, module, ctx, columns, overlap, chunks)
     if entry == "copy":
         return CopyToTPRegion.wrap(module, ctx.tp_group)
     cls = RegatherSequenceRegion if regather else GatherSequenceRegion

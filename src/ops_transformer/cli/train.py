@@ -180,10 +180,18 @@ def add_training_arguments(p) -> None:
     p.add_argument("--out", help="output directory (default runs/train-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-every", type=int, default=D.log_every, metavar="N",
+                   help=f"read the loss and metrics from the device once per N steps (default "
+                   f"{D.log_every}: no host synchronisation in the steps between; every step's "
+                   f"loss is still reported)")
     p.add_argument("--precision", default=D.precision, choices=PRECISIONS,
                    help="compute dtype: fp32, or bf16 / fp16 autocast over fp32 master weights "
                    f"(fp16 with a dynamic loss scaler), or fp8 (the blocks' matmuls in fp8 with "
                    f"tensorwise dynamic scales agreed over tp); default {D.precision}")
+    p.add_argument("--fp8-backward", default=D.fp8_backward, choices=("e5m2", "fp32"),
+                   help="--precision fp8: the backward's matmuls with the gradients cast to e5m2 "
+                   "(torchao's recipe) or in fp32 from the dequantised operands (straight-through) "
+                   f"(default {D.fp8_backward})")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the gradients to this total norm (the dense model's)")
     add_lora_arguments(p)
@@ -230,8 +238,32 @@ def layout_from_plan(path: str) -> dict:
     except ValueError as exc:
         raise ValueError(f"--plan {path!r} has no layout ({exc})") from None
     cp = {"cp": layout["cp"], "cp_strategy": layout["cp_strategy"]} if layout["cp"] > 1 else {}
+    pp = ({k: layout[k] for k in ("pp", "pp_schedule", "stages_per_rank", "micro_batch")}
+          if layout["pp"] > 1 else {})
     return {"tp": layout["tp"], "dp": layout["dp"], "ep": layout["ep"],
-            "attention": layout["attention"], **memory_from_plan(layout, path), **cp}
+            "attention": layout["attention"], **memory_from_plan(layout, path), **cp, **pp}
+
+
+def planned_pipeline(args, layout: dict) -> dict:
+    """A pipelined plan's ``pp``, schedule, stages per rank and micro-batches (``--batch``'s rows
+    per data-parallel rank in micro-batches of the plan's size), taken out of ``layout``; ``{}``
+    for a plan without pp. A different ``--pp`` or ``--microbatches`` is a conflict."""
+    if "pp" not in layout:
+        return {}
+    planned = {k: layout.pop(k) for k in ("pp", "pp_schedule", "stages_per_rank", "micro_batch")}
+    rows, size = args.batch // max(layout["dp"], 1), planned.pop("micro_batch") or 1
+    if args.batch % max(layout["dp"], 1) or rows % size:
+        raise ValueError(f"--plan {args.plan!r} runs pipeline micro-batches of {size} "
+                         f"sequence(s) on each of its dp ({layout['dp']}) rank(s): --batch "
+                         f"{args.batch} must be a multiple of {size * layout['dp']}")
+    planned["microbatches"] = rows // size
+    for flag, key, default in (("--pp", "pp", D.pp), ("--microbatches", "microbatches",
+                                                      D.microbatches)):
+        given = getattr(args, key, default)
+        if given not in (default, planned[key]):
+            raise ValueError(f"--plan {args.plan!r} sets {flag} {planned[key]}, but also {flag} "
+                             f"{given} was given: drop the flag or the plan")
+    return planned
 
 
 def _note_micro_batch(args, layout: dict) -> None:
@@ -258,9 +290,12 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
              "sequence_parallel": getattr(args, "sequence_parallel", None),
              "recompute": getattr(args, "recompute", None), "zero": getattr(args, "zero", None)}
     layout = {k: getattr(D, k) if v is None else v for k, v in given.items()}  # absent: defaults
+    piped = {}  # a pipelined plan's pp, schedule and micro-batches
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
-        _note_micro_batch(args, layout)
+        piped = planned_pipeline(args, layout)
+        if not piped:
+            _note_micro_batch(args, layout)
         conflicts = [f"--{k.replace('_', '-')} {v} (the plan has {layout[k]})"
                      for k, v in given.items() if v is not None and v != layout[k]]
         planned_cp = layout.pop("cp", None)  # cp and its strategy: from the plan, below
@@ -284,6 +319,7 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        warmup=getattr(args, "lr_warmup", D.warmup),
                        grad_accum=D.grad_accum if accum is None else accum,
                        progress=not args.no_progress, **layout,
+                       log_every=getattr(args, "log_every", D.log_every),
                        precision=args.precision, clip_grad=args.clip_grad,
                        tensorboard=getattr(args, "tensorboard", None),
                        ranks_per_node=getattr(args, "ranks_per_node", None),
@@ -298,8 +334,9 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
                        pack=getattr(args, "pack", None) or D.pack,
                        compile=getattr(args, "compile", D.compile),
                        compile_backend=getattr(args, "compile_backend", D.compile_backend),
+                       fp8_backward=getattr(args, "fp8_backward", D.fp8_backward),
                        **checkpoint_settings(args), **lora_settings(args),
-                       **pipeline_settings(args))
+                       **{**pipeline_settings(args), **piped})
 
 
 def pipeline_settings(args) -> dict:

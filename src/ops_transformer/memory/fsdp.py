@@ -10,8 +10,8 @@ one-dimensional sub-mesh of ``ctx.mesh`` (:meth:`~ops_transformer.parallel.Paral
 parameters                  group        FSDP unit
 =========================== ============ ===================================================
 experts (``expert_shard``)  ``dp``       the experts' module of each layer, its own unit;
-                                         gradients divided by ``dp·ep`` (the EP ranks' tokens
-                                         were summed by the all-to-all)
+                            (``× cp``)   gradients divided by ``dp·ep·cp`` (the EP ranks'
+                                         tokens were summed by the all-to-all)
 dense (everything else)     ``dp × ep``  each Transformer layer; the LM head (unless tied to
                                          the embeddings); the root (embeddings, final norm)
 partial gradients (SP norms ``—``        not sharded: averaged by the chain's ``GradSync``
@@ -86,17 +86,21 @@ def fully_shard_layers(model: nn.Module, ctx, reshard_after_forward: bool = True
             if not p.is_contiguous() and p not in common["ignored_params"]:
                 p.data = p.data.contiguous()
     units = []
+    state = parallel_state_of(model)
+    roots = getattr(state, "pipeline_modules", None) or (model,)  # pp: each stage is a root
     for layer in transformer_layers(model):
+        if not any(True for _ in layer.parameters()):  # a layer another pipeline stage holds
+            continue
         if ctx.ep_size > 1 and ctx.dp_size > 1:  # experts over dp, the rest over dp × ep
             for module in _expert_modules(layer):
                 unit = fully_shard(module, mesh=ctx.data_mesh(experts=True), **common)
-                unit.set_gradient_divide_factor(float(ctx.dp_size * ctx.ep_size))
+                unit.set_gradient_divide_factor(float(ctx.dp_size * ctx.ep_size * ctx.cp_size))
                 units.append(unit)
         units.append(fully_shard(layer, mesh=ctx.data_mesh(), **common))
     head = _head(model, common["ignored_params"])
     if head is not None:  # its own unit: gathered last in forward, reduced first in backward
         units.append(fully_shard(head, mesh=ctx.data_mesh(), **common))
-    units.append(fully_shard(model, mesh=ctx.data_mesh(), **common))
+    units += [fully_shard(root, mesh=ctx.data_mesh(), **common) for root in roots]
     for unit in units:
         unit.set_custom_all_gather(LedgerAllGather())
         unit.set_custom_reduce_scatter(LedgerReduceScatter())
@@ -182,12 +186,17 @@ def fsdp_reducers(model: nn.Module, ctx, sharding: DataSharding, *, bucket_bytes
                   reduce_dtype=None) -> list:
     """The data-parallel reducers of a sharded model: FSDP2's reduce-scatters
     (:class:`FSDPGradSync`), then the averaging of the dense parameters left whole (partial
-    gradients, over ``dp × ep``); the experts left whole (``dp = 1``) need no averaging."""
+    gradients, over ``dp × ep``); the experts left whole (``dp = 1``) need averaging only over
+    ``cp`` (replicated there)."""
     new = [FSDPGradSync(model, sharding.units)]
     dense = [p for p in sharding.unsharded if expert_shard(p) is None]
+    experts = [p for p in sharding.unsharded if expert_shard(p) is not None]
     if dense:
         new.append(GradSync(dense, ctx.grad_group, bucket_bytes=bucket_bytes,
                             reduce_dtype=reduce_dtype))
+    if experts and getattr(ctx, "cp_size", 1) > 1:  # whole experts (dp 1), replicated over cp
+        new.append(GradSync(experts, ctx.expert_grad_group, bucket_bytes=bucket_bytes,
+                            reduce_dtype=reduce_dtype, name="dp_experts"))
     return new
 
 

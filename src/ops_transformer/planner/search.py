@@ -19,10 +19,11 @@ from . import efficiency as fitted
 from .memory import (ATTENTION_KERNELS, LOSS_KERNELS, activation_bytes_per_layer,
                      logits_bytes, model_state_bytes)
 from .cp_exchange import CP_STRATEGIES
+from .layout import CostOptions
 from .pipeline import SCHEDULES, in_flight_micro_batches, stage_layers
 from .runnable import runtime_problem
 from .strategies import ATTENTION_STRATEGIES
-from .timing import MATMUL_PRECISIONS, Execution
+from .timing import GRAD_REDUCE_BYTES, MATMUL_PRECISIONS, Execution
 from .timing import step_time as _step_time
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -216,17 +217,22 @@ def memory(model, o: Options, bytes_per_element: int, attention_kernel: str = "f
     Activations: the layers' (:func:`activation_bytes_per_layer`), one layer's recomputed
     tensors while its backward runs, and the logits' working set (:func:`logits_bytes`). ZeRO-3
     also holds the gathered 16-bit parameters of the running and the prefetched unit and one
-    unit's gradients. A caching allocator reserves more than this peak (fragmentation; the
+    unit's gradients, with the buffer FSDP reduce-scatters them from, in the reduce dtype
+    (:data:`~.timing.GRAD_REDUCE_BYTES`: FSDP2 copies a unit's gradients into one fp32 buffer).
+    Under pipelining (``pp > 1``) FSDP keeps the whole stage's parameters gathered and its
+    gradients unsharded across the micro-batches (torchtitan: no reshard after forward with
+    pp; the pipeline schedule syncs gradients on the last micro-batch only): ZeRO-3 then holds
+    the stage's 16-bit weights and gradients whole, plus one unit's reduce buffer. A caching allocator reserves more than this peak (fragmentation; the
     published runs that report reserved memory show about 5 % more, docs/planner.md)."""
     states = model_state_bytes(params_per_gpu(model, o), o.zero_stage, o.dp * o.cp,
                                bytes_per_element)
-    shape = dict(sequence_parallel=o.sequence_parallel, bytes_per_element=bytes_per_element,
-                 attention_kernel=attention_kernel, kv_heads=model.kv_heads, ffn=model.ffn,
-                 gated=model.ffn_type == "swiglu", dropout=model.dropout > 0)
-    seq = model.seq // o.cp  # context parallelism: each rank keeps 1/cp of every activation
-    args = (seq, o.micro_batch, model.hidden, model.heads, o.tp)
-    kept = activation_bytes_per_layer(*args, recompute=o.recompute, **shape)
-    rebuilt = activation_bytes_per_layer(*args, **shape) - kept if o.recompute != "none" else 0.0
+    # o is the layout and the options; context parallelism keeps 1/cp of every activation
+    shape = dict(batch=o.micro_batch, seq=model.seq, bytes_per_element=bytes_per_element,
+                 attention_kernel=attention_kernel)
+    kept = activation_bytes_per_layer(model, o, o, **shape)
+    rebuilt = (activation_bytes_per_layer(model, o, CostOptions.of(o, recompute="none"), **shape)
+               - kept if o.recompute != "none" else 0.0)
+    seq = model.seq // o.cp
     logits = logits_bytes(o.micro_batch * seq, model.vocab, o.tp, bytes_per_element, loss_kernel)
     layers = stage_layers(model.layers, o.pp)
     micro_steps = max(1, model.global_batch // (o.dp * o.micro_batch))
@@ -235,10 +241,14 @@ def memory(model, o: Options, bytes_per_element: int, attention_kernel: str = "f
         act = model.layers * kept + rebuilt + logits
     else:  # the first stage's in-flight micro-batches, or the last one's one and its logits
         act = max(layers * kept * in_flight, layers * kept + logits) + rebuilt
-    if o.zero_stage == 3:
-        unit = _largest_unit(model, o)
+    if o.zero_stage == 3 and o.pp > 1:  # FSDP under pipelining: the whole stage gathered
+        stage = params_per_gpu(model, o)
+        states["params"] += stage * bytes_per_element
+        states["grads"] += stage * bytes_per_element + _largest_unit(model, o) * GRAD_REDUCE_BYTES
+    elif o.zero_stage == 3:  # the running and the prefetched unit, one unit's gradients
+        unit = _largest_unit(model, o)  # and their reduce-scatter input in the reduce dtype
         states["params"] += 2 * unit * bytes_per_element
-        states["grads"] += unit * bytes_per_element
+        states["grads"] += unit * (bytes_per_element + GRAD_REDUCE_BYTES)
     return {**states, "activations": act}
 
 
@@ -342,9 +352,11 @@ def is_planner_output(data) -> bool:
 def chosen_layout(data) -> dict:
     """The one reader of a planner result: the layout it chose (its ``best``, or the row itself)
     as ``{"tp", "dp", "ep", "attention", "sequence_parallel", "recompute", "zero_stage", "pp",
-    "cp", "cp_strategy"}``. ``ValueError`` when nothing fits (``best`` is null), ``data`` is not
-    a planner result, or the layout has pipeline parallelism, which ``train --plan`` does not run
-    yet (:func:`.runnable.runtime_problem`'s one-line reason)."""
+    "cp", "cp_strategy"}``, and for a pipelined layout (``pp > 1``) its ``"pp_schedule"``,
+    ``"stages_per_rank"`` (the plan's virtual stages) and ``"micro_batch"`` (sequences per
+    pipeline micro-batch). ``ValueError`` when nothing fits (``best`` is null), ``data`` is not
+    a planner result, or the layout is one ``train`` cannot run
+    (:func:`.runnable.runtime_problem`'s one-line reason)."""
     if isinstance(data, dict) and "best" in data:
         if data["best"] is None:
             raise ValueError("the planner found no layout that fits (its 'best' is null)")
@@ -353,10 +365,18 @@ def chosen_layout(data) -> dict:
         raise ValueError("not a planner result: it has neither a 'best' layout nor 'tp', 'dp' "
                          "and 'attention'")
     pp, cp = int(data.get("pp", 1)), int(data.get("cp", 1))
-    if pp > 1:  # its schedule and micro-batches are not read from a plan yet
-        problem = runtime_problem(tp=data["tp"], dp=data["dp"], pp=pp, cp=cp)
-        raise ValueError(problem or f"--plan: a pipelined plan (pp {pp}) is not run from the plan "
-                         f"file yet: start it with --pp {pp} --pp-schedule S --microbatches M")
+    piped = {}
+    if pp > 1:
+        problem = runtime_problem(tp=data["tp"], dp=data["dp"], ep=data.get("ep", 1), pp=pp,
+                                  cp=cp, zero_stage=data.get("zero_stage", 0))
+        if problem:
+            raise ValueError(problem)
+        schedule = data.get("schedule", "1f1b")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"the plan's schedule must be one of {SCHEDULES}, got "
+                             f"{schedule!r}")
+        piped = {"pp_schedule": schedule, "stages_per_rank": int(data.get("virtual_stages", 1)),
+                 "micro_batch": data.get("micro_batch")}
     strategy = data.get("cp_strategy", "ring") if cp > 1 else "auto"
     if cp > 1 and strategy not in CP_STRATEGIES:
         raise ValueError(f"the plan's cp_strategy must be one of {CP_STRATEGIES}, got "
@@ -365,7 +385,7 @@ def chosen_layout(data) -> dict:
             "attention": data["attention"],
             "sequence_parallel": bool(data.get("sequence_parallel", False)),
             "recompute": data.get("recompute", "none"), "zero_stage": data.get("zero_stage", 0),
-            "pp": pp, "cp": cp, "cp_strategy": strategy}
+            "pp": pp, "cp": cp, "cp_strategy": strategy, **piped}
 
 
 def _gb(x: float) -> str:

@@ -33,18 +33,20 @@ from .optimizer import (check_memory_flags, make_optimizer, measured_state_bytes
                                  partial_numel, shard_for_zero)
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from ..models.gpt import GPT, GPTConfig, preset
-from ..models.moe import moe_stats
+from ..models.moe import moe_stat_tensors
 from ..parallel.context import check_mesh_degrees, init_parallel
 from ..parallel.state import no_sync
 from ..parallelize import ParallelOptions, parallelize
 from ..parallelize.compile import check_compile
 from ..parallelize.gpt_plan import gpt_plan
 from ..parallelize.moe_plan import n_experts_of
-from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence
+from ..planner.context_parallel import CP_CHOICES, ULYSSES, check_sequence, check_ulysses
 from ..parallelize.pipeline import Pipeline, pipeline
+from ..parallelize.pipeline_hf import n_layers_of
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
+from ..planner.layout import CostOptions, Layout
 from ..planner.strategies import model_comm_per_step
-from ..precision import DynamicLossScaler, optimizer_step, precision_policy
+from ..precision import DynamicLossScaler, optimizer_step, precision_policy, read_reports
 from .schedule import check_schedule, lr_at, set_lr
 from ..utils.plot import write_line_plot_png
 from ..utils.progress import Progress
@@ -113,6 +115,8 @@ class TrainConfig:
     stages_per_rank: int | None = None  # None: 1, or 2 for the multi-stage schedules
     compile: bool = ParallelOptions.compile  # each Transformer block through torch.compile
     compile_backend: str = ParallelOptions.compile_backend  # "inductor", "aot_eager", "eager"
+    fp8_backward: str = ParallelOptions.fp8_backward  # --precision fp8: "e5m2" or "fp32" grads
+    log_every: int = 10  # read the loss and metrics from the device once per this many steps
 
     @classmethod
     def from_run_config(cls, run: RunConfig) -> TrainConfig:
@@ -134,7 +138,8 @@ class TrainConfig:
                                moe_statistics=self.moe_statistics,
                                context_parallel=self.cp_strategy, compile=self.compile,
                                compile_backend=self.compile_backend,
-                               precision="fp8" if self.precision == "fp8" else "fp32", **more)
+                               precision="fp8" if self.precision == "fp8" else "fp32",
+                               fp8_backward=self.fp8_backward, **more)
 
     @property
     def overlap_mode(self) -> str:
@@ -162,7 +167,7 @@ class TrainConfig:
 def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     """Every check that needs no process group; returns ``(dp, tp)``. ``say(line)``: where a
     note and the tokenizer's progress go (``train --model``), ``None`` for silence."""
-    for name in ("steps", "batch", "seq", "grad_accum"):
+    for name in ("steps", "batch", "seq", "grad_accum", "log_every"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
                              f"{getattr(cfg, name)}")
@@ -224,8 +229,7 @@ def check_fp8(cfg: TrainConfig, model_cfg) -> None:
     """``--precision fp8``: what it does not combine with yet (the rest: ``ParallelOptions``)."""
     if cfg.precision != "fp8":
         return
-    for flag, on in (("--lora-rank", cfg.lora_rank is not None), ("--zero 3", cfg.zero == 3),
-                     ("--cp", cfg.cp > 1), ("--model", bool(cfg.model)),
+    for flag, on in (("--cp", cfg.cp > 1),
                      # a micro-batch's activation amax is not the batch's: other scales
                      ("--pp", cfg.pp > 1),
                      ("an MoE preset", bool(getattr(model_cfg, "n_experts", 0)))):
@@ -243,14 +247,13 @@ def check_train_cp(cfg: TrainConfig) -> None:
         raise ValueError(f"--pack must be one of {', '.join(PACKS)}, got {cfg.pack!r}")
     if cfg.cp == 1:
         return
-    preset_cfg = None if cfg.model else cfg.model_config()  # --model: parallelize checks it
-    for flag, why, on in (
-            ("--lora-dropout", "lora_dropout", cfg.lora_dropout > 0),
-            ("an MoE preset", "moe", preset_cfg is not None and preset_cfg.n_experts > 0),
-            ("--dropout", "dropout", preset_cfg is not None and preset_cfg.dropout > 0)):
-        if on:
-            raise ValueError(f"--cp {cfg.cp} does not combine with {flag} yet: {CP_LIMITS[why]}")
     check_sequence(cfg.seq, cfg.cp)
+    if cfg.cp_strategy == ULYSSES and not cfg.model:  # --model: parallelize checks it
+        m = cfg.model_config()
+        try:
+            check_ulysses(m.n_heads // cfg.tp, max(1, m.n_kv_heads // cfg.tp), cfg.cp)
+        except ValueError as exc:
+            raise ValueError(f"--cp-strategy ulysses --cp {cfg.cp}: {exc}") from None
     if cfg.sequence_parallel and (cfg.seq // cfg.cp) % cfg.tp:
         raise ValueError(f"--sequence-parallel with --cp splits each rank's s/cp = "
                          f"{cfg.seq // cfg.cp} tokens over tp ({cfg.tp}): --seq ({cfg.seq}) must "
@@ -261,21 +264,38 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
     """``--pp``: the split (:func:`check_pipeline`, flags named) and what it runs with."""
     if cfg.cp > 1:
         raise ValueError(f"--pp {cfg.pp} does not combine with --cp yet: drop one of them")
-    if not cfg.model and cfg.model_config().dropout > 0:  # micro-batches draw other masks
-        raise ValueError(f"--pp {cfg.pp} does not combine with --dropout yet: drop one of them")
-    if cfg.model or cfg.grad_accum > 1:
-        raise ValueError("--pp runs a reference preset without --model or --grad-accum (use "
-                         "--microbatches) yet (docs/pipeline.md)")
+    if not cfg.model and cfg.model_config().dropout > 0 and cfg.attention == "kv_split":
+        raise ValueError(f"--pp {cfg.pp} with --dropout needs --attention heads (or auto): "
+                         f"kv_split draws its own masks")
+    if cfg.model:
+        n_layers = _pipeline_hf_layers(cfg)
+    else:
+        n_layers = cfg.model_config().n_layers
     try:
-        check_pipeline(cfg.model_config().n_layers, cfg.pp, schedule=cfg.pp_schedule,
+        check_pipeline(n_layers, cfg.pp, schedule=cfg.pp_schedule,
                        microbatches=cfg.microbatches, stages_per_rank=cfg.pp_stages_per_rank)
     except ValueError as exc:
         message = str(exc).replace("schedule must", "--pp-schedule must")
         raise ValueError(f"--pp {cfg.pp}: {message}") from None
     rows = cfg.batch // dp_ep if cfg.batch % dp_ep == 0 else None
-    if rows is None or rows % cfg.microbatches:
+    if rows is None or rows % (cfg.microbatches * cfg.grad_accum):
+        accum = f" × --grad-accum {cfg.grad_accum}" if cfg.grad_accum > 1 else ""
         raise ValueError(f"--batch {cfg.batch} over {dp_ep} data-parallel rank(s) does not split "
-                         f"into --microbatches {cfg.microbatches}")
+                         f"into --microbatches {cfg.microbatches}{accum}")
+
+
+def _pipeline_hf_layers(cfg: TrainConfig) -> int:
+    """``--pp --model``: the layers of a Hugging Face decoder ``pipeline`` splits (GPT-2, Llama,
+    Mistral, Qwen2, Qwen3; dense)."""
+    model = finetune.meta_model(cfg.model)
+    if n_experts_of(model):
+        raise ValueError(f"--pp {cfg.pp} does not split {type(model).__name__} yet (MoE): use a "
+                         f"dense model or --pp 1")
+    try:
+        n_layers = n_layers_of(model)
+    except ValueError as exc:
+        raise ValueError(f"--pp {cfg.pp} --model {cfg.model}: {exc}") from None
+    return n_layers
 
 
 def check_batch(batch: int, dp: int, ep: int, grad_accum: int) -> None:
@@ -313,8 +333,13 @@ def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch:
     """The tensor-parallel collectives the cost model predicts for one training step on one rank
     (:func:`ops_transformer.planner.strategies.model_comm_per_step`, checked against the ledger by
     the tests) at a micro-batch of ``batch``; ``memory``: its ``sequence_parallel``,
-    ``recompute``, ``partial_elements`` and ``grad_accum``."""
-    return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab, **memory)
+    ``recompute``, ``overlap``, ``chunks``, ``ep``, ``partial_elements``, ``profile`` and
+    ``grad_accum``."""
+    layout = Layout(tp=tp, ep=memory.pop("ep", 1))
+    options = CostOptions(attention=attention, vocab=vocab, **{
+        k: memory.pop(k) for k in ("sequence_parallel", "recompute", "overlap", "chunks")
+        if k in memory})
+    return model_comm_per_step(model_cfg, layout, options, batch=batch, seq=seq, **memory)
 
 
 @dataclass
@@ -332,6 +357,7 @@ class TrainState:
     scaler: DynamicLossScaler | None
     state_bytes: dict | None = None  # this rank's parameters, gradients, optimizer state (bytes)
     pipe: Pipeline | None = None  # --pp: this rank's stages and the schedule
+    read_metrics: bool = True  # False: step() leaves the report's numbers on the device
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the global batch of ``step`` (on the device): data-parallel and
@@ -347,16 +373,27 @@ class TrainState:
     def step(self, x: torch.Tensor, y: torch.Tensor):
         """Forward, backward, clipping and the optimizer step: ``(report, ledger)``, the
         optimizer's report (``report.metrics["loss"]``: the global-batch loss) and the step's
-        collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
+        collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches. With
+        :attr:`read_metrics` off (``train``'s loop, ``diagnose``) the report's metrics and
+        gradient norm stay 0-d device tensors: the step makes no host synchronisation, and the
+        caller reads many steps at once (:func:`~ops_transformer.precision.read_reports`)."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
-            metrics = (self.accumulate(x, y) if self.pipe is None else
-                       self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy))
+            metrics = self.accumulate(x, y) if self.pipe is None else self.pipelined(x, y)
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
-                                    max_norm=self.cfg.clip_grad, metrics=metrics)
+                                    max_norm=self.cfg.clip_grad, metrics=metrics,
+                                    read=self.read_metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)
         self.state_bytes = self.state_bytes or measured_state_bytes(self.model, self.opt)
         self.opt.zero_grad(set_to_none=True)
         return report, ledger
+
+    def pipelined(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        """``--pp``: the step's schedules (``cfg.grad_accum`` of them) and their metrics; with
+        ``--model --pack docs`` the documents' positions and per-target loss weights."""
+        y, more = (finetune.pipeline_pack(self.cfg, self.data, self.ctx, x, y) if self.cfg.model
+                   else (y, {}))
+        return self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy,
+                                      grad_accum=self.cfg.grad_accum, **more)
 
     def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> dict:
         """Forward and backward of each micro-batch of ``x, y``, the gradients accumulating
@@ -445,6 +482,8 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
     policy = precision_policy(cfg.precision)
     if cfg.model:
         model, data = finetune.build(cfg, ctx, policy)
+        if ctx.pp_size > 1:  # split after parallelize and LoRA, as the reference GPT
+            return _pipelined(cfg, ctx, model, data, policy)
         return _with_optimizer(cfg, ctx, model, data, policy)
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
@@ -453,14 +492,19 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
                     batch=micro_batch(cfg, ctx.dp_ep_size), seq=cfg.seq,
                     profile=ctx.profile)  # `auto`: for this run's shapes, on the agreed profile
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan, options)
-    if ctx.pp_size > 1:  # split after parallelize and LoRA (its factors drawn in the dense
-        # model's order): TP, dp and the adapters inside each stage as they are
-        model = finetune.with_lora(cfg, ctx, model)
-        pipe = pipeline(model, ctx, cfg.pp_schedule, microbatches=cfg.microbatches,
-                        stages_per_rank=cfg.pp_stages_per_rank)
-        return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy,
-                                                   add_lora=False), pipe=pipe)
+    if ctx.pp_size > 1:
+        return _pipelined(cfg, ctx, model, data, policy)
     return _with_optimizer(cfg, ctx, model, data, policy)
+
+
+def _pipelined(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
+    """Split after parallelize and LoRA (its factors drawn in the dense model's order): TP, dp
+    and the adapters inside each stage as they are."""
+    model = finetune.with_lora(cfg, ctx, model)
+    pipe = pipeline(model, ctx, cfg.pp_schedule, microbatches=cfg.microbatches,
+                    stages_per_rank=cfg.pp_stages_per_rank)
+    return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy, add_lora=False),
+                               pipe=pipe)
 
 
 def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy, *,
@@ -494,38 +538,29 @@ def _train(cfg: TrainConfig, ctx, journal=None) -> dict | None:
     if first:
         bar.write(f"resumed from step {first} of {cfg.ckpt_dir}")
         bar.update(first)
-    for step in range(first, cfg.steps):
-        x, y = state.batch(step)
-        set_lr(opt, lr_at(step, lr=cfg.lr, steps=cfg.steps, schedule=cfg.lr_schedule,
-                          warmup=cfg.warmup))
-        start = time.perf_counter()
-        report, ledger = state.step(x, y)
-        step_times.append(time.perf_counter() - start)
-        losses.append(report.metrics["loss"])
-        _tell(journal, {"loss": losses[-1]})
-        last = ledger
-        if not math.isfinite(losses[-1]) and (scaler is None
-                                              or scaler.scale_value <= scaler.min_scale):
-            raise ValueError(f"the loss became {losses[-1]} at step {step}; lower --lr "
-                             f"(now {cfg.lr})")
-        tokens_per_s = cfg.batch * cfg.seq / step_times[-1]
-        if moe and not cfg.model:
-            moe_history.append(_moe_report(report.metrics))
-        if cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every):
-            ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
-                      keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
-                      on_error=cfg.on_save_error, meta=batch_layout(cfg, ctx))
-        bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
-                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MiB/step"},
-                   **_precision_stats(report, scaler),
-                   **({"aux": moe_history[-1]["aux_loss"],
-                       "dropped": f"{moe_history[-1]['dropped_fraction']:.1%}"}
-                      if moe_history else {}))
-        board.log(step, loss=losses[-1], tokens_per_s=tokens_per_s,
-                  comm_bytes_per_step=ledger.total_bytes, comm_calls_per_step=ledger.calls,
-                  grad_norm=report.grad_norm,
-                  loss_scale=None if scaler is None else scaler.scale_value,
-                  moe_aux_loss=moe_history[-1]["aux_loss"] if moe_history else None)
+    state.read_metrics = False  # the step's numbers stay on the device until logged
+    log = _StepLog(cfg, scaler, bar, board, journal, losses, moe_history if moe and not cfg.model
+                   else None)
+    try:
+        for step in range(first, cfg.steps):
+            x, y = state.batch(step)
+            set_lr(opt, lr_at(step, lr=cfg.lr, steps=cfg.steps, schedule=cfg.lr_schedule,
+                              warmup=cfg.warmup))
+            start = time.perf_counter()
+            report, ledger = state.step(x, y)
+            step_times.append(time.perf_counter() - start)
+            last = ledger
+            log.add(step, report, ledger, step_times[-1])
+            saving = cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every)
+            if saving or (step + 1 - first) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                report = log.flush() or report  # one host read for the interval
+            if saving:
+                ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
+                          keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
+                          on_error=cfg.on_save_error, meta=batch_layout(cfg, ctx))
+    except BaseException:  # an interrupt or a failure: what ran still reaches the journal
+        log.flush(check=False)
+        raise
     bar.close()
     board.close()
     sample = None if cfg.model or ctx.pp_size > 1 else _sample(model, cfg, ctx.device)
@@ -547,6 +582,64 @@ def _train(cfg: TrainConfig, ctx, journal=None) -> dict | None:
                      **({"moe": {k: [m[k] for m in moe_history]
                                  for k in ("aux_loss", "dropped_fraction")}}
                         if moe_history else {})})
+
+
+class _StepLog:
+    """What the loop reports of each step — the losses, the journal, the progress line,
+    TensorBoard, the MoE history — fed from steps whose numbers are still on the device
+    (:meth:`add`) and read once per logging interval (:meth:`flush`, ``--log-every``): no host
+    synchronisation in the steps between (torchtitan's ``log_freq``). What is reported per step
+    is the same as reading every step; only when it is written changes."""
+
+    def __init__(self, cfg, scaler, bar, board, journal, losses: list, moe_history: list | None):
+        self.cfg, self.scaler, self.bar, self.board, self.journal = cfg, scaler, bar, board, journal
+        self.losses, self.moe_history = losses, moe_history
+        self.pending = []  # (step, report, ledger, seconds, loss scale, skipped steps)
+
+    def add(self, step: int, report, ledger, seconds: float) -> None:
+        scaler = self.scaler
+        self.pending.append((step, report, ledger, seconds,
+                             None if scaler is None else scaler.scale_value,
+                             None if scaler is None else scaler.skipped_steps))
+        self.bar.update()
+
+    def flush(self, check: bool = True):
+        """Read the pending steps' numbers (one transfer) and report each; returns the last read
+        report (``None``: nothing pending). ``check``: a non-finite loss is an error (with fp16's
+        scaler, once the scale is at its floor)."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return None
+        reports = read_reports([p[1] for p in pending])
+        for (step, _, ledger, seconds, scale, skipped), report in zip(pending, reports):
+            loss = report.metrics["loss"]
+            self.losses.append(loss)
+            _tell(self.journal, {"loss": loss})
+            if check and not math.isfinite(loss) and (scale is None
+                                                      or scale <= self.scaler.min_scale):
+                raise ValueError(f"the loss became {loss} at step {step}; lower --lr "
+                                 f"(now {self.cfg.lr})")
+            self._show(step, report, ledger, seconds, scale, skipped)
+        return reports[-1]
+
+    def _show(self, step, report, ledger, seconds, scale, skipped) -> None:
+        cfg, loss = self.cfg, report.metrics["loss"]
+        tokens_per_s = cfg.batch * cfg.seq / seconds
+        moe = None
+        if self.moe_history is not None:
+            moe = _moe_report(report.metrics)
+            self.moe_history.append(moe)
+        stats = _precision_stats(report, None)  # the scale as it was after that step
+        if scale is not None:
+            stats.update(scale=scale, skipped=skipped)
+        self.bar.update(0, loss=loss, **{"tok/s": tokens_per_s,
+                                         "comm": f"{ledger.total_bytes / 2**20:.2f}MiB/step"},
+                        **stats, **({"aux": moe["aux_loss"],
+                                     "dropped": f"{moe['dropped_fraction']:.1%}"} if moe else {}))
+        self.board.log(step, loss=loss, tokens_per_s=tokens_per_s,
+                       comm_bytes_per_step=ledger.total_bytes, comm_calls_per_step=ledger.calls,
+                       grad_norm=report.grad_norm, loss_scale=scale,
+                       moe_aux_loss=moe["aux_loss"] if moe else None)
 
 
 def trainable_params(model) -> int:
@@ -571,8 +664,10 @@ def _moe_metrics(model, cfg: TrainConfig) -> dict:
     MoE; a Hugging Face router keeps its own statistics)."""
     if cfg.model or not model.cfg.n_experts:
         return {}
-    stats = moe_stats(model)
-    return {"moe_aux_loss": stats["aux_loss"], "moe_dropped": float(stats["dropped"]),
+    stats = moe_stat_tensors(model)  # on the device: read with the loss, once per interval
+    if stats is None:
+        return {"moe_aux_loss": 0.0, "moe_dropped": 0.0, "moe_slots": 0.0}
+    return {"moe_aux_loss": stats["aux_loss"], "moe_dropped": stats["dropped"],
             "moe_slots": float(stats["slots"])}
 
 

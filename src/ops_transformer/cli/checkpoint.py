@@ -9,10 +9,9 @@ from ..checkpoint import adapters as lora_export
 from ..checkpoint import export as ex
 from ..checkpoint import store
 from ..checkpoint.reader import UnsafeCheckpointError
-from ..training.checkpoints import REBALANCE
-from ..training.loop import TrainConfig
 from ..utils.progress import format_table
 from ._common import print_json, refuse_torchrun, replacing_output
+from .train_args import add_checkpoint_arguments, checkpoint_settings  # noqa: F401 (train's)
 
 HELP = "inspect a sharded checkpoint, or export its dense weights"
 
@@ -42,42 +41,6 @@ def add_parser(p) -> None:
                         "non-empty --out is refused")
     export.add_argument("--base", metavar="DIR", help="with --merge: the base model directory, "
                         "when it is no longer where training read it")
-
-
-def add_checkpoint_arguments(p) -> None:
-    """The checkpoint flags of ``train``."""
-    p.add_argument("--ckpt-dir", help="write sharded checkpoints here (docs/checkpoints.md)")
-    defaults = TrainConfig()
-    p.add_argument("--save-every", type=int, default=defaults.save_every, help="checkpoint every "
-                   f"N steps (default {defaults.save_every}: only after the last step)")
-    p.add_argument("--resume", nargs="?", const=True, default=False, choices=(True, "strict"),
-                   metavar="strict", help="continue from the latest checkpoint in --ckpt-dir if "
-                   "there is one (the same command starts and restarts a job); a damaged latest "
-                   "one is skipped with a warning for the newest that verifies, unless "
-                   "'--resume strict'")
-    p.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
-                   help="with --nproc: restart all ranks after a failure this many times "
-                   "(torchrun: use its own --max-restarts)")
-    p.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints,
-                   help=f"newest checkpoints kept (default {defaults.keep_checkpoints})")
-    p.add_argument("--on-save-error", choices=("stop", "continue"), default=defaults.on_save_error,
-                   help="when a checkpoint cannot be saved (a full disk): stop the run (default), "
-                   "or warn and go on training (the next save tries again)")
-    p.add_argument("--rebalance", choices=REBALANCE, default=defaults.rebalance,
-                   help="--resume on another number of ranks: 'auto' re-plans the layout (tp "
-                   "and ep kept when they fit) and the gradient accumulation so that the global "
-                   "batch, the micro-batch and the sample order stay the run's; 'off' runs the "
-                   f"layout given (default {defaults.rebalance})")
-    p.add_argument("--elastic", action="store_true", help="with --nproc, --ranks-per-node and "
-                   "--max-restarts: a restart drops the node whose ranks died and continues on "
-                   "the others, rebalanced (torchrun: --nnodes MIN:MAX)")
-
-
-def checkpoint_settings(args) -> dict:
-    """The ``TrainConfig`` fields of the checkpoint flags (absent flags: the defaults)."""
-    names = ("ckpt_dir", "save_every", "resume", "max_restarts", "keep_checkpoints",
-             "on_save_error", "rebalance", "elastic")
-    return {n: getattr(args, n) for n in names if hasattr(args, n)}
 
 
 def _size(n: int) -> str:

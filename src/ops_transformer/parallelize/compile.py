@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+from ..schema.choices import COMPILE_BACKENDS
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 from .cost import Comm, collective_time
 
-CP_STRATEGIES = ("ring", "allgather_kv")
-CP_CHOICES = ("auto",) + CP_STRATEGIES
+from ..schema.choices import CP_CHOICES, CP_STRATEGIES
 # What context parallelism does not compose with yet, and why (the refusals' one line: train,
 # parallelize, the planner's rule; docs/context_parallel.md)
 CP_LIMITS = {

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from .context_parallel import CP_LIMITS
 
-ZERO_STAGES = (0, 1, 2, 3)  # what train runs (3: FSDP2, ``memory.fsdp.shard_parameters``)
+from ..schema.choices import ZERO_STAGES
 SEQUENCE_PARALLEL_ATTENTION = ("auto", "heads")  # "auto" becomes "heads" under SP
 
 

@@ -21,7 +21,7 @@ import torch
 from .cost import Comm
 from .overlap import decoder_overlap_calls, moe_chunk_calls
 
-ATTENTION_STRATEGIES = ("heads", "heads_allgather", "kv_split", "naive")
+from ..schema.choices import ATTENTION_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def split_comm(split: str, tokens: int, in_features: int, out_features: int,
     return {"fwd": Comm.of(*fwd), "bwd": Comm.of(*bwd)}
 
 
-VOCAB_MODES = ("parallel", "replicated")
+from ..schema.choices import VOCAB_MODES
 VOCAB_HEADS = ("loss", "logits", "none")  # what follows the embedding (see vocab_cost)
 
 

@@ -22,14 +22,13 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ..parallelize.options import ParallelOptions
-from ..parallelize.pipeline_split import SCHEDULES
-from ..planner.runnable import ZERO_STAGES
-from ..precision.policy import PRECISIONS
-from .checkpoints import REBALANCE
+from ..schema.choices import PIPELINE_SCHEDULES as SCHEDULES
+from ..schema.choices import PRECISIONS, ZERO_STAGES
+from ..schema.parallel_options import ParallelOptions
 from .schedule import LR_SCHEDULES
 
 PACKS = ("docs", "naive")  # train --model: how documents share a packed row
+REBALANCE = ("auto", "off")  # train --rebalance: re-plan a resume on another size, or not
 
 
 def _f(default, *, train_field: str | None = None, flag: str | None = None,

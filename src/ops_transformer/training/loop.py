@@ -45,6 +45,7 @@ from ..parallelize.pipeline import Pipeline, pipeline
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
 from ..planner.strategies import model_comm_per_step
 from ..precision import DynamicLossScaler, optimizer_step, precision_policy
+from .preflight import check_batch
 from .schedule import check_schedule, lr_at, set_lr
 from ..utils.plot import write_line_plot_png
 from ..utils.progress import Progress
@@ -276,20 +277,6 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
     if rows is None or rows % cfg.microbatches:
         raise ValueError(f"--batch {cfg.batch} over {dp_ep} data-parallel rank(s) does not split "
                          f"into --microbatches {cfg.microbatches}")
-
-
-def check_batch(batch: int, dp: int, ep: int, grad_accum: int) -> None:
-    """The global batch splits into ``grad_accum`` micro-batches on each of the ``dp × ep``
-    ranks that read data."""
-    readers = ("dp ({dp})" if ep == 1 else "dp ({dp}) × ep ({ep})").format(dp=dp, ep=ep)
-    if batch % (dp * ep):
-        raise ValueError(f"--batch ({batch}) must be divisible by {readers}" if ep == 1 else
-                         f"--batch ({batch}) must be divisible by {readers}: each of the "
-                         f"{dp * ep} ranks reads its own rows")
-    if batch % (dp * ep * grad_accum):
-        raise ValueError(f"--batch ({batch}) must be divisible by {readers} × --grad-accum "
-                         f"({grad_accum}): each rank runs {batch // (dp * ep)} rows in "
-                         f"{grad_accum} equal micro-batches")
 
 
 def micro_batch(cfg: TrainConfig, dp_ep: int) -> int:

@@ -37,7 +37,7 @@ from ._config_file import with_config_file
 from .train_args import (ATTENTION, HELP, D, add_lora_arguments, add_model_argument,  # noqa: F401
                          add_parser, add_training_arguments, check_args, launch_size,
                          layout_from_plan, lora_settings, model_or_preset, pipeline_settings,
-                         stated_layout, train_fields)
+                         train_fields)
 
 JOURNAL = contextvars.ContextVar("journal", default=None)  # train's, while it runs
 
@@ -277,6 +277,13 @@ def config_from_args(args, out_prefix: str) -> TrainConfig:
     """The :class:`~ops_transformer.training.loop.TrainConfig` of the command line
     (:func:`~ops_transformer.cli.train_args.train_fields`)."""
     return TrainConfig(**train_fields(args, out_prefix))
+
+
+def stated_layout(args) -> set[str]:
+    """The layout flags the command line gave (``--plan`` gives the degrees): a ``--resume`` on
+    another size prefers them to the checkpoint's (:func:`~ops_transformer.rebalance.rebalance`)."""
+    stated = {k for k in LAYOUT_FIELDS if getattr(args, k, None) is not None}
+    return stated | ({"tp", "dp", "ep"} if getattr(args, "plan", None) else set())
 
 
 def given_settings(args) -> set[str]:

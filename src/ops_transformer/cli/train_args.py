@@ -311,13 +311,6 @@ def pipeline_settings(args) -> dict:
             "stages_per_rank": getattr(args, "stages_per_rank", D.stages_per_rank)}
 
 
-def stated_layout(args) -> set[str]:
-    """The layout flags the command line gave (``--plan`` gives the degrees): a ``--resume`` on
-    another size prefers them to the checkpoint's (:func:`~ops_transformer.rebalance.rebalance`)."""
-    stated = {k for k in LAYOUT_FIELDS if getattr(args, k, None) is not None}
-    return stated | ({"tp", "dp", "ep"} if getattr(args, "plan", None) else set())
-
-
 def add_checkpoint_arguments(p) -> None:
     """The checkpoint flags of ``train``."""
     p.add_argument("--ckpt-dir", help="write sharded checkpoints here (docs/checkpoints.md)")

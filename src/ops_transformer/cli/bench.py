@@ -11,7 +11,6 @@ from ..launch import launch
 from ..models.config import preset
 from ..utils.progress import format_table
 from ._common import add_launch_timeout, launch_timeout, print_json, refuse_torchrun, status
-from ._calibrated import command_profile
 
 HELP = ("time one GPT training step: ours (tp=2) vs PyTorch DTensor TP vs the plain model, "
         "interleaved; medians and ratios")
@@ -123,6 +122,7 @@ def table(row: dict) -> str:
 
 def run(args) -> int:
     from ..profiler.bench import METHODS, TP, rank_main, summarise
+    from ._calibrated import command_profile
 
     refuse_torchrun("bench", "launches its own local ranks")
     size = check(args)

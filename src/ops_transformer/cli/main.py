@@ -37,9 +37,9 @@ def command_module(name: str, part: int = 0):
     return importlib.import_module(f"{__package__}.{COMMANDS[name][part]}")
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The command line of every command, or (``only``) of that one command alone — what
-    :func:`main` parses, importing no other command's modules."""
+def build_parser(commands=tuple(COMMANDS)) -> argparse.ArgumentParser:
+    """The command line of ``commands`` (default: every one) — :func:`main` builds the one
+    command it runs, importing no other command's modules."""
     parser = argparse.ArgumentParser(
         prog="ops-transformer",
         description="Exact, low-overhead tensor parallelism for Transformers on PyTorch.")
@@ -47,7 +47,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         version=f"ops-transformer {__version__} (torch {_torch_version()})")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS if only is None else (only,):
+    for name in commands:
         module = command_module(name)
         command = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_parser(command)
@@ -64,15 +64,18 @@ def _torch_version() -> str:
         return "not installed"
 
 
-def command_of(argv: list[str]) -> str | None:
-    """The command that ``argv`` names (its first word that is not an option), if it is one."""
+def commands_of(argv: list[str]) -> tuple[str, ...]:
+    """The commands whose parsers ``argv`` needs: the one it names (its first word that is not an
+    option), none for ``--version`` alone, else every one (``--help``, a mistyped command)."""
     words = [a for a in argv if not a.startswith("-")]
-    return words[0] if words and words[0] in COMMANDS else None
+    if words and words[0] in COMMANDS:
+        return (words[0],)
+    return () if not words and "--version" in argv else tuple(COMMANDS)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(command_of(argv)).parse_args(argv)
+    args = build_parser(commands_of(argv)).parse_args(argv)
     args.argv = argv  # what resumes an interrupted run
     try:
         with quiet_unless_lead(), (contextlib.nullcontext() if args.debug

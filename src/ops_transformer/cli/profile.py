@@ -1,10 +1,9 @@
-"""``ops-transformer profile``: a few training steps under ``torch.profiler`` on every rank."""
+"""``ops-transformer profile``: a few training steps under ``torch.profiler`` on every rank. (Its
+command line is train's, torch-free; the profiler is imported when the command runs.)"""
 
 from __future__ import annotations
 
-from ..profiler.report import summary_text
-from ..profiler.run import check_measuring_only, profile_worker
-from . import train as train_cli
+from . import train_args
 from ._common import launch_timeout, print_json
 
 HELP = ("profile a few training steps (options as train): compute vs communication per rank, "
@@ -12,13 +11,24 @@ HELP = ("profile a few training steps (options as train): compute vs communicati
 
 
 def add_parser(p) -> None:
-    train_cli.add_training_arguments(p)
-    train_cli.add_model_argument(p, "profile")
+    train_args.add_training_arguments(p)
+    train_args.add_model_argument(p, "profile")
     p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (default 2)")
     p.set_defaults(steps=5)  # the profiled steps
 
 
+def check_args(args) -> None:
+    """train's checks that need no rank (:func:`~ops_transformer.cli.train_args.check_args`),
+    before the profiler (and torch) is imported."""
+    train_args.model_or_preset(args)
+    train_args.check_args(args)
+
+
 def run(args) -> int:
+    from ..profiler.report import summary_text
+    from ..profiler.run import check_measuring_only, profile_worker
+    from . import train as train_cli
+
     train_cli.model_or_preset(args)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")

@@ -19,7 +19,9 @@ from ops_transformer.training.loop import TrainConfig, validate
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE = EXAMPLES / "tiny_tp2.toml"
-WORLD = {"tiny_tp2": 2, "dp2_tp2_zero2_sp": 4, "moe_ep2": 2}  # each example's local ranks
+WORLD = {"tiny_tp2": 2, "dp2_tp2_zero2_sp": 4, "moe_ep2": 2,  # each example's local ranks
+         "lora_finetune": 2}
+HF = {"lora_finetune"}  # examples of a --model fine-tune: a tiny Llama and .jsonl data stand in
 ODD = TrainConfig(preset="moe-tiny", tp=2, dp=2, ep=2, steps=7, batch=16, seq=32, lr=1e-4,
                   seed=3, attention="heads", data="corpus.txt", out="runs/x", progress=False,
                   layers=1, ranks_per_node=2, precision="bf16", clip_grad=0.5, zero=2,
@@ -142,27 +144,43 @@ def test_example_runs_two_steps_and_its_resolved_file_reproduces_it(tmp_path, ca
     assert len(first["losses"]) == 2 and again["losses"] == first["losses"]  # bit for bit
 
 
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory):
+    """The flags that give an example a model and data of this machine: a text file, and for a
+    ``--model`` example a tiny Llama (with its tokenizer) and ``.jsonl`` documents."""
+    import hf_tiny
+
+    root = tmp_path_factory.mktemp("stand-ins")
+    (root / "data.txt").write_text("def add(x, y):\n    return x + y\n" * 400)
+    (root / "data.jsonl").write_text("\n".join(json.dumps({"text": f"{hf_tiny.TEXT} #{i}"})
+                                               for i in range(40)))
+    pytest.importorskip("transformers")
+    llama = hf_tiny.checkpoint(tmp_path_factory, "llama", tokenizer=True)
+    return {False: ["--data", str(root / "data.txt")],
+            True: ["--model", str(llama), "--data", str(root / "data.jsonl")]}
+
+
 @pytest.mark.parametrize("name", sorted(WORLD))
-def test_every_example_prints_and_validates_at_its_size(name, tmp_path, capsys):
+def test_every_example_prints_and_validates_at_its_size(name, tmp_path, capsys, stand_ins):
     assert sorted(p.stem for p in EXAMPLES.glob("*.toml")) == sorted(WORLD)
+    given = stand_ins[name in HF]
     (tmp_path / "r.toml").write_text(_resolved(capsys, "--config", str(EXAMPLES / f"{name}.toml"),
-                                               "--out", str(tmp_path / "o")))
+                                               "--out", str(tmp_path / "o"), *given))
     run, _ = load_toml(tmp_path / "r.toml")
     written, _ = load_toml(EXAMPLES / f"{name}.toml")
-    assert run == dataclasses.replace(written, run=dataclasses.replace(written.run,
-                                                                       out=str(tmp_path / "o")))
-    (tmp_path / "data.txt").write_text("def add(x, y):\n    return x + y\n" * 200)
-    cfg = dataclasses.replace(TrainConfig.from_run_config(run), data=str(tmp_path / "data.txt"))
-    dp, tp = validate(cfg, WORLD[name])
-    assert dp * tp * cfg.ep == WORLD[name]
+    model = dataclasses.replace(written.model, dir=given[1]) if name in HF else written.model
+    assert run == dataclasses.replace(written, model=model, data=dataclasses.replace(
+        written.data, path=given[-1]), run=dataclasses.replace(written.run, out=str(tmp_path / "o")))
+    dp, tp = validate(TrainConfig.from_run_config(run), WORLD[name])
+    assert dp * tp * run.layout.ep == WORLD[name]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(WORLD))
-def test_example_runs_as_written(name, tmp_path, capsys):
-    (tmp_path / "data.txt").write_text("def add(x, y):\n    return x + y\n" * 400)
+def test_example_runs_as_written(name, tmp_path, capsys, stand_ins):
     metrics = _train(tmp_path, capsys, "a", "--config", str(EXAMPLES / f"{name}.toml"),
-                     "--steps", "2", "--data", str(tmp_path / "data.txt"), "--no-progress")
+                     "--steps", "2", *stand_ins[name in HF], "--no-progress",
+                     "--ckpt-dir", str(tmp_path / "ckpt"))
     run, _ = load_toml(EXAMPLES / f"{name}.toml")
     assert (metrics["tp"], metrics["dp"], metrics.get("ep", 1)) == \
         (run.layout.tp, WORLD[name] // (run.layout.tp * run.layout.ep), run.layout.ep)
@@ -183,3 +201,50 @@ def test_without_argv_the_flags_that_differ_from_the_defaults_override(tmp_path,
 def load_toml_text(tmp_path, text: str) -> RunConfig:
     (tmp_path / "t.toml").write_text(text)
     return load_toml(tmp_path / "t.toml")[0]
+
+
+# --config for the commands that measure a run (profile, diagnose, sweep): flags > file > defaults
+def test_diagnose_takes_a_config_file_under_its_flags(tmp_path, capsys):
+    (tmp_path / "tp3.toml").write_text("[layout]\ntp = 3\n[run]\nbatch = 6\n")
+    assert main(["diagnose", "--config", str(tmp_path / "tp3.toml"), "--static", "--json"]) == 1
+    found = json.loads(capsys.readouterr().out)["diagnostics"]
+    assert any(d["code"] == "not_divisible" for d in found)  # the file's tp 3: FFN 256 over 3
+    assert main(["diagnose", "--config", str(tmp_path / "tp3.toml"), "--tp", "2", "--static",
+                 "--json"]) == 0  # the flag over the file
+    assert not any(d["code"] == "not_divisible"
+                   for d in json.loads(capsys.readouterr().out)["diagnostics"])
+
+
+def test_profile_takes_a_config_file_and_keeps_its_own_steps(tmp_path, capsys, monkeypatch):
+    from ops_transformer.cli import train as train_cli
+
+    seen = []
+    monkeypatch.setattr(train_cli, "run_training", lambda cfg, *a, **k: seen.append(cfg))
+    assert main(["profile", "--config", str(EXAMPLE), "--seq", "32", "--warmup", "1",
+                 "--out", str(tmp_path / "p")]) == 0
+    cfg = seen[0]
+    assert (cfg.tp, cfg.lr_schedule, cfg.warmup, cfg.clip_grad) == (2, "cosine", 1, 1.0)  # file
+    assert cfg.seq == 32 and cfg.steps == 5  # the flag; profile's own (profiled) steps
+    assert cfg.attention == "heads" and cfg.batch == 8
+
+
+def test_sweep_takes_a_config_file_as_every_configurations_base(tmp_path, capsys,
+                                                                 monkeypatch):
+    from ops_transformer.cli import sweep
+
+    seen = []
+
+    def fake(base, axes, nproc, warmup, **_):
+        seen.append((base, axes, nproc))
+        return {"axes": axes, "unavailable": {}, "nproc": nproc, "prediction_model": "-",
+                "steps": base.steps, "warmup": warmup, "preset": base.preset, "model": None,
+                "batch": base.batch, "seq": base.seq, "rows": []}
+
+    monkeypatch.setattr(sweep, "run_sweep", fake)
+    assert main(["sweep", "--config", str(EXAMPLE), "--tp", "1,2", "--lr", "1e-4", "--steps",
+                 "2", "--json", "--no-progress", "--out", str(tmp_path / "s")]) == 0
+    base, axes, nproc = seen[0]
+    assert axes == {"tp": [1, 2]} and nproc == 2
+    assert (base.lr, base.steps) == (1e-4, 2)  # the flags
+    assert (base.lr_schedule, base.clip_grad, base.attention, base.seq) == \
+        ("cosine", 1.0, "heads", 64)  # the file

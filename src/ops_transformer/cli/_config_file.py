@@ -19,19 +19,29 @@ def flag_fields(args, fields: dict, add_parser) -> set[str]:
     ``add_parser`` builds, with every default suppressed (abbreviated flags count); without
     ``argv``, the fields where ``fields`` (the flags over the defaults) is not the default."""
     defaults = RunConfig().train_fields()
-    argv, command = getattr(args, "argv", None), getattr(args, "command", "train")
-    if argv is None or command not in argv:
+    given = given_dests(args, add_parser)
+    if given is None:
         changed = {n for n in set(defaults) - {"out"} if fields.get(n, defaults[n]) != defaults[n]}
         return changed | ({"out"} if getattr(args, "out", None) else set())
+    names = {DEST_FIELDS.get(dest, dest) for dest in given}
+    if "plan" in names:  # a plan sets the layout (and cp, where it has one)
+        names |= set(PLAN_FIELDS) | ({"cp", "cp_strategy"} if fields.get("cp", 1) > 1 else set())
+    return names & set(defaults)
+
+
+def given_dests(args, add_parser) -> set[str] | None:
+    """The argparse destinations of the flags in ``args.argv`` (after the command), as the parser
+    that ``add_parser`` builds reads them with every default suppressed (abbreviated flags
+    count); ``None`` without ``argv`` (a caller that built ``args`` itself)."""
+    argv, command = getattr(args, "argv", None), getattr(args, "command", "train")
+    if argv is None or command not in argv:
+        return None
     parser = argparse.ArgumentParser(add_help=False)
     add_parser(parser)
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     given, _ = parser.parse_known_args(argv[argv.index(command) + 1:])
-    names = {DEST_FIELDS.get(dest, dest) for dest in vars(given)}
-    if "plan" in names:  # a plan sets the layout (and cp, where it has one)
-        names |= set(PLAN_FIELDS) | ({"cp", "cp_strategy"} if fields.get("cp", 1) > 1 else set())
-    return names & set(defaults)
+    return set(vars(given))
 
 
 def with_config_file(args, fields: dict, add_parser) -> tuple[dict, set[str]]:

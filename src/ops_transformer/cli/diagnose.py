@@ -13,9 +13,15 @@ HELP = ("diagnose a training configuration (options as train): sizes vs tp and T
         "tiles, host syncs, redundant or small collectives, exposed communication, imbalance")
 
 
-def add_parser(p) -> None:
+def add_run_arguments(p) -> None:
+    """The options of the run that diagnose checks: train's (and ``--config``)."""
+    train_args.add_config_argument(p, "diagnose")
     train_args.add_training_arguments(p)
     train_args.add_model_argument(p, "diagnose")
+
+
+def add_parser(p) -> None:
+    add_run_arguments(p)
     p.add_argument("--static", action="store_true", help="only the checks on the model's sizes "
                    "(no step is run)")
 
@@ -35,7 +41,7 @@ def run(args) -> int:
     from . import train as train_cli
 
     train_cli.model_or_preset(args)
-    cfg = replace(train_cli.config_from_args(args, "diagnose"), out=None)  # it writes no file
+    cfg = replace(train_cli.config_from_args(args, "diagnose", add_run_arguments), out=None)  # it writes no file
     check_measuring_only(cfg, "diagnose")
     found = dense_diagnostics(cfg, cfg.tp)
     if not args.static and not any(d["severity"] == "error" for d in found):

@@ -3,6 +3,8 @@ command line is train's, torch-free; the profiler is imported when the command r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from . import train_args
 from ._common import launch_timeout, print_json
 
@@ -10,9 +12,16 @@ HELP = ("profile a few training steps (options as train): compute vs communicati
         "collectives, top operators, critical path; Chrome traces, profile.json and pictures")
 
 
-def add_parser(p) -> None:
+def add_run_arguments(p) -> None:
+    """The options of the run that profile measures: train's (and ``--config``)."""
+    train_args.add_config_argument(p, "profile", note="; its [run] steps are not profile's "
+                                   "--steps")
     train_args.add_training_arguments(p)
     train_args.add_model_argument(p, "profile")
+
+
+def add_parser(p) -> None:
+    add_run_arguments(p)
     p.add_argument("--warmup", type=int, default=2, help="unprofiled steps first (default 2)")
     p.set_defaults(steps=5)  # the profiled steps
 
@@ -21,7 +30,7 @@ def check_args(args) -> None:
     """train's checks that need no rank (:func:`~ops_transformer.cli.train_args.check_args`),
     before the profiler (and torch) is imported."""
     train_args.model_or_preset(args)
-    train_args.check_args(args)
+    train_args.check_args(args, add_run_arguments)
 
 
 def run(args) -> int:
@@ -32,7 +41,8 @@ def run(args) -> int:
     train_cli.model_or_preset(args)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
-    cfg = train_cli.config_from_args(args, "profile")
+    cfg = replace(train_cli.config_from_args(args, "profile", add_run_arguments),
+                  steps=args.steps)  # the profiled steps (a --config file's are its run's)
     check_measuring_only(cfg, "profile")
     summary = train_cli.run_training(cfg, train_cli.launch_size(args, cfg), launch_timeout(args),
                                      profile_worker, (args.steps, args.warmup))

@@ -34,6 +34,7 @@ from ._calibrated import command_profile
 from ._interrupt import Interrupted, Journal, report_interrupt, terminate_as_interrupt
 from ._hf import check_causal_lm, check_model_dir
 from ._config_file import with_config_file
+from . import train_args
 from .train_args import (ATTENTION, HELP, D, add_lora_arguments, add_model_argument,  # noqa: F401
                          add_parser, add_training_arguments, check_args, launch_size,
                          layout_from_plan, lora_settings, model_or_preset, pipeline_settings,
@@ -273,10 +274,15 @@ def _precision_line(metrics: dict) -> str:
     return line
 
 
-def config_from_args(args, out_prefix: str) -> TrainConfig:
+def config_from_args(args, out_prefix: str, add_parser=None) -> TrainConfig:
     """The :class:`~ops_transformer.training.loop.TrainConfig` of the command line
-    (:func:`~ops_transformer.cli.train_args.train_fields`)."""
-    return TrainConfig(**train_fields(args, out_prefix))
+    (:func:`~ops_transformer.cli.train_args.train_fields`), over ``--config``'s file where one is
+    given (``add_parser``: what builds the command's training flags, to tell those given; default
+    train's)."""
+    fields = train_fields(args, out_prefix)
+    if getattr(args, "config", None):
+        fields, _ = with_config_file(args, fields, add_parser or train_args.add_parser)
+    return TrainConfig(**fields)
 
 
 def stated_layout(args) -> set[str]:

@@ -29,7 +29,7 @@ ATTENTION = ATTENTION_CHOICES
 D = SimpleNamespace(**RunConfig().train_fields())
 
 
-def check_args(args) -> None:
+def check_args(args, add_parser=None) -> None:
     """What the command line (and ``--config``) asks for, checked before anything heavy is
     imported: the run's sections, then :func:`~ops_transformer.training.preflight.preflight` on
     the processes it launches. A value the sections refuse is left to ``validate`` (whose
@@ -39,7 +39,7 @@ def check_args(args) -> None:
         return
     fields = train_fields(args, getattr(args, "command", "train"))
     if getattr(args, "config", None):
-        fields, _ = with_config_file(args, fields, add_parser)
+        fields, _ = with_config_file(args, fields, add_parser or globals()["add_parser"])
     if fields.get("resume") or fields.get("elastic"):
         return
     try:
@@ -50,9 +50,7 @@ def check_args(args) -> None:
 
 
 def add_parser(p) -> None:
-    p.add_argument("--config", metavar="FILE", help="a run's TOML file (sections [model] "
-                   "[layout] [parallel] [optim] [data] [checkpoint] [run], docs/run_config.md; "
-                   "a run's OUT/config.toml runs it again); flags given override its fields")
+    add_config_argument(p)
     p.add_argument("--print-config", action="store_true", help="print the resolved run as TOML "
                    "(the file, the flags over it) and exit without starting a rank")
     add_training_arguments(p)
@@ -64,6 +62,14 @@ def add_parser(p) -> None:
     p.add_argument("--warmup", dest="lr_warmup", type=int, default=D.warmup, metavar="STEPS",
                    help=f"linear learning-rate warmup over the first STEPS steps (default "
                         f"{D.warmup})")
+
+
+def add_config_argument(p, command: str = "train", note: str = "") -> None:
+    """``--config FILE``: a run's TOML file under the command line (flags > file > defaults)."""
+    p.add_argument("--config", metavar="FILE", help=f"a run's TOML file (sections [model] "
+                   f"[layout] [parallel] [optim] [data] [checkpoint] [run], docs/run_config.md; "
+                   f"a run's OUT/config.toml {'runs it again' if command == 'train' else 'too'})"
+                   f"{note}; flags given override its fields")
 
 
 def add_model_argument(p, command: str) -> None:

@@ -248,3 +248,44 @@ def test_sweep_takes_a_config_file_as_every_configurations_base(tmp_path, capsys
     assert (base.lr, base.steps) == (1e-4, 2)  # the flags
     assert (base.lr_schedule, base.clip_grad, base.attention, base.seq) == \
         ("cosine", 1.0, "heads", 64)  # the file
+
+
+# the command line and the sections: a field cannot exist without its flag, nor a flag without
+# its field (but the launcher's and the output's), and train --help shows them by section
+CLI_ONLY = {"--help", "--debug", "--config", "--print-config", "--nproc", "--plan", "--json",
+            "--launch-timeout"}
+
+
+def _train_parser():
+    from ops_transformer.cli.main import build_parser
+
+    parser = build_parser(("train",))
+    return next(a for a in parser._actions if a.dest == "command").choices["train"]
+
+
+def test_every_section_field_has_its_flag_and_every_flag_its_field():
+    from ops_transformer.training.config import PARALLEL_FIELDS, SECTIONS, flag_of, section_flags
+
+    train = _train_parser()
+    options = {s for a in train._actions for s in a.option_strings if s.startswith("--")}
+    fields_with_flags = set(section_flags())
+    assert fields_with_flags <= options, sorted(fields_with_flags - options)
+    assert options - fields_with_flags == CLI_ONLY
+    file_only = {(name, f.name) for name, kind in SECTIONS.items()
+                 for f in dataclasses.fields(kind) if not flag_of(f).startswith("--")}
+    assert file_only == {("model", "layers"), ("run", "sample_tokens"), ("run", "sample_prompt")}
+    assert len(fields_with_flags) == sum(len(dataclasses.fields(k)) for k in SECTIONS.values()) \
+        - len(file_only) + len(PARALLEL_FIELDS)
+
+
+def test_train_help_groups_the_flags_by_section():
+    from ops_transformer.training.config import section_flags
+
+    train = _train_parser()
+    groups = {g.title: {s for a in g._group_actions for s in a.option_strings}
+              for g in train._action_groups}
+    for flag, section in section_flags().items():
+        assert flag in groups[f"[{section}]"], (flag, section)
+    text = train.format_help()
+    heads = [line.rstrip(":") for line in text.splitlines() if line.startswith("[")]
+    assert heads == [f"[{s}]" for s in SECTION_ORDER]

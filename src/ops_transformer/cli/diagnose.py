@@ -15,6 +15,7 @@ HELP = ("diagnose a training configuration (options as train): sizes vs tp and T
 
 def add_run_arguments(p) -> None:
     """The options of the run that diagnose checks: train's (and ``--config``)."""
+    p = train_args.SectionGroups(p)  # grouped by the run's sections, as train's
     train_args.add_config_argument(p, "diagnose")
     train_args.add_training_arguments(p)
     train_args.add_model_argument(p, "diagnose")

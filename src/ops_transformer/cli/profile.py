@@ -14,6 +14,7 @@ HELP = ("profile a few training steps (options as train): compute vs communicati
 
 def add_run_arguments(p) -> None:
     """The options of the run that profile measures: train's (and ``--config``)."""
+    p = train_args.SectionGroups(p)  # grouped by the run's sections, as train's
     train_args.add_config_argument(p, "profile", note="; its [run] steps are not profile's "
                                    "--steps")
     train_args.add_training_arguments(p)

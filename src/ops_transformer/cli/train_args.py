@@ -16,7 +16,8 @@ from ..models.config import PRESETS
 from ..schema.choices import (ACTIVATION_CACHES, ATTENTION_CHOICES, COMPILE_BACKENDS, CP_CHOICES,
                               OVERLAP_MODES, PRECISIONS, RECOMPUTE, ZERO_STAGES)
 from ..schema.choices import PIPELINE_SCHEDULES as SCHEDULES
-from ..training.config import PACKS, REBALANCE, RunConfig, from_train_fields
+from ..training.config import (PACKS, REBALANCE, SECTION_ORDER, RunConfig, from_train_fields,
+                               section_flags, section_summary)
 from ..training.preflight import preflight
 from ..training.schedule import LR_SCHEDULES
 from ._common import add_launch_timeout, status, under_torchrun, world_size
@@ -49,7 +50,27 @@ def check_args(args, add_parser=None) -> None:
     preflight(run, launch_size(args, run.layout) or world_size())
 
 
+class SectionGroups:
+    """``add_argument`` into the argument group of the run's section whose field the flag sets
+    (``--tp`` under ``[layout]``, ``--lr`` under ``[optim]``), and a flag no field has (``--nproc``,
+    ``--plan``, ``--json``, …) under "launch and output": what groups ``train --help`` by
+    section."""
+
+    def __init__(self, parser):
+        self.parser = parser
+        self.flags = section_flags()
+        self.groups = {name: parser.add_argument_group(f"[{name}]", section_summary(name))
+                       for name in SECTION_ORDER}
+        self.other = parser.add_argument_group("launch and output", "how the run is started and "
+                                               "what it prints (no field of the run's file)")
+
+    def add_argument(self, *names, **kwargs):
+        section = self.flags.get(names[0])
+        return (self.groups[section] if section else self.other).add_argument(*names, **kwargs)
+
+
 def add_parser(p) -> None:
+    p = SectionGroups(p)
     add_config_argument(p)
     p.add_argument("--print-config", action="store_true", help="print the resolved run as TOML "
                    "(the file, the flags over it) and exit without starting a rank")

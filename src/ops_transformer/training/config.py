@@ -270,6 +270,24 @@ def from_train_fields(values: dict) -> RunConfig:
     return RunConfig(**sections)
 
 
+def section_flags() -> dict[str, str]:
+    """Every command-line flag a section field has → its section's name (``--tp`` → ``layout``);
+    the fields only a file sets (``[model] layers``, ``[run] sample_*``) have none."""
+    flags = {"--" + train.replace("_", "-"): "parallel" for train in PARALLEL_FIELDS.values()}
+    for name, kind in SECTIONS.items():
+        flags.update({flag_of(f): name for f in fields(kind) if flag_of(f).startswith("--")})
+    return flags
+
+
+def section_summary(name: str) -> str:
+    """The first sentence of section ``name``'s docstring (the heading of its flags in
+    ``--help``)."""
+    if name == "parallel":
+        return "how parallelize prepares the model (ParallelOptions)"
+    doc = " ".join((SECTIONS[name].__doc__ or "").replace("``", "").split())
+    return doc.split(". ")[0].rstrip(".")
+
+
 def section_keys(name: str) -> tuple[str, ...]:
     """The keys a TOML file may give in section ``[name]``."""
     if name == "parallel":

@@ -285,7 +285,38 @@ def test_train_help_groups_the_flags_by_section():
     groups = {g.title: {s for a in g._group_actions for s in a.option_strings}
               for g in train._action_groups}
     for flag, section in section_flags().items():
-        assert flag in groups[f"[{section}]"], (flag, section)
+        assert flag in groups[section], (flag, section)
     text = train.format_help()
-    heads = [line.rstrip(":") for line in text.splitlines() if line.startswith("[")]
-    assert heads == [f"[{s}]" for s in SECTION_ORDER]
+    heads = [line.rstrip(":") for line in text.splitlines() if line.rstrip(":") in groups]
+    assert heads == ["options", *SECTION_ORDER, "launch and output"]
+    assert "  [layout] The rank grid" in text
+
+
+def test_each_flags_choices_and_default_are_its_fields():
+    """The flags take their choices and defaults from the sections (defined once): an argparse
+    default is the field's, or unset (``None``: the field's default applies, and the flag counts
+    as not given)."""
+    from ops_transformer.training.config import PARALLEL_FIELDS, SECTIONS, flag_of
+
+    by_flag = {a.option_strings[0]: a for a in _train_parser()._actions if a.option_strings}
+    defaults = RunConfig().train_fields()
+    checked = 0
+    for name, kind in SECTIONS.items():
+        for f in dataclasses.fields(kind):
+            action = by_flag.get(flag_of(f))
+            if action is None or flag_of(f) == "--no-progress":  # the inverted store_true
+                continue
+            train = f.metadata.get("train_field") or f.name
+            assert action.default in (None, defaults[train]), (flag_of(f), action.default)
+            if action.choices is not None and f.metadata.get("choices") is not None:
+                assert set(action.choices) <= set(f.metadata["choices"]), flag_of(f)
+            checked += 1
+    for option, train in PARALLEL_FIELDS.items():
+        action = by_flag["--" + train.replace("_", "-")]
+        assert action.default in (None, getattr(ParallelOptions(), option)), train
+        if action.choices is not None:
+            from ops_transformer.schema.parallel_options import CHOICES
+
+            assert set(action.choices) <= set(CHOICES[option]), train
+        checked += 1
+    assert checked > 40

@@ -51,15 +51,15 @@ def check_args(args, add_parser=None) -> None:
 
 
 class SectionGroups:
-    """``add_argument`` into the argument group of the run's section whose field the flag sets
-    (``--tp`` under ``[layout]``, ``--lr`` under ``[optim]``), and a flag no field has (``--nproc``,
+    """``add_argument`` into the argument group named after the run's section whose field the flag
+    sets (``--tp`` under ``layout``, ``--lr`` under ``optim``), and a flag no field has (``--nproc``,
     ``--plan``, ``--json``, …) under "launch and output": what groups ``train --help`` by
     section."""
 
     def __init__(self, parser):
         self.parser = parser
         self.flags = section_flags()
-        self.groups = {name: parser.add_argument_group(f"[{name}]", section_summary(name))
+        self.groups = {name: parser.add_argument_group(name, f"[{name}] " + section_summary(name))
                        for name in SECTION_ORDER}
         self.other = parser.add_argument_group("launch and output", "how the run is started and "
                                                "what it prints (no field of the run's file)")

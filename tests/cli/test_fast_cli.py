@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-TORCH_FREE_HELP = ("train", "profile", "diagnose", "bench")  # the rest still import it for --help
+TORCH_FREE_HELP = ("train", "profile", "diagnose", "bench", "checkpoint")  # the rest still import it for --help
 
 
 def _fresh(code: str) -> dict:

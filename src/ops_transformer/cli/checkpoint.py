@@ -5,10 +5,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..checkpoint import adapters as lora_export
-from ..checkpoint import export as ex
-from ..checkpoint import store
-from ..checkpoint.reader import UnsafeCheckpointError
 from ..utils.progress import format_table
 from ._common import print_json, refuse_torchrun, replacing_output
 from .train_args import add_checkpoint_arguments, checkpoint_settings  # noqa: F401 (train's)
@@ -85,6 +81,8 @@ def _batch_split(meta: dict) -> str:
 
 
 def _inspect(args) -> int:
+    from ..checkpoint import export as ex
+
     info = ex.describe_root(Path(args.dir), check=not args.no_verify)
     if args.json:
         print_json(info)
@@ -104,6 +102,8 @@ def _inspect(args) -> int:
 def _refuse_unsafe(info: dict) -> None:
     """A checkpoint whose pickles ask for more than checkpoints hold is an error (exit 2), after
     the table: it is crafted, not damaged."""
+    from ..checkpoint.reader import UnsafeCheckpointError
+
     unsafe = [c for c in info["checkpoints"] if c.get("unsafe")]
     if unsafe:
         more = f" ({len(unsafe) - 1} more)" if len(unsafe) > 1 else ""
@@ -111,6 +111,9 @@ def _refuse_unsafe(info: dict) -> None:
 
 
 def _export(args) -> int:
+    from ..checkpoint import export as ex
+    from ..checkpoint import store
+
     out = Path(args.out)
     path = store.resolve(args.dir, args.step)
     manifest = store.read_manifest(path)  # small: no tensors read
@@ -134,6 +137,9 @@ def _export(args) -> int:
 
 def _export_lora(args, out: Path, path: Path, manifest: dict) -> int:
     """``--adapter`` / ``--merge`` of a LoRA checkpoint (which holds its adapters only)."""
+    from ..checkpoint import adapters as lora_export
+    from ..checkpoint import export as ex
+
     info = lora_export.lora_info(manifest, path)
     if not (args.adapter or args.merge):
         raise ValueError(f"checkpoint {path} holds LoRA adapters only (rank {info['rank']} on "

@@ -71,6 +71,15 @@ def test_an_argument_error_is_one_line_exit_2_without_torch(argv, message):
     assert not out["torch"]
 
 
+def test_seq_beyond_a_model_directorys_positions_is_refused_without_torch(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                      "max_position_embeddings": 128}))
+    out = _fresh("from ops_transformer.cli.main import main\n"
+                 f"out['code'] = main(['train', '--model', {str(tmp_path)!r}, '--seq', '512'])")
+    assert out["code"] == 2 and "--seq 512 is beyond the 128 positions" in out["stderr"]
+    assert not out["torch"] and not out["transformers"]
+
+
 def test_version_names_torch_without_importing_it():
     out = _fresh("from ops_transformer.cli.main import main\n"
                  "import contextlib, io\n"

@@ -320,3 +320,16 @@ def test_each_flags_choices_and_default_are_its_fields():
             assert set(action.choices) <= set(CHOICES[option]), train
         checked += 1
     assert checked > 40
+
+
+def test_a_field_without_its_flag_stops_the_parser(monkeypatch):
+    from ops_transformer.cli import train_flags
+
+    monkeypatch.setitem(train_flags.FLAGS, "run", {k: v for k, v in train_flags.FLAGS["run"].items()
+                                                   if k != "seed"})
+    with pytest.raises(RuntimeError, match=r"fields without a flag \[\('run', 'seed'\)\]"):
+        _train_parser()
+    monkeypatch.setitem(train_flags.FLAGS, "run", {**train_flags.FLAGS["run"], "seed": {"help": ""},
+                                                   "nope": {"help": ""}})
+    with pytest.raises(RuntimeError, match=r"flags without a field \[\('run', 'nope'\)\]"):
+        _train_parser()

@@ -9,7 +9,8 @@ flag; a TOML file of the same sections (:func:`load_toml`, :func:`to_toml`); and
 Each section field says which ``TrainConfig`` field it is (``train_field`` in its metadata, the
 field's own name by default); a flag is that field's name with dashes (``--no-progress`` for
 ``run.progress``); ``model.layers`` and ``run.sample_*`` have none (the file sets them). The
-defaults are ``TrainConfig``'s (a test holds them equal)."""
+defaults are defined here, once: ``TrainConfig``'s fields and the command line's flags take
+theirs from the sections."""
 
 from __future__ import annotations
 
@@ -223,7 +224,8 @@ def parallel_options(**values) -> ParallelOptions:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One run, in sections (defaults: :class:`~ops_transformer.training.loop.TrainConfig`'s).
+    """One run, in sections (whose defaults :class:`~ops_transformer.training.loop.TrainConfig`
+    takes).
     Each section checked itself when built; the rules across sections are here, once:
     ``parallel.precision`` follows ``optim.precision`` (``fp8`` is the layers'; 16-bit autocast is
     the loop's)."""

@@ -138,6 +138,33 @@ def test_ring_hides_under_attention_allgather_does_not():
     assert exposed_cp_time("allgather_kv", 2.0, 3.0) == 2.0
 
 
+def test_a_ring_across_nodes_runs_at_one_nics_rate():
+    # Llama 3 405B (GQA: 8 KV heads of 128), s = 32768, b = 1, tp 1 × cp 16 on H100 nodes of 8
+    # with 8 NDR NICs (45 GB/s each): the CP group spans 2 nodes, 8 ranks in each. One block is
+    # X = 2·b·(s/cp)·h_kv = 2 · 2048 · 1024 = 4,194,304 bf16 elements (8.39 MB). Of each step's 16
+    # sends the two at the node boundaries leave the node, each through its GPU's one NIC, and
+    # the step waits for them: forward cp − 1 = 15 steps of 4 µs + 8.39 MB / 45 GB/s (186 µs),
+    # 2.856 ms a layer. (Priced at the node's 8 NICs, as a ring collective gets, it was 0.36 ms.)
+    from ops_transformer.planner.network import group_alpha_beta, p2p_alpha_beta, placement
+    from ops_transformer.planner.timing import cp_parts
+
+    model = MODEL_PRESETS["llama3-405b"].with_(seq=32768, global_batch=64, micro_batch=1)
+    cluster = ClusterSpec.make("h100-sxm-96gb", 512, inter="ib-ndr", nics_per_node=8)
+    o = Options(32, 1, 1, "heads", False, "selective", 3, 1, cp=16)
+    x = 2 * 1 * (32768 // 16) * 8 * 128
+    assert x == 4_194_304
+    got = cp_parts(model, cluster, o)
+    assert got["cp_forward_s"] == pytest.approx(15 * 4e-6 + 15 * 2 * x / 45e9)
+    assert got["cp_forward_s"] == pytest.approx(2.856e-3, rel=1e-3)
+    assert got["cp_backward_s"] == pytest.approx(31 * 4e-6 + 31 * 2 * x / 45e9)
+    where = placement(cluster, 16, 1)
+    assert (where.per_node, where.nodes) == (8, 2)
+    assert p2p_alpha_beta(cluster, where)("send_recv", 2)[1] == 45e9  # one NIC
+    assert group_alpha_beta(cluster, where)("all_gather", 16)[1] == 360e9  # a ring per NIC
+    inside = placement(ClusterSpec.make("h100-sxm-96gb", 8), 8, 1)  # one node: NVLink
+    assert p2p_alpha_beta(cluster, inside)("send_recv", 2)[1] == cluster.intra_link.bandwidth
+
+
 def test_cp_keeps_one_cp_th_of_the_activations():
     model = MODEL_PRESETS["llama3-8b"].with_(seq=16384, global_batch=8)
     half = model.with_(seq=8192)

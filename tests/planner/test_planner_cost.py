@@ -147,6 +147,53 @@ def test_zero_stage_volumes():
     assert z3.wire_elements(p) == pytest.approx(3 * k * psi * (p - 1) / p)
 
 
+def test_gradients_reduce_in_fp32_parameters_gather_in_16_bits():
+    # ZeRO-3 over dp 8 in one node: per micro-step two all-gathers of the bf16 parameters and one
+    # reduce-scatter of the gradients in fp32 (GRAD_REDUCE_BYTES, torchtitan's and Megatron's
+    # default with bf16 weights): 2 · 2Ψ·7/8 + 4Ψ·7/8 bytes at NVLink's β, plus 3 calls' α.
+    from ops_transformer.planner.search import params_per_gpu
+    from ops_transformer.planner.timing import GRAD_REDUCE_BYTES, split_dp_comm
+
+    assert GRAD_REDUCE_BYTES == 4
+    model = MODEL_PRESETS["llama3-8b"].with_(seq=2048, global_batch=8, micro_batch=1)
+    c = ClusterSpec.make("h100-sxm", 8)
+    o = Options(8, 1, 1, "heads", False, "none", 3, 1)
+    row = evaluate(model, c, o)
+    psi = int(params_per_gpu(model, o))
+    params, grads = split_dp_comm(row["dp_comm"])
+    assert params == {"all_gather": {"calls": 2, "elements": 2 * psi}}
+    assert grads == {"reduce_scatter": {"calls": 1, "elements": psi}}
+    link = c.intra_link
+    alpha = 7 * link.latency_s
+    expected = 3 * alpha + (2 * 2 * psi + 4 * psi) * 7 / 8 / link.bandwidth
+    assert row["time_breakdown"]["dp_comm_s"] == pytest.approx(expected)
+
+
+def test_zero3_memory_holds_the_reduce_buffer_and_under_pp_the_whole_stage():
+    # Llama 3 405B at tp 1 over 512 ranks: a layer is (Ψ − 2·V·h) / 126 = 3.19e9 parameters;
+    # ZeRO-3 holds two gathered bf16 layers, one layer's bf16 gradients and the fp32 buffer FSDP
+    # reduce-scatters them from: grads = 2Ψ/512 + (2 + 4)·unit. 103.4 GiB: it does not fit 95.
+    from ops_transformer.planner.search import _largest_unit, memory, params_per_gpu
+
+    model = MODEL_PRESETS["llama3-405b"].with_(seq=32768, global_batch=64, micro_batch=1)
+    psi, vh = model.params(), model.vocab * model.hidden
+    unit = (psi - 2 * vh) / model.layers
+    assert unit == pytest.approx(3.19e9, rel=1e-3)
+    o = Options(32, 1, 1, "heads", False, "selective", 3, 1, cp=16)
+    got = memory(model, o, 2, "fused", "fp32")  # the row's kernels (torchtitan's fp32 loss)
+    assert got["params"] == pytest.approx(2 * psi / 512 + 2 * 2 * unit)
+    assert got["grads"] == pytest.approx(2 * psi / 512 + (2 + 4) * unit)
+    assert sum(got.values()) / 2**30 == pytest.approx(103.4, abs=0.1)
+    # under pipelining FSDP keeps the stage gathered and its gradients unsharded: tp 2 × pp 2
+    # holds a stage's Ψ_stage bf16 weights and gradients whole (462 GiB in all)
+    o = Options(16, 2, 1, "heads", True, "selective", 3, 1, pp=2, cp=8, schedule="zero_bubble")
+    stage = params_per_gpu(model, o)
+    got = memory(model, o, 2, "fused", "fp32")
+    assert got["params"] == pytest.approx(2 * stage / 128 + 2 * stage)
+    assert got["grads"] == pytest.approx(2 * stage / 128 + 2 * stage + 4 * _largest_unit(model, o))
+    assert sum(got.values()) / 2**30 == pytest.approx(462, abs=1)
+
+
 def test_sequence_parallel_keeps_the_volume_in_twice_the_calls():
     comm = Comm.of(("all_reduce", 1024), ("all_gather", 12))
     sp = sequence_parallel_comm(comm)

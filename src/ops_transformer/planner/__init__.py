@@ -8,6 +8,7 @@ from .choose import attention_options, attention_problem, choose_attention, choo
 from .cost import Comm, collective_time, comm_time, hierarchical_time, ring_steps
 from .efficiency import default_efficiency
 from .hardware import A100_NVLINK, CPU_GLOO, HardwareProfile
+from .layout import CostOptions, Layout
 from .memory import activation_bytes_per_layer, logits_bytes, model_state_bytes
 from .calibrated import CalibratedProfile, load_profile
 from .search import Options, evaluate_layout, execution, search
@@ -30,5 +31,5 @@ __all__ = [
     "evaluate_layout", "execution", "hierarchical_time", "logits_bytes", "model_comm_per_step",
     "ring_steps", "zero_comm",
 ]
-__all__ += ["moe_cost", "CP_STRATEGIES", "SCHEDULES", "bubble_fraction", "cp_layer_comm",
+__all__ += ["CostOptions", "Layout", "moe_cost", "CP_STRATEGIES", "SCHEDULES", "bubble_fraction", "cp_layer_comm",
             "exposed_cp_time", "gemm_time", "in_flight_micro_batches", "wave_efficiency"]

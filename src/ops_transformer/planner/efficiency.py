@@ -33,21 +33,21 @@ class Efficiency:
 
 
 # Fitted by `ops-transformer plan --published --fit` (see the module docstring).
-FITTED_BY_GPU: dict[str, float] = {'a100-40gb': 0.698, 'a100-80gb': 0.698, 'h100-sxm': 0.505, 'h100-sxm-96gb': 0.444}
+FITTED_BY_GPU: dict[str, float] = {'a100-40gb': 0.7, 'a100-80gb': 0.7, 'h100-sxm': 0.504, 'h100-sxm-96gb': 0.444}
 FITTED_BY_STACK: dict[tuple[str, str], float] = {
-    ('a100-40gb', 'llm-foundry'): 0.705,
-    ('a100-40gb', 'megatron'): 0.721,
-    ('a100-40gb', 'torchtitan'): 0.648,
-    ('a100-80gb', 'llm-foundry'): 0.705,
-    ('a100-80gb', 'megatron'): 0.721,
-    ('a100-80gb', 'torchtitan'): 0.648,
-    ('h100-sxm', 'llm-foundry'): 0.505,
+    ('a100-40gb', 'llm-foundry'): 0.704,
+    ('a100-40gb', 'megatron'): 0.733,
+    ('a100-40gb', 'torchtitan'): 0.647,
+    ('a100-80gb', 'llm-foundry'): 0.704,
+    ('a100-80gb', 'megatron'): 0.733,
+    ('a100-80gb', 'torchtitan'): 0.647,
+    ('h100-sxm', 'llm-foundry'): 0.504,
     ('h100-sxm-96gb', 'torchtitan'): 0.444}
 # The ceiling of the layers' projections run as Float8 (torchtitan's Float8 linears with
 # torch.compile), as a fraction of the card's dense FP8 peak.
 FITTED_FLOAT8_BY_GPU: dict[str, float] = {'h100-sxm-96gb': 0.475}
-MEMORY_PASSES = 4.05  # passes over the activation bytes by memory-bound kernels
-ATTENTION_RATIO = 0.411  # the attention core's achieved efficiency ÷ the projections'
+MEMORY_PASSES = 3.89  # passes over the activation bytes by memory-bound kernels
+ATTENTION_RATIO = 0.41  # the attention core's achieved efficiency ÷ the projections'
 
 # Cards that share a compute die with a fitted one (same SMs and clocks; only memory differs).
 SAME_DIE = {"a100-40gb": "a100-80gb", "a100-80gb": "a100-40gb", "h200": "h100-sxm"}

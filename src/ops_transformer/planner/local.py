@@ -20,6 +20,7 @@ from ..models.gpt import GPT
 from .catalogue import GPU, Link
 from .cost import Comm, comm_time
 from .hardware import CPU_GLOO
+from .layout import CostOptions, Layout, degree, legacy_arguments
 from .specs import ClusterSpec
 from .strategies import layer_cost, model_comm_per_step
 
@@ -56,6 +57,7 @@ def local_cluster(ranks: int, profile=None, *, topology) -> ClusterSpec:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+LEGACY_STEP_KEYWORDS = ("tp", "dp", "ep", "attention", "vocab", "sequence_parallel", "recompute")
 
 
 @dataclass(frozen=True)
@@ -119,13 +121,46 @@ class LocalTimeModel:
                 return math.exp((1 - w) * math.log(f0) + w * math.log(f1))
         return measured[-1][1]
 
-    def step_time(self, model_cfg, *, nproc: int, tp: int, dp: int, ep: int = 1,
-                  attention: str = "heads", vocab: str = "replicated", batch: int, seq: int,
-                  precision: str = "fp32", sequence_parallel: bool = False,
-                  recompute: str = "none", zero: int = 0, partial_elements: int = 0) -> dict:
+    def step_time(self, spec, layout=None, options=None, *, nproc: int, batch: int, seq: int,
+                  precision: str = "fp32", zero: int = 0, partial_elements: int = 0,
+                  **legacy) -> dict:
         """``{"step_s", "compute_s", "comm_s", "calls", "alone_s", "volume_s"}`` of one training
         step on one rank (``alone_s``: the compute of a rank alone on the machine; ``volume_s``:
-        the communication's bandwidth term)."""
+        the communication's bandwidth term) of model ``spec`` on ``nproc`` local ranks laid out
+        as ``layout`` (``tp``, ``dp``, ``ep``; ``dp`` unset: ``nproc / (tp · ep)``) with
+        ``options`` (``attention``, ``vocab``, ``sequence_parallel``, ``recompute``), for a
+        global ``batch`` of sequences of ``seq`` tokens, autocast ``precision`` and ZeRO stage
+        ``zero``. The older form ``step_time(cfg, nproc=, tp=, dp=, ep=1, attention="heads",
+        vocab="replicated", sequence_parallel=False, recompute="none", batch=, seq=, …)`` builds
+        the two objects and gives the same numbers."""
+        if layout is None and "tp" in legacy:
+            old = legacy_arguments("step_time", (), (), legacy, LEGACY_STEP_KEYWORDS)
+            if "dp" not in old:
+                raise TypeError("step_time() missing required keyword argument 'dp'")
+            layout = Layout(tp=old["tp"], dp=old["dp"], ep=old.get("ep", 1))
+            options = CostOptions(attention=old.get("attention", "heads"),
+                                  vocab=old.get("vocab", "replicated"),
+                                  sequence_parallel=old.get("sequence_parallel", False),
+                                  recompute=old.get("recompute", "none"))
+        elif legacy:
+            raise TypeError(f"step_time() got unexpected keyword arguments: {sorted(legacy)}")
+        for name in ("cp", "pp"):
+            if degree(layout, name) > 1:
+                raise ValueError(f"the local time model prices dp × tp × ep layouts; layout.{name}"
+                                 f" is {degree(layout, name)}")
+        tp, ep = degree(layout, "tp"), degree(layout, "ep")
+        dp = getattr(layout, "dp", None)
+        dp = nproc // (tp * ep) if dp is None else degree(layout, "dp")
+        o = CostOptions.of(options if options is not None else CostOptions(vocab="replicated"))
+        return self._step_time(spec, nproc=nproc, tp=tp, dp=dp, ep=ep, attention=o.attention,
+                               vocab=o.vocab, batch=batch, seq=seq, precision=precision,
+                               sequence_parallel=o.sequence_parallel, recompute=o.recompute,
+                               zero=zero, partial_elements=partial_elements)
+
+    def _step_time(self, model_cfg, *, nproc: int, tp: int, dp: int, ep: int, attention: str,
+                   vocab: str, batch: int, seq: int, precision: str,
+                   sequence_parallel: bool | str, recompute: str, zero: int,
+                   partial_elements: int) -> dict:
         rows = batch // max(dp * ep, 1)
         flops = step_flops_per_rank(model_cfg, tp, rows, seq, attention, vocab, recompute)
         layers = model_cfg.n_layers * (4 / 3 if recompute == "full" else 1.0)
@@ -134,9 +169,11 @@ class LocalTimeModel:
                  + layers * self._of(self.per_layer_s, precision)
                  + self._of(self.fixed_s, precision))
         compute = shared * alone
-        tp_comm = model_comm_per_step(model_cfg, tp, attention, rows, seq, vocab,
-                                      sequence_parallel=sequence_parallel, recompute=recompute,
-                                      partial_elements=partial_elements)
+        tp_comm = model_comm_per_step(
+            model_cfg, Layout(tp=tp, ep=ep),
+            CostOptions(attention=attention, vocab=vocab, sequence_parallel=sequence_parallel,
+                        recompute=recompute), batch=rows, seq=seq,
+            partial_elements=partial_elements)
         alpha_beta = lambda kind, group: (self.alpha_step_s, self.bandwidth)  # noqa: E731
         width = 4 if precision == "fp32" else 2  # TP activations in autocast's dtype
         bandwidth_only = lambda kind, group: (0.0, self.bandwidth)  # noqa: E731

@@ -31,7 +31,8 @@ without dropout); ``fused`` (flash / memory-efficient SDPA) stores only the log-
 
 from __future__ import annotations
 
-RECOMPUTE = ("none", "selective", "full", "ops")
+from .layout import RECOMPUTE, CostOptions, degree, legacy_arguments, positional_of, shape_of
+
 ATTENTION_KERNELS = ("fused", "eager")
 ADAM_BYTES = {"params": 2, "grads": 2, "optimizer": 12}  # mixed-precision Adam, per parameter
 FP32_ADAM_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 Adam: no master copy
@@ -76,14 +77,60 @@ def effective_recompute(recompute: str, attention_kernel: str) -> str:
     return "ops" if recompute == "selective" and attention_kernel == "fused" else recompute
 
 
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, *,
-                               sequence_parallel: bool = False, recompute: str = "none",
+LEGACY_ACTIVATIONS = ("s", "b", "h", "a", "t")  # the older form's positions (the paper's)
+LEGACY_ACTIVATION_KEYWORDS = LEGACY_ACTIVATIONS + (
+    "sequence_parallel", "recompute", "kv_heads", "ffn", "gated", "dropout")
+
+
+def activation_bytes_per_layer(spec=None, layout=None, options=None, *legacy,
+                               batch: int | None = None, seq: int | None = None,
                                bytes_per_element: int = 2, attention_kernel: str = "eager",
-                               kv_heads: int | None = None, ffn: int | None = None,
-                               gated: bool = False, dropout: bool = True) -> float:
-    """Bytes one rank keeps for backward per layer (module docstring). The defaults are
-    Korthikanti et al.'s GPT (MHA, ``ffn = 4h``, dropout, eager attention); 16-bit values are
-    scaled to ``bytes_per_element``.
+                               **legacy_keywords) -> float:
+    """Bytes one rank keeps for backward per layer (module docstring) of model ``spec`` (a
+    ``GPTConfig`` or a :class:`~.specs.ModelSpec`: hidden size, heads, KV heads, FFN width and
+    kind, dropout) on ``layout`` (``tp``; ``cp`` splits the sequence: ``seq / cp`` tokens per
+    rank) with ``options`` (``sequence_parallel``, ``recompute``: a ``ParallelOptions``, the
+    search's ``Options`` or a :class:`~.layout.CostOptions`), for a micro-batch of ``batch``
+    sequences of ``seq`` tokens; 16-bit values scaled to ``bytes_per_element``.
+
+    The older form ``activation_bytes_per_layer(s, b, h, a, t, *, sequence_parallel=,
+    recompute=, bytes_per_element=, attention_kernel=, kv_heads=, ffn=, gated=, dropout=)``
+    (Korthikanti et al.'s notation; its defaults are their GPT: MHA, ``ffn = 4h``, dropout)
+    gives the same numbers (:func:`layer_activation_bytes`)."""
+    if isinstance(spec, int) and not isinstance(spec, bool) or (
+            spec is None and "s" in legacy_keywords):
+        old = legacy_arguments("activation_bytes_per_layer", LEGACY_ACTIVATIONS,
+                               positional_of(spec, layout, options, *legacy),
+                               {**legacy_keywords,
+                                **{k: v for k, v in (("b", batch), ("s", seq)) if v is not None}},
+                               LEGACY_ACTIVATION_KEYWORDS)
+        return layer_activation_bytes(**old, bytes_per_element=bytes_per_element,
+                                      attention_kernel=attention_kernel)
+    if legacy or legacy_keywords:
+        raise TypeError(f"activation_bytes_per_layer(spec, layout, options, *, batch, seq, "
+                        f"bytes_per_element, attention_kernel) got unexpected arguments: "
+                        f"{list(legacy) + sorted(legacy_keywords)}")
+    if batch is None or seq is None:
+        raise TypeError("activation_bytes_per_layer() needs batch= and seq= (the micro-batch's "
+                        "sequences and their length)")
+    shape, options, cp = shape_of(spec), CostOptions.of(options), degree(layout, "cp")
+    if seq % cp:
+        raise ValueError(f"cp ({cp}) must divide the sequence length ({seq})")
+    return layer_activation_bytes(
+        seq // cp, batch, shape.hidden, shape.heads, degree(layout, "tp"),
+        sequence_parallel=options.sequence_parallel, recompute=options.recompute,
+        bytes_per_element=bytes_per_element, attention_kernel=attention_kernel,
+        kv_heads=shape.kv_heads, ffn=shape.ffn, gated=shape.gated, dropout=shape.dropout)
+
+
+def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int, *,
+                           sequence_parallel: bool | str = False, recompute: str = "none",
+                           bytes_per_element: int = 2, attention_kernel: str = "eager",
+                           kv_heads: int | None = None, ffn: int | None = None,
+                           gated: bool = False, dropout: bool = True) -> float:
+    """:func:`activation_bytes_per_layer` on the sizes, in Korthikanti et al.'s notation (``s``
+    sequence on this rank, ``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` tensor-parallel
+    degree); the defaults are their GPT (MHA, ``ffn = 4h``, dropout, eager attention).
 
     ``recompute``: ``none``; ``selective`` (eager kernel: the attention core is recomputed, nothing
     of it kept; fused kernel: as ``ops``, :func:`effective_recompute`); ``full`` (only the layer's

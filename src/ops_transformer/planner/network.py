@@ -68,6 +68,22 @@ def group_alpha_beta(cluster, where: Placement):
     return inter_alpha_beta(cluster, where.per_node)
 
 
+def p2p_alpha_beta(cluster, where: Placement):
+    """α, β of the point-to-point transfers between neighbours of the group (the CP ring's
+    exchanges, the pipeline's sends). Inside a node: the node's link. Across nodes only the
+    transfers at a node boundary leave it, each through one NIC (its GPU's rail; NCCL runs a
+    send/recv on the NIC nearest the GPU, not on a ring per NIC as a collective does), and every
+    step of the exchange waits for them: ``β = min(β_intra, β_nic · min(1, n·m/g))`` — the
+    collectives' share of the node's NICs (:func:`inter_alpha_beta`) capped at one NIC."""
+    if where.nodes <= 1 or cluster.inter_link is None:
+        return intra_alpha_beta(cluster)
+    intra, nic = cluster.intra_link, cluster.inter_link
+    share = min(1.0, cluster.nics_per_node * where.per_node / cluster.gpus_in_node)
+    beta = min(intra.bandwidth, nic.bandwidth * share)
+    latency = max(intra.latency_s, nic.latency_s)
+    return lambda kind, p: (link_alpha(kind, p, latency), beta)
+
+
 def group_time(cluster, comm: dict, where: Placement, bytes_per_element: int) -> float:
     """Seconds for the collectives ``comm`` (a :class:`~.cost.Comm`) on the group: each kind flat
     or hierarchical (intra-node stages on the node's link, the inter-node stage with one member

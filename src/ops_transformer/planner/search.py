@@ -19,10 +19,11 @@ from . import efficiency as fitted
 from .memory import (ATTENTION_KERNELS, LOSS_KERNELS, activation_bytes_per_layer,
                      logits_bytes, model_state_bytes)
 from .cp_exchange import CP_STRATEGIES
+from .layout import CostOptions
 from .pipeline import SCHEDULES, in_flight_micro_batches, stage_layers
 from .runnable import runtime_problem
 from .strategies import ATTENTION_STRATEGIES
-from .timing import MATMUL_PRECISIONS, Execution
+from .timing import GRAD_REDUCE_BYTES, MATMUL_PRECISIONS, Execution
 from .timing import step_time as _step_time
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -216,17 +217,22 @@ def memory(model, o: Options, bytes_per_element: int, attention_kernel: str = "f
     Activations: the layers' (:func:`activation_bytes_per_layer`), one layer's recomputed
     tensors while its backward runs, and the logits' working set (:func:`logits_bytes`). ZeRO-3
     also holds the gathered 16-bit parameters of the running and the prefetched unit and one
-    unit's gradients. A caching allocator reserves more than this peak (fragmentation; the
+    unit's gradients, with the buffer FSDP reduce-scatters them from, in the reduce dtype
+    (:data:`~.timing.GRAD_REDUCE_BYTES`: FSDP2 copies a unit's gradients into one fp32 buffer).
+    Under pipelining (``pp > 1``) FSDP keeps the whole stage's parameters gathered and its
+    gradients unsharded across the micro-batches (torchtitan: no reshard after forward with
+    pp; the pipeline schedule syncs gradients on the last micro-batch only): ZeRO-3 then holds
+    the stage's 16-bit weights and gradients whole, plus one unit's reduce buffer. A caching allocator reserves more than this peak (fragmentation; the
     published runs that report reserved memory show about 5 % more, docs/planner.md)."""
     states = model_state_bytes(params_per_gpu(model, o), o.zero_stage, o.dp * o.cp,
                                bytes_per_element)
-    shape = dict(sequence_parallel=o.sequence_parallel, bytes_per_element=bytes_per_element,
-                 attention_kernel=attention_kernel, kv_heads=model.kv_heads, ffn=model.ffn,
-                 gated=model.ffn_type == "swiglu", dropout=model.dropout > 0)
-    seq = model.seq // o.cp  # context parallelism: each rank keeps 1/cp of every activation
-    args = (seq, o.micro_batch, model.hidden, model.heads, o.tp)
-    kept = activation_bytes_per_layer(*args, recompute=o.recompute, **shape)
-    rebuilt = activation_bytes_per_layer(*args, **shape) - kept if o.recompute != "none" else 0.0
+    # o is the layout and the options; context parallelism keeps 1/cp of every activation
+    shape = dict(batch=o.micro_batch, seq=model.seq, bytes_per_element=bytes_per_element,
+                 attention_kernel=attention_kernel)
+    kept = activation_bytes_per_layer(model, o, o, **shape)
+    rebuilt = (activation_bytes_per_layer(model, o, CostOptions.of(o, recompute="none"), **shape)
+               - kept if o.recompute != "none" else 0.0)
+    seq = model.seq // o.cp
     logits = logits_bytes(o.micro_batch * seq, model.vocab, o.tp, bytes_per_element, loss_kernel)
     layers = stage_layers(model.layers, o.pp)
     micro_steps = max(1, model.global_batch // (o.dp * o.micro_batch))
@@ -235,10 +241,14 @@ def memory(model, o: Options, bytes_per_element: int, attention_kernel: str = "f
         act = model.layers * kept + rebuilt + logits
     else:  # the first stage's in-flight micro-batches, or the last one's one and its logits
         act = max(layers * kept * in_flight, layers * kept + logits) + rebuilt
-    if o.zero_stage == 3:
-        unit = _largest_unit(model, o)
+    if o.zero_stage == 3 and o.pp > 1:  # FSDP under pipelining: the whole stage gathered
+        stage = params_per_gpu(model, o)
+        states["params"] += stage * bytes_per_element
+        states["grads"] += stage * bytes_per_element + _largest_unit(model, o) * GRAD_REDUCE_BYTES
+    elif o.zero_stage == 3:  # the running and the prefetched unit, one unit's gradients
+        unit = _largest_unit(model, o)  # and their reduce-scatter input in the reduce dtype
         states["params"] += 2 * unit * bytes_per_element
-        states["grads"] += unit * bytes_per_element
+        states["grads"] += unit * (bytes_per_element + GRAD_REDUCE_BYTES)
     return {**states, "activations": act}
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cost import Comm
+from .layout import CostOptions, Layout, degree, is_legacy, legacy_arguments, positional_of
 from .overlap import decoder_overlap_calls, moe_chunk_calls
 
 from ..schema.choices import ATTENTION_STRATEGIES
@@ -260,14 +261,65 @@ def vocab_cost(mode: str, b: int, s: int, h: int, vocab: int, tp: int,
                      Comm.of(("all_reduce", bsh)), flops, logits, tp)
 
 
-def model_comm_per_step(cfg, tp: int, attention: str, batch: int, seq: int,
-                        vocab: str = "parallel", *, sequence_parallel: bool | str = False,
-                        recompute: str = "none", partial_elements: int = 0,
-                        overlap: str = "none", chunks: int = 2, profile=None,
-                        ep: int = 1, grad_accum: int = 1) -> Comm:
-    """The tensor-parallel collectives of one training step of the reference decoder on one rank
-    (``cfg``: a :class:`~ops_transformer.models.GPTConfig`, the model description the planner and
-    the model share), for a micro-batch of ``batch`` sequences of ``seq`` tokens: ``n_layers`` ×
+LEGACY_COMM = ("tp", "attention", "batch", "seq", "vocab")  # the older form's positions
+LEGACY_COMM_KEYWORDS = LEGACY_COMM + ("sequence_parallel", "recompute", "overlap", "chunks", "ep")
+
+
+def model_comm_per_step(spec, layout=None, options=None, *legacy, batch: int | None = None,
+                        seq: int | None = None, grad_accum: int = 1, partial_elements: int = 0,
+                        profile=None, **legacy_keywords) -> Comm:
+    """The tensor-parallel collectives of one training step of the reference decoder on one rank:
+    ``spec`` the model (a :class:`~ops_transformer.models.GPTConfig`, the description the planner
+    and the model share), ``layout`` the rank grid (:class:`~.layout.Layout`, or any object with
+    ``tp``, ``ep``, ``cp``: a run configuration's ``layout`` section), ``options`` what
+    ``parallelize`` applies (a ``ParallelOptions`` with its attention and vocabulary chosen, or a
+    :class:`~.layout.CostOptions`), for a micro-batch of ``batch`` sequences of ``seq`` tokens
+    (``seq / cp`` of them on this rank). The older form ``model_comm_per_step(cfg, tp, attention,
+    batch, seq, vocab="parallel", *, sequence_parallel=, recompute=, overlap=, chunks=, ep=, …)``
+    builds the two objects (:func:`legacy_comm_arguments`) and gives the same numbers."""
+    if is_legacy(layout, legacy_keywords):
+        given = {k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None}
+        layout, options, batch, seq = legacy_comm_arguments(
+            positional_of(layout, options, *legacy), {**legacy_keywords, **given})
+    elif legacy or legacy_keywords:
+        raise TypeError(f"model_comm_per_step(spec, layout, options, *, batch, seq, grad_accum, "
+                        f"partial_elements, profile) got unexpected arguments: "
+                        f"{list(legacy) + sorted(legacy_keywords)}")
+    if batch is None or seq is None:
+        raise TypeError("model_comm_per_step() needs batch= and seq= (the micro-batch's "
+                        "sequences and their length)")
+    options = CostOptions.of(options)
+    cp = degree(layout, "cp")
+    if seq % cp:
+        raise ValueError(f"cp ({cp}) must divide the sequence length ({seq})")
+    return _model_comm(spec, degree(layout, "tp"), options.attention, batch, seq // cp,
+                       options.vocab, sequence_parallel=options.sequence_parallel,
+                       recompute=options.recompute, partial_elements=partial_elements,
+                       overlap=options.overlap, chunks=options.chunks, profile=profile,
+                       ep=degree(layout, "ep"), grad_accum=grad_accum)
+
+
+def legacy_comm_arguments(positional: tuple, keywords: dict):
+    """``(Layout, CostOptions, batch, seq)`` from :func:`model_comm_per_step`'s older loose
+    arguments (``tp``, ``attention``, ``batch``, ``seq``, ``vocab`` by position or name;
+    ``sequence_parallel``, ``recompute``, ``overlap``, ``chunks``, ``ep`` by name)."""
+    old = legacy_arguments("model_comm_per_step", LEGACY_COMM, positional, keywords,
+                           LEGACY_COMM_KEYWORDS)
+    for name in ("tp", "attention", "batch", "seq"):
+        if name not in old:
+            raise TypeError(f"model_comm_per_step() missing required argument {name!r}")
+    layout = Layout(tp=old["tp"], ep=old.get("ep", 1))
+    options = CostOptions(attention=old["attention"], vocab=old.get("vocab", "parallel"),
+                          sequence_parallel=old.get("sequence_parallel", False),
+                          recompute=old.get("recompute", "none"),
+                          overlap=old.get("overlap", "none"), chunks=old.get("chunks", 2))
+    return layout, options, old["batch"], old["seq"]
+
+
+def _model_comm(cfg, tp: int, attention: str, batch: int, seq: int, vocab: str, *,
+                sequence_parallel: bool | str, recompute: str, partial_elements: int,
+                overlap: str, chunks: int, profile, ep: int, grad_accum: int) -> Comm:
+    """:func:`model_comm_per_step` on loose sizes: ``n_layers`` ×
     :func:`layer_cost`, plus :func:`vocab_cost` of the embedding, LM head and loss, plus the one
     coalesced call of strategy B's output-projection gradient sums (on the TP group; replicated
     KV heads sum on their replicas' smaller group). An MoE layer's FFN pair is counted on

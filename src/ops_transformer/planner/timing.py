@@ -43,13 +43,18 @@ from .cost import Comm
 from .memory import (activation_bytes_per_layer, effective_recompute, layer_matmuls, logits_bytes,
                      ops_saved)
 from .cp_exchange import cp_layer_comm, exposed_cp_time
-from .network import group_alpha_beta, group_time, placement
+from .layout import CostOptions
+from .network import group_time, p2p_alpha_beta, placement
 from .pipeline import boundary_elements, bubble_fraction, stage_layers
 from .roofline import (attention_bounds, bounded, gemm_bounds, memory_bound_time,
                        training_gemms)
 from .strategies import attention_cost, layer_cost, moe_cost, vocab_cost
 
 ADAM_STEP_BYTES = 32
+# Gradients reduce in fp32 when the weights are 16-bit: torchtitan's default
+# (training.mixed_precision_reduce = "float32", FSDP2's reduce_dtype), Megatron-LM's with bf16
+# (accumulate_allreduce_grads_in_fp32 is forced on), and this library's (grad_reduce_dtype None).
+GRAD_REDUCE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,14 @@ def zero_comm(stage: int, params: float, micro_steps: int) -> Comm:
         return Comm().add("reduce_scatter", n * micro_steps, micro_steps).add("all_gather", n)
     return (Comm().add("all_gather", 2 * n * micro_steps, 2 * micro_steps)
             .add("reduce_scatter", n * micro_steps, micro_steps))
+
+
+def split_dp_comm(comm: Comm) -> tuple[Comm, Comm]:
+    """``(parameters, gradients)`` of :func:`zero_comm`: the all-gathers move the 16-bit
+    parameters, the all-reduces and reduce-scatters the gradients, in
+    :data:`GRAD_REDUCE_BYTES`."""
+    params = Comm({k: dict(v) for k, v in comm.items() if k == "all_gather"})
+    return params, Comm({k: dict(v) for k, v in comm.items() if k != "all_gather"})
 
 
 def sequence_parallel_comm(comm: dict) -> Comm:
@@ -202,11 +215,9 @@ def compute_parts(model, cluster, o, attention_kernel: str, loss_kernel: str,
         flops=core, batch=o.micro_batch, heads=heads, q_len=model.seq // cp, kv_len=model.seq,
         head_dim=model.head_dim, kv_heads=max(1, model.kv_heads // o.tp), peak=peak,
         bandwidth=gpu.memory_bandwidth, bytes_per_element=size, sms=gpu.sms)
-    act = activation_bytes_per_layer(
-        model.seq // cp, o.micro_batch, model.hidden, model.heads, o.tp,
-        sequence_parallel=o.sequence_parallel, bytes_per_element=size,
-        attention_kernel=attention_kernel, kv_heads=model.kv_heads, ffn=model.ffn,
-        gated=model.ffn_type == "swiglu", dropout=model.dropout > 0)
+    act = activation_bytes_per_layer(  # all the layer's activations: no recompute
+        model, o, CostOptions(sequence_parallel=o.sequence_parallel), batch=o.micro_batch,
+        seq=model.seq, bytes_per_element=size, attention_kernel=attention_kernel)
     redo = 1 + f["recomputed_fraction"] / 3 if recompute in ("full", "ops") else 1.0
     traffic = (f["stage_layers"] * act * redo
                + logits_bytes(o.micro_batch * model.seq // cp, model.vocab, o.tp, size,
@@ -253,10 +264,10 @@ def _moe(model, o, ep: int, tp: int):
 
 def p2p_time(cluster, elements: float, where, bytes_per_element: int, calls: int) -> float:
     """``calls`` point-to-point transfers of ``elements`` in all between neighbours of the group
-    ``where`` (flat: one hop, on the link the group crosses)."""
+    ``where`` (one hop each; across nodes at one NIC's rate, :func:`.network.p2p_alpha_beta`)."""
     if where.size <= 1 or calls == 0:
         return 0.0
-    alpha, beta = group_alpha_beta(cluster, where)("send_recv", 2)
+    alpha, beta = p2p_alpha_beta(cluster, where)("send_recv", 2)
     return calls * alpha + elements * bytes_per_element / beta
 
 
@@ -312,10 +323,12 @@ def step_parts(model, cluster, o, run: Execution, peak: float, params_per_gpu: f
     dp = zero_comm(o.zero_stage, params_per_gpu, micro_steps) if replicas > 1 else Comm()
     shard = params_per_gpu / (replicas if o.zero_stage >= 1 else 1)
     cpp, ppp = cp_parts(model, cluster, o), pp_parts(model, cluster, o, micro_steps)
+    params, grads = split_dp_comm(dp)
     wire = (micro_steps * (tp["main"].wire_elements(o.tp) + ep.wire_elements(o.ep)
                            + tp["sub"].wire_elements(tp["sub_size"])
                            + layers * cpp["cp_layer_elements"] + ppp["pp_elements"])
-            + dp.wire_elements(replicas)) * size
+            + params.wire_elements(replicas)) * size \
+        + grads.wire_elements(replicas) * GRAD_REDUCE_BYTES
     dp_where = placement(cluster, replicas, o.tp if cp > 1 else o.tp * o.ep)
     return {**compute_parts(model, cluster, o, run.attention_kernel, run.loss_kernel, peak,
                             run.matmul_precision),
@@ -324,7 +337,8 @@ def step_parts(model, cluster, o, run: Execution, peak: float, params_per_gpu: f
             "recompute_forward": effective_recompute(o.recompute, run.attention_kernel) == "full",
             "cp_strategy": getattr(o, "cp_strategy", "ring"),
             "ep_comm_s": group_time(cluster, ep, placement(cluster, o.ep, o.tp), size),
-            "dp_comm_s": group_time(cluster, dp, dp_where, size),
+            "dp_comm_s": (group_time(cluster, params, dp_where, size)
+                          + group_time(cluster, grads, dp_where, GRAD_REDUCE_BYTES)),
             "optimizer_s": ADAM_STEP_BYTES * shard / cluster.gpu.memory_bandwidth,
             "comm_bytes_per_step": wire, "dp_comm": dp}
 

@@ -20,6 +20,7 @@ import torch
 
 from ..launch.local import launch
 from ..parallelize.gpt_plan import gpt_plan
+from ..planner.layout import CostOptions, Layout
 from ..planner.local import PRECISIONS, LocalTimeModel, local_time_model, step_flops_per_rank
 from ..training.loop import TrainConfig, train_worker
 
@@ -111,9 +112,9 @@ def fit_local_model(bandwidth: float, *, quick: bool = False, timeout: float = 9
     rows = []  # t = sharing · alone + calls · α + volume, from the two two-rank runs
     for (tp, n), cfg in two.items():
         plan = _plan(cfg, tp)
-        parts = model.step_time(cfg.model_config(), nproc=2, tp=tp, dp=2 // tp,
-                                attention=plan.attention, vocab=plan.vocab, batch=cfg.batch,
-                                seq=cfg.seq)
+        parts = model.step_time(cfg.model_config(), Layout(tp=tp, dp=2 // tp),
+                                CostOptions(attention=plan.attention, vocab=plan.vocab),
+                                nproc=2, batch=cfg.batch, seq=cfg.seq)
         rows.append((parts["alone_s"], parts["calls"], measured[(tp, n)] - parts["volume_s"]))
     sharing, alpha = _solve_two(rows)
     return LocalTimeModel(rates, per_layer, fixed, alpha, bandwidth, cores(), sharing)
@@ -163,8 +164,8 @@ def predict_step_s(cfg: TrainConfig, nproc: int, profile, *, attention: str | No
                         else cfg.attention, batch=cfg.batch // (dp * cfg.ep), seq=cfg.seq,
                         profile=profile)
         attention, vocab = attention or plan.attention, vocab or plan.vocab
-    return model.step_time(cfg.model_config(), nproc=nproc, tp=cfg.tp, dp=dp, ep=cfg.ep,
-                           attention=attention, vocab=vocab, batch=cfg.batch, seq=cfg.seq,
-                           precision=cfg.precision, sequence_parallel=cfg.sequence_parallel,
-                           recompute=cfg.recompute, zero=cfg.zero,
-                           partial_elements=partial_elements)["step_s"]
+    options = CostOptions(attention=attention, vocab=vocab,
+                          sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute)
+    return model.step_time(cfg.model_config(), Layout(tp=cfg.tp, dp=dp, ep=cfg.ep), options,
+                           nproc=nproc, batch=cfg.batch, seq=cfg.seq, precision=cfg.precision,
+                           zero=cfg.zero, partial_elements=partial_elements)["step_s"]

@@ -10,6 +10,7 @@ from ..memory.apply import transformer_layers
 from ..training.optimizer import partial_numel
 from ..memory.recompute import checkpointed
 from ..parallelize.sequence_plan import is_sequence_parallel
+from ..planner.layout import CostOptions, Layout
 from ..planner.strategies import model_comm_per_step
 from .profile import gather_objects, profile_step, world_group
 from .watch import BACKWARD, OUTSIDE, StepWatch
@@ -99,12 +100,13 @@ def beyond_minimum(model, ctx, rank: dict, latency: dict) -> list[dict]:
         return []
     sp = sequence_parallel_of(model)
     options = getattr(getattr(model, "parallel_state", None), "options", None)
-    overlap = {"overlap": options.overlap, "chunks": options.chunks} if options else {}
-    expected = model_comm_per_step(cfg, ctx.tp_size, plan.attention, shape[0], shape[1],
-                                   plan.vocab, sequence_parallel=sp, recompute=recompute_of(model),
+    priced = CostOptions.of(options, attention=plan.attention, vocab=plan.vocab,
+                            sequence_parallel=sp, recompute=recompute_of(model))
+    expected = model_comm_per_step(cfg, Layout(tp=ctx.tp_size, ep=ctx.ep_size), priced,
+                                   batch=shape[0], seq=shape[1],
                                    partial_elements=partial_numel(model, ctx.tp_group),
-                                   profile=ctx.profile, ep=ctx.ep_size,
-                                   grad_accum=max(rank.get("forwards", 1), 1), **overlap)
+                                   profile=ctx.profile,
+                                   grad_accum=max(rank.get("forwards", 1), 1))
     described = ", ".join([f"{plan.attention} attention", f"{plan.vocab} vocabulary"]
                           + ["sequence parallel" + (" (regather)" if sp == "regather" else "")]
                           * bool(sp)

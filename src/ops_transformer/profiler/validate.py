@@ -23,6 +23,7 @@ import json
 from ..launch.local import launch
 from ..planner.hardware import CPU_GLOO, HardwareProfile
 from ..planner.local import LocalTimeModel, local_time_model
+from ..planner.layout import CostOptions, Layout
 from ..planner.strategies import model_comm_per_step
 from ..training.loop import TrainConfig, train_worker
 from ..utils.progress import Progress, format_table
@@ -72,9 +73,10 @@ def run_validation(profile: HardwareProfile = CPU_GLOO, json_output: bool = Fals
         cfg = _cfg(preset, tp, attention, batch, seq)
         plan = _plan(cfg, tp)
         m = cfg.model_config()
-        comm = model_comm_per_step(m, tp, plan.attention, cfg.batch, cfg.seq, plan.vocab)
-        predicted = model.step_time(m, nproc=nprocs, tp=tp, dp=1, attention=plan.attention,
-                                    vocab=plan.vocab, batch=batch, seq=seq)["step_s"]
+        layout, options = Layout(tp=tp), CostOptions(attention=plan.attention, vocab=plan.vocab)
+        comm = model_comm_per_step(m, layout, options, batch=cfg.batch, seq=cfg.seq)
+        predicted = model.step_time(m, layout, options, nproc=nprocs, batch=batch,
+                                    seq=seq)["step_s"]
         measured = _measure(cfg, nprocs)
         got = {k: {"calls": v["calls"], "elements": v["elements"]}
                for k, v in measured["comm_per_step"].items()}

@@ -43,6 +43,7 @@ from ..parallelize.moe_plan import n_experts_of
 from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence
 from ..parallelize.pipeline import Pipeline, pipeline
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
+from ..planner.layout import CostOptions, Layout
 from ..planner.strategies import model_comm_per_step
 from ..precision import DynamicLossScaler, optimizer_step, precision_policy
 from .preflight import check_batch
@@ -322,8 +323,13 @@ def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch:
     """The tensor-parallel collectives the cost model predicts for one training step on one rank
     (:func:`ops_transformer.planner.strategies.model_comm_per_step`, checked against the ledger by
     the tests) at a micro-batch of ``batch``; ``memory``: its ``sequence_parallel``,
-    ``recompute``, ``partial_elements`` and ``grad_accum``."""
-    return model_comm_per_step(model_cfg, tp, attention, batch, seq, vocab, **memory)
+    ``recompute``, ``overlap``, ``chunks``, ``ep``, ``partial_elements``, ``profile`` and
+    ``grad_accum``."""
+    layout = Layout(tp=tp, ep=memory.pop("ep", 1))
+    options = CostOptions(attention=attention, vocab=vocab, **{
+        k: memory.pop(k) for k in ("sequence_parallel", "recompute", "overlap", "chunks")
+        if k in memory})
+    return model_comm_per_step(model_cfg, layout, options, batch=batch, seq=seq, **memory)
 
 
 @dataclass

@@ -216,6 +216,7 @@ def train_fields(args, out_prefix: str) -> dict:
                        pack=getattr(args, "pack", None) or D.pack,
                        compile=getattr(args, "compile", D.compile),
                        compile_backend=getattr(args, "compile_backend", D.compile_backend),
+                fp8_backward=getattr(args, "fp8_backward", D.fp8_backward),
                        **checkpoint_settings(args), **lora_settings(args),
                        **pipeline_settings(args))
 

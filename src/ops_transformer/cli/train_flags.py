@@ -102,6 +102,9 @@ FLAGS: dict[str, dict[str, dict]] = {
                          "steps pay the compile time)"),
         "compile_backend": _flag("the torch.compile backend of --compile (default {default}; "
                                  "aot_eager compiles fast and runs eager kernels)"),
+        "fp8_backward": _flag("--precision fp8: the backward's matmuls with the gradients cast "
+                              "to e5m2 (torchao's recipe) or in fp32 from the dequantised "
+                              "operands (straight-through) (default {default})"),
     },
     "optim": {
         "lr": _flag("peak learning rate (default {default})"),

@@ -67,6 +67,7 @@ from ..comm import collectives as C
 from ..comm.bucketing import mark_partial_grad, partial_grad_group
 from ..parallel.sharding import ShardSpec, set_shard_spec, shard_spec
 from .dropout import Layout, dropout, dropout_at
+from .fp8_linear import Fp8Linear
 from .linear import ColumnParallelLinear, RowParallelLinear, dense_weight
 from .linear_variants import without_padding_grad
 from .mixin import mix_into
@@ -220,7 +221,7 @@ def adapter_kind(module: nn.Module) -> type[LoRA] | None:
         return LoRAColumn if fused or all(r is GatherSequenceRegion for r in regions) else None
     if issubclass(base, RowParallelLinear):
         return LoRARow if not regions else None
-    if base is nn.Linear or (base.__name__ == "Conv1D" and hasattr(module, "nf")):
+    if base in (nn.Linear, Fp8Linear) or (base.__name__ == "Conv1D" and hasattr(module, "nf")):
         return LoRADense if all(r in DENSE_REGIONS for r in regions) else None
     return None
 

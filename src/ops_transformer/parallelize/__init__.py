@@ -135,15 +135,17 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     return model
 
 
-def apply_fp8(model: nn.Module, precision: str) -> None:
+def apply_fp8(model: nn.Module, precision: str, backward: str = "e5m2") -> None:
     """With ``precision="fp8"``: every Transformer block's linear layers swapped for their fp8 form
-    (:func:`~ops_transformer.layers.fp8_linear.convert_to_fp8`); MoE models are refused.
+    (:func:`~ops_transformer.layers.fp8_linear.convert_to_fp8`, its backward ``backward``); MoE
+    models are refused.
     Other precisions: nothing here (16 bits: the caller's autocast)."""
     if precision != "fp8":
         return
-    if getattr(getattr(model, "cfg", None), "n_experts", 0):
+    if getattr(getattr(model, "cfg", None), "n_experts", 0) \
+            or getattr(getattr(model, "config", None), "num_local_experts", 0):
         raise ValueError("precision='fp8' does not combine with an MoE model yet")
-    convert_to_fp8(transformer_blocks(model))
+    convert_to_fp8(transformer_blocks(model), backward)
 
 
 def adapt_layers(model: nn.Module, ctx, options: ParallelOptions):
@@ -153,7 +155,7 @@ def adapt_layers(model: nn.Module, ctx, options: ParallelOptions):
     :class:`~.lora.LoRAConfig`, or ``None``)."""
     if options.moe_statistics == "global":
         use_global_statistics(model, ctx)
-    apply_fp8(model, options.precision)
+    apply_fp8(model, options.precision, options.fp8_backward)
     if options.lora is None:
         return None
     return add_lora(model, ctx, **dataclasses.asdict(options.lora))

@@ -19,6 +19,7 @@ import torch
 from ..models.gpt import GPT
 from .catalogue import GPU, Link
 from .cost import Comm, comm_time
+from .fp8 import FP8_BYTES, fp8_tp_comm
 from .hardware import CPU_GLOO
 from .layout import CostOptions, Layout, degree, legacy_arguments
 from .specs import ClusterSpec
@@ -175,11 +176,19 @@ class LocalTimeModel:
                         recompute=recompute), batch=rows, seq=seq,
             partial_elements=partial_elements)
         alpha_beta = lambda kind, group: (self.alpha_step_s, self.bandwidth)  # noqa: E731
-        width = 4 if precision == "fp32" else 2  # TP activations in autocast's dtype
+        # TP activations in autocast's dtype (fp8: fp32, but the SP entries' 1-byte gathers)
+        width = 4 if precision in ("fp32", "fp8") else 2
         bandwidth_only = lambda kind, group: (0.0, self.bandwidth)  # noqa: E731
-        comm = comm_time(tp_comm, tp, alpha_beta, width)
-        volume = comm_time(tp_comm, tp, bandwidth_only, width)
-        calls = tp_comm.calls
+        narrow = Comm()
+        if precision == "fp8":
+            tp_comm, narrow = fp8_tp_comm(tp_comm, model_cfg, tp, rows, seq,
+                                          sequence_parallel=sequence_parallel,
+                                          recompute=recompute)
+        comm = (comm_time(tp_comm, tp, alpha_beta, width)
+                + comm_time(narrow, tp, alpha_beta, FP8_BYTES))
+        volume = (comm_time(tp_comm, tp, bandwidth_only, width)
+                  + comm_time(narrow, tp, bandwidth_only, FP8_BYTES))
+        calls = tp_comm.calls + narrow.calls
         if dp * ep > 1:
             grads = dp_grad_comm(model_cfg, tp, zero)
             comm += comm_time(grads, dp * ep, alpha_beta, 4)  # gradients reduce in fp32

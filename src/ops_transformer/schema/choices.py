@@ -16,6 +16,7 @@ CP_STRATEGIES = ("ring", "allgather_kv")
 CP_CHOICES = ("auto",) + CP_STRATEGIES
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+FP8_BACKWARDS = ("e5m2", "fp32")  # --fp8-backward: the gradients in e5m2, or fp32 products
 ZERO_STAGES = (0, 1, 2, 3)  # what train runs (3: FSDP2, ``memory.fsdp.shard_parameters``)
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # as data-parallel buckets (DDP's bucket_cap_mb)
 # pipeline schedule name -> (torch.distributed.pipelining class name, stages per rank: "one" |

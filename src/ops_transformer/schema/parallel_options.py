@@ -25,8 +25,8 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from .choices import (ACTIVATION_CACHES, ATTENTION_CHOICES, COMPILE_BACKENDS, CP_CHOICES,
-                      DEFAULT_BUCKET_BYTES, MOE_STATISTICS, OVERLAP_MODES, PRECISIONS, RECOMPUTE,
-                      SEQUENCE_PARALLEL_VALUES, VOCAB_CHOICES)
+                      DEFAULT_BUCKET_BYTES, FP8_BACKWARDS, MOE_STATISTICS, OVERLAP_MODES,
+                      PRECISIONS, RECOMPUTE, SEQUENCE_PARALLEL_VALUES, VOCAB_CHOICES)
 
 if TYPE_CHECKING:  # annotations only: this module imports no torch
     import torch
@@ -123,8 +123,13 @@ class ParallelOptions:
     * ``precision`` — ``fp8``: the Transformer blocks' linear layers run their matmuls in fp8
       (tensorwise dynamic scales agreed over the TP group; :mod:`ops_transformer.layers.fp8_linear`);
       ``fp32`` / ``bf16`` / ``fp16`` leave the layers as they are (16 bits: the caller's
-      autocast, as ``train`` does). fp8 does not combine with sequence parallelism, chunked
-      overlap (``auto`` runs as ``none``), LoRA, the int8 cache or compile yet.
+      autocast, as ``train`` does). fp8 does not combine with ``sequence_parallel="regather"``,
+      chunked overlap (``auto`` runs as ``none``), the int8 cache, compile, or LoRA under
+      sequence parallelism yet.
+    * ``fp8_backward`` — with ``precision="fp8"``, the backward's matmuls: ``e5m2`` (the output
+      gradient cast to e5m2 by its dense amax, torchao's tensorwise recipe) or ``fp32``
+      (straight-through fp32 products with the dequantised saved operands);
+      :mod:`ops_transformer.precision.fp8`.
     * ``tp_plan`` — Hugging Face style names (``{pattern: style}``, as in ``transformers``) merged
       over a Hugging Face model's own plan and translated (``plan="auto"`` only).
     """
@@ -146,6 +151,7 @@ class ParallelOptions:
     compile: bool = False
     compile_backend: str = "inductor"
     precision: str = "fp32"
+    fp8_backward: str = "e5m2"
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -175,14 +181,18 @@ class ParallelOptions:
                              f"{self.activation_cache!r} yet (Dynamo cannot enter the cache's "
                              f"saved-tensor hooks); use activation_cache='none'")
         if self.precision == "fp8":
-            for name, on in (("sequence_parallel", self.sequence_parallel),
+            for name, on in (("sequence_parallel='regather'",
+                              self.sequence_parallel == "regather"),
                              ("overlap='chunked'", self.overlap == "chunked"),
-                             ("lora", self.lora is not None),
                              ("activation_cache='int8'", self.activation_cache != "none"),
                              ("compile", self.compile)):
                 if on:
                     raise ValueError(f"precision='fp8' does not combine with {name} yet: drop "
                                      f"one of them")
+            if self.sequence_parallel and self.lora is not None:
+                raise ValueError("precision='fp8' with sequence_parallel does not combine with "
+                                 "lora yet: the regions gather e4m3 tokens, an adapter needs the "
+                                 "fp32 ones; drop one of them")
             if self.overlap == "auto":  # the fp8 layers have no chunked form
                 object.__setattr__(self, "overlap", "none")
         if self.compile and self.overlap == "auto":  # the compiler schedules; see above
@@ -234,4 +244,4 @@ CHOICES = {"attention": ATTENTION_CHOICES, "vocab": VOCAB_CHOICES,
            "overlap": OVERLAP_MODES, "moe_statistics": MOE_STATISTICS,
            "context_parallel": CP_CHOICES, "compile": (False, True),
            "compile_backend": COMPILE_BACKENDS,
-           "precision": PRECISIONS}
+           "precision": PRECISIONS, "fp8_backward": FP8_BACKWARDS}

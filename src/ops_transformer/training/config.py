@@ -204,7 +204,7 @@ PARALLEL_FIELDS = {"attention": "attention", "sequence_parallel": "sequence_para
                    "recompute": "recompute", "activation_cache": "activation_cache",
                    "overlap": "overlap", "chunks": "chunks", "moe_statistics": "moe_statistics",
                    "context_parallel": "cp_strategy", "compile": "compile",
-                   "compile_backend": "compile_backend"}
+                   "compile_backend": "compile_backend", "fp8_backward": "fp8_backward"}
 
 SECTIONS = {"model": ModelSection, "layout": LayoutSection, "optim": OptimSection,
             "data": DataSection, "checkpoint": CheckpointSection, "run": RunSection}

@@ -137,6 +137,7 @@ class TrainConfig:
     stages_per_rank: int | None = _D["stages_per_rank"]
     compile: bool = _D["compile"]  # each Transformer block through torch.compile
     compile_backend: str = _D["compile_backend"]  # "inductor", "aot_eager", "eager"
+    fp8_backward: str = _D["fp8_backward"]  # --precision fp8: "e5m2" or "fp32" grads
 
     @classmethod
     def from_run_config(cls, run: RunConfig) -> TrainConfig:
@@ -158,7 +159,8 @@ class TrainConfig:
                                moe_statistics=self.moe_statistics,
                                context_parallel=self.cp_strategy, compile=self.compile,
                                compile_backend=self.compile_backend,
-                               precision="fp8" if self.precision == "fp8" else "fp32", **more)
+                               precision="fp8" if self.precision == "fp8" else "fp32",
+                               fp8_backward=self.fp8_backward, **more)
 
     @property
     def overlap_mode(self) -> str:
@@ -248,8 +250,7 @@ def check_fp8(cfg: TrainConfig, model_cfg) -> None:
     """``--precision fp8``: what it does not combine with yet (the rest: ``ParallelOptions``)."""
     if cfg.precision != "fp8":
         return
-    for flag, on in (("--lora-rank", cfg.lora_rank is not None), ("--zero 3", cfg.zero == 3),
-                     ("--cp", cfg.cp > 1), ("--model", bool(cfg.model)),
+    for flag, on in (("--cp", cfg.cp > 1),
                      # a micro-batch's activation amax is not the batch's: other scales
                      ("--pp", cfg.pp > 1),
                      ("an MoE preset", bool(getattr(model_cfg, "n_experts", 0)))):

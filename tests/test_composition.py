@@ -54,9 +54,6 @@ KNOWN_LIMITS = {
         (("sp", "regather"), "sequence-parallel"), (("bf16", "fp16"), "precision"),
         (("zero1", "zero2"), "zero"), (("zero1", "zero3"), "zero"), (("zero2", "zero3"), "zero"),
         (("recompute-selective", "recompute-full"), "recompute"))},
-    # context parallelism (SPEC F18) does not compose with these yet (docs/context_parallel.md)
-    **{(name, "cp"): f"--cp 2 does not combine with {flag} yet" for name, flag in (
-        ("dropout", "--dropout"), ("moe-ep", "an MoE preset"))},
     # pipeline parallelism (SPEC F19) does not compose with these yet (docs/pipeline.md)
     **{(name, "pp"): f"--pp 2 does not combine with {flag} yet" for name, flag in (
         ("zero3", "--zero 3"), ("dropout", "--dropout"), ("cp", "--cp"))},

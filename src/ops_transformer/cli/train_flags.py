@@ -95,8 +95,9 @@ FLAGS: dict[str, dict[str, dict]] = {
                                 "process) (default {default})"),
         "context_parallel": _flag("how attention spans the split sequence: ring (K/V blocks "
                                   "passed rank to rank, overlapped), allgather_kv (one "
-                                  "all-gather of K/V) or auto (the cost model chooses; default "
-                                  "{default})", unset=True),
+                                  "all-gather of K/V), ulysses (all-to-alls over heads; cp must "
+                                  "divide the KV heads) or auto (the cost model chooses between "
+                                  "ring and allgather_kv; default {default})", unset=True),
         "compile": _flag("compile each Transformer block with torch.compile(fullgraph=True) "
                          "(needs --overlap none or auto, which then runs as none; the first "
                          "steps pay the compile time)"),

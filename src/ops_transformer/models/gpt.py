@@ -198,9 +198,14 @@ class GPT(nn.Module):
         for block in self.layers:
             x = block(x, rope) if document_ids is None else block(x, rope, document_ids)
         logits, loss = self.lm_head(self.norm(x), targets)
-        if loss is not None and self.cfg.n_experts:  # each MoE layer's load-balancing loss
-            loss = loss + self.cfg.moe_aux_loss_coef * moe_aux_loss(self)
-        return logits, loss
+        return logits, self.add_aux_loss(loss)
+
+    def add_aux_loss(self, loss):
+        """``loss`` plus ``moe_aux_loss_coef`` × each MoE layer's load-balancing loss of this
+        forward (nothing without experts or targets)."""
+        if loss is None or not self.cfg.n_experts:
+            return loss
+        return loss + self.cfg.moe_aux_loss_coef * moe_aux_loss(self)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, *, temperature: float = 1.0,

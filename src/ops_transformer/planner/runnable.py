@@ -31,9 +31,8 @@ Messages name the command-line flags, which ``train`` and ``plan`` share.
 
 from __future__ import annotations
 
-from .context_parallel import CP_LIMITS
-
 from ..schema.choices import ZERO_STAGES
+
 SEQUENCE_PARALLEL_ATTENTION = ("auto", "heads")  # "auto" becomes "heads" under SP
 
 
@@ -51,8 +50,6 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
         if cp > 1:
             return f"--pp {pp} does not combine with --cp yet: drop one of them"
     if cp > 1:
-        if experts > 1:
-            return f"--cp {cp} does not combine with an MoE model yet: {CP_LIMITS['moe']}"
         if attention not in SEQUENCE_PARALLEL_ATTENTION:
             return f"--cp {cp} splits the tokens of --attention heads (or auto), got {attention!r}"
     if zero_stage not in ZERO_STAGES:

@@ -40,7 +40,7 @@ from ..parallelize import ParallelOptions, parallelize
 from ..parallelize.compile import check_compile
 from ..parallelize.gpt_plan import gpt_plan
 from ..parallelize.moe_plan import n_experts_of
-from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence
+from ..planner.context_parallel import CP_CHOICES, ULYSSES, check_sequence, check_ulysses
 from ..parallelize.pipeline import Pipeline, pipeline
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
 from ..planner.layout import CostOptions, Layout
@@ -268,14 +268,13 @@ def check_train_cp(cfg: TrainConfig) -> None:
         raise ValueError(f"--pack must be one of {', '.join(PACKS)}, got {cfg.pack!r}")
     if cfg.cp == 1:
         return
-    preset_cfg = None if cfg.model else cfg.model_config()  # --model: parallelize checks it
-    for flag, why, on in (
-            ("--lora-dropout", "lora_dropout", cfg.lora_dropout > 0),
-            ("an MoE preset", "moe", preset_cfg is not None and preset_cfg.n_experts > 0),
-            ("--dropout", "dropout", preset_cfg is not None and preset_cfg.dropout > 0)):
-        if on:
-            raise ValueError(f"--cp {cfg.cp} does not combine with {flag} yet: {CP_LIMITS[why]}")
     check_sequence(cfg.seq, cfg.cp)
+    if cfg.cp_strategy == ULYSSES and not cfg.model:  # --model: parallelize checks it
+        m = cfg.model_config()
+        try:
+            check_ulysses(m.n_heads // cfg.tp, max(1, m.n_kv_heads // cfg.tp), cfg.cp)
+        except ValueError as exc:
+            raise ValueError(f"--cp-strategy ulysses --cp {cfg.cp}: {exc}") from None
     if cfg.sequence_parallel and (cfg.seq // cfg.cp) % cfg.tp:
         raise ValueError(f"--sequence-parallel with --cp splits each rank's s/cp = "
                          f"{cfg.seq // cfg.cp} tokens over tp ({cfg.tp}): --seq ({cfg.seq}) must "

@@ -269,3 +269,49 @@ def test_rebalancer_chooses_cp(cp_run):
     assert "\n" not in str(info.value)
     assert "tp 1 × cp 3: context parallelism splits the sequence into 2·cp = 6 chunks" in \
         str(info.value)
+
+
+# --- pipeline parallelism: the rebalancer re-plans pp, dp and the accumulation ---------------------
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    """The uninterrupted run on 4 ranks, pp 2 × dp 2 (1f1b, 2 micro-batches), checkpointed."""
+    root = tmp_path_factory.mktemp("pp")
+    return root, _train(root, "ref", "--nproc", "4", "--pp", "2", "--microbatches", "2")
+
+
+PP = ("--pp", "2", "--microbatches", "2")
+
+
+@pytest.mark.slow
+def test_pp_resume_keeps_pp_and_the_micro_batch(pipelined, tmp_path, capsys):
+    """pp 2 × dp 2 on 4 ranks resumed on 2 with the same --pp: pp 2 × dp 1 with accumulation 2
+    (each accumulated micro-batch one schedule of 2 micro-batches): the run's losses."""
+    root, ref = pipelined
+    ckpt = _interrupted_at(root / "ref-ckpt", 3, tmp_path / "ckpt")
+    capsys.readouterr()
+    got = _train(tmp_path, "resumed", "--nproc", "2", *PP, "--resume", ckpt=ckpt)
+    err = capsys.readouterr().err
+    assert "pp 2 × dp 2 × tp 1 → pp 2 × dp 1 × tp 1, accumulation 1 → 2" in err, err
+    assert (got["pp"], got["dp"], got["grad_accum"], got["micro_batch"]) == (2, 1, 2, 4)
+    _assert_same_losses(got, ref)
+
+
+@pytest.mark.slow
+def test_pp_resume_chooses_a_pp_that_fits(pipelined, tmp_path, capsys):
+    """On 1 rank pp 2 does not fit: the rebalancer chooses pp 1 (accumulation 2), and says so;
+    the unit: a 3-rank resume has no pp × tp layout for micro-batches of 4 and 8 sequences."""
+    root, ref = pipelined
+    ckpt = _interrupted_at(root / "ref-ckpt", 3, tmp_path / "ckpt")
+    cfg = TrainConfig(pp=2, microbatches=2, batch=8, seq=16, steps=STEPS, ckpt_dir=str(ckpt),
+                      resume=True)
+    plan = rebalance(cfg, 1)
+    assert (plan.cfg.pp, plan.cfg.tp, plan.cfg.grad_accum) == (1, 1, 2)
+    assert plan.notes[0].startswith("pp 2 does not fit 1 ranks (")
+    with pytest.raises(ValueError, match="cannot resume .* on 3 ranks: no pp × tp layout"):
+        rebalance(cfg, 3)
+    capsys.readouterr()
+    got = _train(tmp_path, "resumed", "--nproc", "1", *PP, "--resume", ckpt=ckpt)
+    assert "pp 2 × dp 2 × tp 1 → dp 1 × tp 1, accumulation 1 → 2" in capsys.readouterr().err
+    assert (got["pp"], got["grad_accum"]) == (1, 2)
+    _assert_same_losses(got, ref)

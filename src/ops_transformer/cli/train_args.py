@@ -143,8 +143,32 @@ def layout_from_plan(path: str) -> dict:
     except ValueError as exc:
         raise ValueError(f"--plan {path!r} has no layout ({exc})") from None
     cp = {"cp": layout["cp"], "cp_strategy": layout["cp_strategy"]} if layout["cp"] > 1 else {}
+    pp = ({k: layout[k] for k in ("pp", "pp_schedule", "stages_per_rank", "micro_batch")}
+          if layout["pp"] > 1 else {})
     return {"tp": layout["tp"], "dp": layout["dp"], "ep": layout["ep"],
-            "attention": layout["attention"], **memory_from_plan(layout, path), **cp}
+            "attention": layout["attention"], **memory_from_plan(layout, path), **cp, **pp}
+
+
+def planned_pipeline(args, layout: dict) -> dict:
+    """A pipelined plan's ``pp``, schedule, stages per rank and micro-batches (``--batch``'s rows
+    per data-parallel rank in micro-batches of the plan's size), taken out of ``layout``; ``{}``
+    for a plan without pp. A different ``--pp`` or ``--microbatches`` is a conflict."""
+    if "pp" not in layout:
+        return {}
+    planned = {k: layout.pop(k) for k in ("pp", "pp_schedule", "stages_per_rank", "micro_batch")}
+    rows, size = args.batch // max(layout["dp"], 1), planned.pop("micro_batch") or 1
+    if args.batch % max(layout["dp"], 1) or rows % size:
+        raise ValueError(f"--plan {args.plan!r} runs pipeline micro-batches of {size} "
+                         f"sequence(s) on each of its dp ({layout['dp']}) rank(s): --batch "
+                         f"{args.batch} must be a multiple of {size * layout['dp']}")
+    planned["microbatches"] = rows // size
+    for flag, key, default in (("--pp", "pp", D.pp), ("--microbatches", "microbatches",
+                                                      D.microbatches)):
+        given = getattr(args, key, default)
+        if given not in (default, planned[key]):
+            raise ValueError(f"--plan {args.plan!r} sets {flag} {planned[key]}, but also {flag} "
+                             f"{given} was given: drop the flag or the plan")
+    return planned
 
 
 def _note_micro_batch(args, layout: dict) -> None:
@@ -176,9 +200,12 @@ def train_fields(args, out_prefix: str) -> dict:
              "sequence_parallel": getattr(args, "sequence_parallel", None),
              "recompute": getattr(args, "recompute", None), "zero": getattr(args, "zero", None)}
     layout = {k: getattr(D, k) if v is None else v for k, v in given.items()}  # absent: defaults
+    piped = {}  # a pipelined plan's pp, schedule and micro-batches
     if getattr(args, "plan", None):
         layout = layout_from_plan(args.plan)
-        _note_micro_batch(args, layout)
+        piped = planned_pipeline(args, layout)
+        if not piped:
+            _note_micro_batch(args, layout)
         conflicts = [f"--{k.replace('_', '-')} {v} (the plan has {layout[k]})"
                      for k, v in given.items() if v is not None and v != layout[k]]
         planned_cp = layout.pop("cp", None)  # cp and its strategy: from the plan, below
@@ -218,7 +245,7 @@ def train_fields(args, out_prefix: str) -> dict:
                        compile_backend=getattr(args, "compile_backend", D.compile_backend),
                 fp8_backward=getattr(args, "fp8_backward", D.fp8_backward),
                        **checkpoint_settings(args), **lora_settings(args),
-                       **pipeline_settings(args))
+                       **{**pipeline_settings(args), **piped})
 
 
 def pipeline_settings(args) -> dict:

@@ -74,7 +74,10 @@ def shard_parameters(model: nn.Module, ctx, *, reshard_after_forward: bool = Tru
             if not p.is_contiguous() and p not in common["ignored_params"]:
                 p.data = p.data.contiguous()
     units = []
+    roots = state.pipeline_modules or (model,)  # pp: each stage is a root (pipelining runs it)
     for layer in transformer_layers(model):
+        if not any(True for _ in layer.parameters()):  # a layer another pipeline stage holds
+            continue
         if ctx.ep_size > 1 and ctx.dp_size > 1:  # experts over dp, the rest over dp × ep
             for module in _expert_modules(layer):
                 unit = fully_shard(module, mesh=ctx.data_mesh(experts=True), **common)
@@ -84,7 +87,7 @@ def shard_parameters(model: nn.Module, ctx, *, reshard_after_forward: bool = Tru
     head = _head(model, common["ignored_params"])
     if head is not None:  # its own unit: gathered last in forward, reduced first in backward
         units.append(fully_shard(head, mesh=ctx.data_mesh(), **common))
-    units.append(fully_shard(model, mesh=ctx.data_mesh(), **common))
+    units += [fully_shard(root, mesh=ctx.data_mesh(), **common) for root in roots]
     for unit in units:
         unit.set_custom_all_gather(LedgerAllGather())
         unit.set_custom_reduce_scatter(LedgerReduceScatter())

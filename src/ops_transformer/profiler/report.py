@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..utils.plot import write_stacked_bars_png, write_timeline_png
+from .pipeline import pipeline_table
 from ..utils.progress import format_table
 
 
@@ -74,7 +75,8 @@ def summary_text(summary: dict) -> str:
         f"{summary['warmup']} warm-up; median step {1e3 * summary['step_time_s']:.2f} ms",
         rank_table(summary), collective_table(summary),
         *[t for t in (cp_table(summary),) if t is not None], operator_table(summary),
-        critical_path_text(summary)])
+        critical_path_text(summary)]
+        + ([pipeline_table(summary["pipeline"])] if summary.get("pipeline") else []))
 
 
 def write_breakdown_png(summary: dict, path) -> Path:

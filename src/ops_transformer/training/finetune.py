@@ -128,6 +128,22 @@ def micro_batch_weights(cfg, data, ctx, xs, ys) -> list[float] | None:
     return (counts * ctx.dp_ep_size / total).tolist()
 
 
+def pipeline_pack(cfg, data, ctx, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """``--pp`` with ``--pack docs``: the targets without a document's last token, and for
+    ``Pipeline.step`` the documents' positions (every stage's masks keep attention inside each
+    document) and each target's weight, ``readers / targets of the global batch`` (the
+    ``dp × ep`` readers average their gradients), so the step's gradient is the mean over every
+    target as on one process. ``--pack naive``: ``y`` and nothing more."""
+    if cfg.pack != "docs":
+        return y, {}
+    document_ids = data.document_ids(x)
+    y = document_targets(y, document_ids)
+    total = (y != -100).sum().double()
+    C.all_reduce(total, ctx.dp_ep_group if ctx.dp_ep_size > 1 else None, label="pack.tokens")
+    return y, {"position_ids": document_positions(document_ids),
+               "target_weight": ctx.dp_ep_size / max(total.item(), 1.0)}
+
+
 def pack_document_ids(cfg, data, x: torch.Tensor) -> torch.Tensor | None:
     """``--pack docs``: the document of each token of ``x`` (from the data's EOS tokens);
     ``--pack naive``: ``None`` (attention runs across the packed documents)."""

@@ -42,6 +42,7 @@ from ..parallelize.gpt_plan import gpt_plan
 from ..parallelize.moe_plan import n_experts_of
 from ..planner.context_parallel import CP_CHOICES, ULYSSES, check_sequence, check_ulysses
 from ..parallelize.pipeline import Pipeline, pipeline
+from ..parallelize.pipeline_hf import n_layers_of
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
 from ..planner.layout import CostOptions, Layout
 from ..planner.strategies import model_comm_per_step
@@ -285,21 +286,38 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
     """``--pp``: the split (:func:`check_pipeline`, flags named) and what it runs with."""
     if cfg.cp > 1:
         raise ValueError(f"--pp {cfg.pp} does not combine with --cp yet: drop one of them")
-    if not cfg.model and cfg.model_config().dropout > 0:  # micro-batches draw other masks
-        raise ValueError(f"--pp {cfg.pp} does not combine with --dropout yet: drop one of them")
-    if cfg.model or cfg.grad_accum > 1:
-        raise ValueError("--pp runs a reference preset without --model or --grad-accum (use "
-                         "--microbatches) yet (docs/pipeline.md)")
+    if not cfg.model and cfg.model_config().dropout > 0 and cfg.attention == "kv_split":
+        raise ValueError(f"--pp {cfg.pp} with --dropout needs --attention heads (or auto): "
+                         f"kv_split draws its own masks")
+    if cfg.model:
+        n_layers = _pipeline_hf_layers(cfg)
+    else:
+        n_layers = cfg.model_config().n_layers
     try:
-        check_pipeline(cfg.model_config().n_layers, cfg.pp, schedule=cfg.pp_schedule,
+        check_pipeline(n_layers, cfg.pp, schedule=cfg.pp_schedule,
                        microbatches=cfg.microbatches, stages_per_rank=cfg.pp_stages_per_rank)
     except ValueError as exc:
         message = str(exc).replace("schedule must", "--pp-schedule must")
         raise ValueError(f"--pp {cfg.pp}: {message}") from None
     rows = cfg.batch // dp_ep if cfg.batch % dp_ep == 0 else None
-    if rows is None or rows % cfg.microbatches:
+    if rows is None or rows % (cfg.microbatches * cfg.grad_accum):
+        accum = f" × --grad-accum {cfg.grad_accum}" if cfg.grad_accum > 1 else ""
         raise ValueError(f"--batch {cfg.batch} over {dp_ep} data-parallel rank(s) does not split "
-                         f"into --microbatches {cfg.microbatches}")
+                         f"into --microbatches {cfg.microbatches}{accum}")
+
+
+def _pipeline_hf_layers(cfg: TrainConfig) -> int:
+    """``--pp --model``: the layers of a Hugging Face decoder ``pipeline`` splits (GPT-2, Llama,
+    Mistral, Qwen2, Qwen3; dense)."""
+    model = finetune.meta_model(cfg.model)
+    if n_experts_of(model):
+        raise ValueError(f"--pp {cfg.pp} does not split {type(model).__name__} yet (MoE): use a "
+                         f"dense model or --pp 1")
+    try:
+        n_layers = n_layers_of(model)
+    except ValueError as exc:
+        raise ValueError(f"--pp {cfg.pp} --model {cfg.model}: {exc}") from None
+    return n_layers
 
 
 def micro_batch(cfg: TrainConfig, dp_ep: int) -> int:
@@ -364,14 +382,21 @@ class TrainState:
         optimizer's report (``report.metrics["loss"]``: the global-batch loss) and the step's
         collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
-            metrics = (self.accumulate(x, y) if self.pipe is None else
-                       self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy))
+            metrics = self.accumulate(x, y) if self.pipe is None else self.pipelined(x, y)
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
                                     max_norm=self.cfg.clip_grad, metrics=metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)
         self.state_bytes = self.state_bytes or measured_state_bytes(self.model, self.opt)
         self.opt.zero_grad(set_to_none=True)
         return report, ledger
+
+    def pipelined(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        """``--pp``: the step's schedules (``cfg.grad_accum`` of them) and their metrics; with
+        ``--model --pack docs`` the documents' positions and per-target loss weights."""
+        y, more = (finetune.pipeline_pack(self.cfg, self.data, self.ctx, x, y) if self.cfg.model
+                   else (y, {}))
+        return self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy,
+                                      grad_accum=self.cfg.grad_accum, **more)
 
     def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> dict:
         """Forward and backward of each micro-batch of ``x, y``, the gradients accumulating
@@ -460,6 +485,8 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
     policy = precision_policy(cfg.precision)
     if cfg.model:
         model, data = finetune.build(cfg, ctx, policy)
+        if ctx.pp_size > 1:  # split after parallelize and LoRA, as the reference GPT
+            return _pipelined(cfg, ctx, model, data, policy)
         return _with_optimizer(cfg, ctx, model, data, policy)
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
@@ -468,14 +495,19 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
                     batch=micro_batch(cfg, ctx.dp_ep_size), seq=cfg.seq,
                     profile=ctx.profile)  # `auto`: for this run's shapes, on the agreed profile
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan, options)
-    if ctx.pp_size > 1:  # split after parallelize and LoRA (its factors drawn in the dense
-        # model's order): TP, dp and the adapters inside each stage as they are
-        model = finetune.with_lora(cfg, ctx, model)
-        pipe = pipeline(model, ctx, cfg.pp_schedule, microbatches=cfg.microbatches,
-                        stages_per_rank=cfg.pp_stages_per_rank)
-        return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy,
-                                                   add_lora=False), pipe=pipe)
+    if ctx.pp_size > 1:
+        return _pipelined(cfg, ctx, model, data, policy)
     return _with_optimizer(cfg, ctx, model, data, policy)
+
+
+def _pipelined(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
+    """Split after parallelize and LoRA (its factors drawn in the dense model's order): TP, dp
+    and the adapters inside each stage as they are."""
+    model = finetune.with_lora(cfg, ctx, model)
+    pipe = pipeline(model, ctx, cfg.pp_schedule, microbatches=cfg.microbatches,
+                    stages_per_rank=cfg.pp_stages_per_rank)
+    return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy, add_lora=False),
+                               pipe=pipe)
 
 
 def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy, *,

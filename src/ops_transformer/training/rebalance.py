@@ -19,7 +19,11 @@ micro-batch, accumulation). Resuming on ``W`` ranks with ``rebalance="auto"`` (t
    sample order (a batch's rows are a function of ``(seed, step)`` and their index alone,
    :mod:`ops_transformer.data`) and the learning-rate schedule (a function of the step);
 4. ZeRO needs ``dp > 1`` and sequence parallelism ``tp > 1``: where the new layout has neither,
-   they are turned off, and said.
+   they are turned off, and said;
+5. **pp** (a checkpoint or a run with pipeline stages): the run's ``pp`` when its layout runs on
+   ``W`` ranks, else the checkpoint's, else another that divides ``W``; then tp, dp and the
+   accumulation as above (:func:`_rebalance_pipeline`; the pipeline's micro-batches stay).
+   Context parallelism runs as given.
 
 :func:`~ops_transformer.checkpoint.load_checkpoint` then reshards the parameters, the optimizer
 (and ZeRO) state, the loss scaler and the RNG states. A size that holds neither the global batch
@@ -170,11 +174,8 @@ def rebalance(cfg: TrainConfig, world_size: int, *, stated=None, cluster=None) -
     saved = saved_split(cfg.ckpt_dir, cfg.batch)
     if saved is None:
         return Rebalanced(cfg, world_size)
-    if cfg.pp > 1 or saved.get("pp", 1) > 1:  # the tensors are dense: any layout reads them
-        note = (f"pipeline parallelism (saved at pp {saved.get('pp', 1)}, resumed at pp "
-                f"{cfg.pp}): the layout runs as given, not re-planned")
-        return Rebalanced(cfg, world_size, saved, (note,),
-                          changed=(saved.get("pp", 1), saved["tp"]) != (cfg.pp, cfg.tp))
+    if cfg.pp > 1 or saved.get("pp", 1) > 1:
+        return _rebalance_pipeline(cfg, world_size, saved, stated)
     micro = saved["micro_batch"]
     if cfg.batch % micro:
         raise ValueError(f"--batch {cfg.batch} is not a multiple of the micro-batch of the "
@@ -192,6 +193,50 @@ def rebalance(cfg: TrainConfig, world_size: int, *, stated=None, cluster=None) -
             return _result(cfg, planned, world_size, saved, stated, prefer, notes, problems)
         problems[(tp, ep, cp)] = problem
     raise _no_layout(cfg, world_size, micro, problems)
+
+
+def _rebalance_pipeline(cfg: TrainConfig, world: int, saved: dict, stated) -> Rebalanced:
+    """A resume where the checkpoint or the run has pipeline stages (``pp > 1``): the run's
+    ``pp`` when it runs on ``world`` ranks, else the checkpoint's, else every other ``pp`` that
+    divides them (1 first, then the deeper ones); ``tp`` as for any resume (the run's when
+    stated, else the checkpoint's), then the others; ``dp = world / (pp · tp)`` and the
+    accumulation that keeps the checkpoint's micro-batch (``train`` runs accumulation with pp:
+    each accumulated micro-batch one schedule), so the global batch, the sample order and the
+    pipeline's micro-batches are unchanged. ZeRO at dp 1 and sequence parallelism at tp 1 are
+    turned off, and said."""
+    micro = saved["micro_batch"]
+    stated = stated_fields(cfg) if stated is None else set(stated)
+    prefer_tp = cfg.tp if "tp" in stated else saved["tp"]
+    pps = list(dict.fromkeys([cfg.pp, saved.get("pp", 1), 1, *_divisors(world)]))
+    tps = list(dict.fromkeys([prefer_tp, *_divisors(world)]))
+    problems = {}
+    for pp in pps:
+        for tp in tps:
+            if world % (pp * tp):
+                continue
+            planned, notes = _with_layout(cfg, world // pp, tp, 1, micro)
+            planned = dataclasses.replace(planned, pp=pp)
+            try:
+                validate(planned, world)
+            except ValueError as exc:
+                problems[(pp, tp)] = str(exc)
+                continue
+            if pp != cfg.pp:
+                why = problems.get((cfg.pp, prefer_tp), "its layout does not run")
+                notes.insert(0, f"pp {cfg.pp} does not fit {world} ranks ({why}): pp {pp}")
+            if tp != prefer_tp:
+                notes.insert(0, f"tp {prefer_tp} does not fit {world} ranks: tp {tp}")
+            dp = world // (pp * tp)
+            new = (world, pp, dp, tp, planned.grad_accum)
+            old = (saved["world_size"], saved.get("pp", 1), saved["dp"], saved["tp"],
+                   saved["grad_accum"])
+            return Rebalanced(planned, world, saved, tuple(notes),
+                              changed=new != old or bool(notes))
+    tried = "; ".join(f"pp {pp} × tp {tp}: {why}" for (pp, tp), why in list(problems.items())[:3])
+    raise ValueError(f"cannot resume {cfg.ckpt_dir} on {world} ranks: no pp × tp layout holds "
+                     f"the global batch of {cfg.batch} sequences as micro-batches of {micro} and "
+                     f"the model: {tried}; resume on another number of ranks, or pass "
+                     f"--rebalance off")
 
 
 def model_spec(cfg: TrainConfig, micro: int) -> ModelSpec:

@@ -244,6 +244,7 @@ def train_fields(args, out_prefix: str) -> dict:
                        compile=getattr(args, "compile", D.compile),
                        compile_backend=getattr(args, "compile_backend", D.compile_backend),
                 fp8_backward=getattr(args, "fp8_backward", D.fp8_backward),
+                log_every=getattr(args, "log_every", D.log_every),
                        **checkpoint_settings(args), **lora_settings(args),
                        **{**pipeline_settings(args), **piped})
 

@@ -166,6 +166,9 @@ FLAGS: dict[str, dict[str, dict]] = {
                       "{default})"),
         "out": _flag("output directory (default runs/train-<timestamp>)"),
         "progress": _flag("no progress bar"),
+        "log_every": _flag("read the loss and metrics from the device once per N steps (default "
+                           "{default}: no host synchronisation in the steps between; every "
+                           "step's loss is still reported)", metavar="N"),
         "tensorboard": _flag("log loss, tokens/s, communication (and the loss scale, with one) "
                              "as TensorBoard scalars in DIR", metavar="DIR"),
     },

@@ -167,14 +167,24 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
     return torch.stack(losses).sum() if losses else 0.0
 
 
+def moe_stat_tensors(model: nn.Module) -> dict | None:
+    """``{"aux_loss", "dropped"}`` as 0-d float64 device tensors (summed over the MoE layers of the
+    last forward on this rank) and ``"slots"`` (an int): no host sync. ``None``: no MoE layer ran."""
+    layers = [m for m in model.modules() if isinstance(m, RoutingStats) and m.aux_loss is not None]
+    if not layers:
+        return None
+    values = torch.stack([torch.stack([m.aux_loss.detach().double(), m.dropped.double()])
+                          for m in layers]).sum(0)
+    return {"aux_loss": values[0], "dropped": values[1], "slots": sum(m.slots for m in layers)}
+
+
 def moe_stats(model: nn.Module) -> dict[str, float]:
     """``{"aux_loss", "dropped", "slots", "dropped_fraction"}`` of the last forward on this rank,
     summed over MoE layers (``aux_loss`` before the coefficient). One host sync."""
-    layers = [m for m in model.modules() if isinstance(m, RoutingStats) and m.aux_loss is not None]
-    if not layers:
+    stats = moe_stat_tensors(model)
+    if stats is None:
         return {"aux_loss": 0.0, "dropped": 0, "slots": 0, "dropped_fraction": 0.0}
-    values = torch.stack([torch.stack([m.aux_loss.detach().double(), m.dropped.double()])
-                          for m in layers]).sum(0).tolist()
-    slots = sum(m.slots for m in layers)
-    return {"aux_loss": values[0], "dropped": int(values[1]), "slots": slots,
-            "dropped_fraction": values[1] / slots if slots else 0.0}
+    aux, dropped = torch.stack([stats["aux_loss"], stats["dropped"]]).tolist()
+    slots = stats["slots"]
+    return {"aux_loss": aux, "dropped": int(dropped), "slots": slots,
+            "dropped_fraction": dropped / slots if slots else 0.0}

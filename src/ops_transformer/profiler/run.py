@@ -54,6 +54,7 @@ def profile_worker(cfg: TrainConfig, steps: int, warmup: int, profile=None) -> d
 
 def _profile(state, steps: int, warmup: int) -> dict | None:
     cfg = state.cfg
+    state.read_metrics = False  # train's step: no host read of its loss in the profiled steps
     batches = iter([state.batch(i) for i in range(warmup + steps)])
     if state.pipe is not None:  # the bubble per rank: each schedule timed
         state.pipe.measure = True
@@ -84,6 +85,7 @@ def diagnose_worker(cfg: TrainConfig, steps: bool = True, profile=None) -> list[
     The small-message threshold and α come from the profile the ranks agreed on."""
     with join(cfg, profile) as ctx:
         state = setup_training(cfg, ctx)
+        state.read_metrics = False  # train's step: its numbers read once per logging interval
         batches = iter([state.batch(i) for i in range(STEP_CALLS)])
         step_fn = (lambda: state.step(*next(batches))) if steps else None
         if state.pipe is not None and steps:

@@ -194,6 +194,7 @@ class RunSection(_Section):
     out: str | None = None
     progress: bool = _f(True, flag="--no-progress")
     tensorboard: str | None = None
+    log_every: int = _f(10, least=1)  # the loss read from the device once per this many steps
     sample_tokens: int = _f(160, least=0, flag="[run] sample_tokens")  # no flag: the file
     sample_prompt: str = _f("def ", flag="[run] sample_prompt")  # no flag: the file
 

@@ -33,7 +33,7 @@ from .optimizer import (check_memory_flags, make_optimizer, measured_state_bytes
                                  partial_numel, shard_for_zero)
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from ..models.gpt import GPT, GPTConfig, preset
-from ..models.moe import moe_stats
+from ..models.moe import moe_stat_tensors
 from ..parallel.context import check_mesh_degrees, init_parallel
 from ..parallel.state import no_sync
 from ..parallelize import ParallelOptions, parallelize
@@ -46,7 +46,7 @@ from ..parallelize.pipeline_hf import n_layers_of
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
 from ..planner.layout import CostOptions, Layout
 from ..planner.strategies import model_comm_per_step
-from ..precision import DynamicLossScaler, optimizer_step, precision_policy
+from ..precision import DynamicLossScaler, optimizer_step, precision_policy, read_reports
 from .preflight import check_batch
 from .schedule import check_schedule, lr_at, set_lr
 from ..utils.plot import write_line_plot_png
@@ -78,6 +78,7 @@ class TrainConfig:
     sample_tokens: int = _D["sample_tokens"]
     sample_prompt: str = _D["sample_prompt"]
     progress: bool = _D["progress"]
+    log_every: int = _D["log_every"]  # read the loss and metrics from the device once per N steps
     layers: int | None = _D["layers"]  # overrides the preset's n_layers
     # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
     ranks_per_node: int | None = _D["ranks_per_node"]
@@ -189,7 +190,7 @@ class TrainConfig:
 def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     """Every check that needs no process group; returns ``(dp, tp)``. ``say(line)``: where a
     note and the tokenizer's progress go (``train --model``), ``None`` for silence."""
-    for name in ("steps", "batch", "seq", "grad_accum"):
+    for name in ("steps", "batch", "seq", "grad_accum", "log_every"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
                              f"{getattr(cfg, name)}")
@@ -365,6 +366,7 @@ class TrainState:
     scaler: DynamicLossScaler | None
     state_bytes: dict | None = None  # this rank's parameters, gradients, optimizer state (bytes)
     pipe: Pipeline | None = None  # --pp: this rank's stages and the schedule
+    read_metrics: bool = True  # False: step() leaves the report's numbers on the device
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the global batch of ``step`` (on the device): data-parallel and
@@ -380,11 +382,15 @@ class TrainState:
     def step(self, x: torch.Tensor, y: torch.Tensor):
         """Forward, backward, clipping and the optimizer step: ``(report, ledger)``, the
         optimizer's report (``report.metrics["loss"]``: the global-batch loss) and the step's
-        collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
+        collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches. With
+        :attr:`read_metrics` off (``train``'s loop, ``diagnose``) the report's metrics and
+        gradient norm stay 0-d device tensors: the step makes no host synchronisation, and the
+        caller reads many steps at once (:func:`~ops_transformer.precision.read_reports`)."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
             metrics = self.accumulate(x, y) if self.pipe is None else self.pipelined(x, y)
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
-                                    max_norm=self.cfg.clip_grad, metrics=metrics)
+                                    max_norm=self.cfg.clip_grad, metrics=metrics,
+                                    read=self.read_metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)
         self.state_bytes = self.state_bytes or measured_state_bytes(self.model, self.opt)
         self.opt.zero_grad(set_to_none=True)
@@ -541,38 +547,29 @@ def _train(cfg: TrainConfig, ctx, journal=None) -> dict | None:
     if first:
         bar.write(f"resumed from step {first} of {cfg.ckpt_dir}")
         bar.update(first)
-    for step in range(first, cfg.steps):
-        x, y = state.batch(step)
-        set_lr(opt, lr_at(step, lr=cfg.lr, steps=cfg.steps, schedule=cfg.lr_schedule,
-                          warmup=cfg.warmup))
-        start = time.perf_counter()
-        report, ledger = state.step(x, y)
-        step_times.append(time.perf_counter() - start)
-        losses.append(report.metrics["loss"])
-        _tell(journal, {"loss": losses[-1]})
-        last = ledger
-        if not math.isfinite(losses[-1]) and (scaler is None
-                                              or scaler.scale_value <= scaler.min_scale):
-            raise ValueError(f"the loss became {losses[-1]} at step {step}; lower --lr "
-                             f"(now {cfg.lr})")
-        tokens_per_s = cfg.batch * cfg.seq / step_times[-1]
-        if moe and not cfg.model:
-            moe_history.append(_moe_report(report.metrics))
-        if cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every):
-            ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
-                      keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
-                      on_error=cfg.on_save_error, meta=batch_layout(cfg, ctx))
-        bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
-                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MiB/step"},
-                   **_precision_stats(report, scaler),
-                   **({"aux": moe_history[-1]["aux_loss"],
-                       "dropped": f"{moe_history[-1]['dropped_fraction']:.1%}"}
-                      if moe_history else {}))
-        board.log(step, loss=losses[-1], tokens_per_s=tokens_per_s,
-                  comm_bytes_per_step=ledger.total_bytes, comm_calls_per_step=ledger.calls,
-                  grad_norm=report.grad_norm,
-                  loss_scale=None if scaler is None else scaler.scale_value,
-                  moe_aux_loss=moe_history[-1]["aux_loss"] if moe_history else None)
+    state.read_metrics = False  # the step's numbers stay on the device until logged
+    log = _StepLog(cfg, scaler, bar, board, journal, losses, moe_history if moe and not cfg.model
+                   else None)
+    try:
+        for step in range(first, cfg.steps):
+            x, y = state.batch(step)
+            set_lr(opt, lr_at(step, lr=cfg.lr, steps=cfg.steps, schedule=cfg.lr_schedule,
+                              warmup=cfg.warmup))
+            start = time.perf_counter()
+            report, ledger = state.step(x, y)
+            step_times.append(time.perf_counter() - start)
+            last = ledger
+            log.add(step, report, ledger, step_times[-1])
+            saving = cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every)
+            if saving or (step + 1 - first) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                report = log.flush() or report  # one host read for the interval
+            if saving:
+                ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
+                          keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
+                          on_error=cfg.on_save_error, meta=batch_layout(cfg, ctx))
+    except BaseException:  # an interrupt or a failure: what ran still reaches the journal
+        log.flush(check=False)
+        raise
     bar.close()
     board.close()
     sample = None if cfg.model or ctx.pp_size > 1 else _sample(model, cfg, ctx.device)
@@ -594,6 +591,64 @@ def _train(cfg: TrainConfig, ctx, journal=None) -> dict | None:
                      **({"moe": {k: [m[k] for m in moe_history]
                                  for k in ("aux_loss", "dropped_fraction")}}
                         if moe_history else {})})
+
+
+class _StepLog:
+    """What the loop reports of each step — the losses, the journal, the progress line,
+    TensorBoard, the MoE history — fed from steps whose numbers are still on the device
+    (:meth:`add`) and read once per logging interval (:meth:`flush`, ``--log-every``): no host
+    synchronisation in the steps between (torchtitan's ``log_freq``). What is reported per step
+    is the same as reading every step; only when it is written changes."""
+
+    def __init__(self, cfg, scaler, bar, board, journal, losses: list, moe_history: list | None):
+        self.cfg, self.scaler, self.bar, self.board, self.journal = cfg, scaler, bar, board, journal
+        self.losses, self.moe_history = losses, moe_history
+        self.pending = []  # (step, report, ledger, seconds, loss scale, skipped steps)
+
+    def add(self, step: int, report, ledger, seconds: float) -> None:
+        scaler = self.scaler
+        self.pending.append((step, report, ledger, seconds,
+                             None if scaler is None else scaler.scale_value,
+                             None if scaler is None else scaler.skipped_steps))
+        self.bar.update()
+
+    def flush(self, check: bool = True):
+        """Read the pending steps' numbers (one transfer) and report each; returns the last read
+        report (``None``: nothing pending). ``check``: a non-finite loss is an error (with fp16's
+        scaler, once the scale is at its floor)."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return None
+        reports = read_reports([p[1] for p in pending])
+        for (step, _, ledger, seconds, scale, skipped), report in zip(pending, reports):
+            loss = report.metrics["loss"]
+            self.losses.append(loss)
+            _tell(self.journal, {"loss": loss})
+            if check and not math.isfinite(loss) and (scale is None
+                                                      or scale <= self.scaler.min_scale):
+                raise ValueError(f"the loss became {loss} at step {step}; lower --lr "
+                                 f"(now {self.cfg.lr})")
+            self._show(step, report, ledger, seconds, scale, skipped)
+        return reports[-1]
+
+    def _show(self, step, report, ledger, seconds, scale, skipped) -> None:
+        cfg, loss = self.cfg, report.metrics["loss"]
+        tokens_per_s = cfg.batch * cfg.seq / seconds
+        moe = None
+        if self.moe_history is not None:
+            moe = _moe_report(report.metrics)
+            self.moe_history.append(moe)
+        stats = _precision_stats(report, None)  # the scale as it was after that step
+        if scale is not None:
+            stats.update(scale=scale, skipped=skipped)
+        self.bar.update(0, loss=loss, **{"tok/s": tokens_per_s,
+                                         "comm": f"{ledger.total_bytes / 2**20:.2f}MiB/step"},
+                        **stats, **({"aux": moe["aux_loss"],
+                                     "dropped": f"{moe['dropped_fraction']:.1%}"} if moe else {}))
+        self.board.log(step, loss=loss, tokens_per_s=tokens_per_s,
+                       comm_bytes_per_step=ledger.total_bytes, comm_calls_per_step=ledger.calls,
+                       grad_norm=report.grad_norm, loss_scale=scale,
+                       moe_aux_loss=moe["aux_loss"] if moe else None)
 
 
 def trainable_params(model) -> int:
@@ -618,8 +673,10 @@ def _moe_metrics(model, cfg: TrainConfig) -> dict:
     MoE; a Hugging Face router keeps its own statistics)."""
     if cfg.model or not model.cfg.n_experts:
         return {}
-    stats = moe_stats(model)
-    return {"moe_aux_loss": stats["aux_loss"], "moe_dropped": float(stats["dropped"]),
+    stats = moe_stat_tensors(model)  # on the device: read with the loss, once per interval
+    if stats is None:
+        return {"moe_aux_loss": 0.0, "moe_dropped": 0.0, "moe_slots": 0.0}
+    return {"moe_aux_loss": stats["aux_loss"], "moe_dropped": stats["dropped"],
             "moe_slots": float(stats["slots"])}
 
 

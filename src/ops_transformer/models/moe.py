@@ -27,21 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def check_moe_config(cfg) -> None:
-    """The MoE fields of a :class:`~ops_transformer.models.GPTConfig`, each named when invalid."""
-    if cfg.n_experts < 0:
-        raise ValueError(f"n_experts must be 0 (dense FFN) or positive, got {cfg.n_experts}")
-    if cfg.moe_every < 1:
-        raise ValueError(f"moe_every must be at least 1, got {cfg.moe_every}")
-    if cfg.moe_aux_loss_coef < 0:
-        raise ValueError(f"moe_aux_loss_coef must be non-negative, got {cfg.moe_aux_loss_coef}")
-    if cfg.moe_capacity_factor is not None and not cfg.moe_capacity_factor > 0:
-        raise ValueError(f"moe_capacity_factor must be positive or None (dropless), got "
-                         f"{cfg.moe_capacity_factor}")
-    if cfg.n_experts and not 1 <= cfg.top_k <= cfg.n_experts:
-        raise ValueError(f"top_k ({cfg.top_k}) must be between 1 and n_experts "
-                         f"({cfg.n_experts})")
+from .config import check_moe_config  # noqa: F401 (its name here too)
 
 
 class Router(nn.Module):

@@ -18,7 +18,8 @@ import logging
 import torch
 from torch import nn
 
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+from ..schema.choices import COMPILE_BACKENDS
+
 log = logging.getLogger("ops_transformer")
 _BLOCKS_COMPILED = [0]  # blocks compiled in this process (each may be a graph of its own)
 

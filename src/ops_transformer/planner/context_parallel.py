@@ -31,9 +31,7 @@ from __future__ import annotations
 
 from .cost import Comm, collective_time
 
-CP_STRATEGIES = ("ring", "allgather_kv")  # what ``auto`` chooses between
-ULYSSES = "ulysses"  # all-to-all over heads: forced only (cp must divide the KV heads)
-CP_CHOICES = ("auto",) + CP_STRATEGIES + (ULYSSES,)
+from ..schema.choices import CP_CHOICES, CP_STRATEGIES, ULYSSES
 # What context parallelism does not compose with yet, and why (the refusals' one line: train,
 # parallelize, the planner's rule; docs/context_parallel.md)
 CP_LIMITS = {

@@ -32,8 +32,8 @@ Messages name the command-line flags, which ``train`` and ``plan`` share.
 
 from __future__ import annotations
 
+from ..schema.choices import ZERO_STAGES
 
-ZERO_STAGES = (0, 1, 2, 3)  # what train runs (3: FSDP2, ``memory.fsdp.shard_parameters``)
 SEQUENCE_PARALLEL_ATTENTION = ("auto", "heads")  # "auto" becomes "heads" under SP
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import collectives as C
+from . import preflight
 from .corpus import packed_corpus
 from ..models.documents import document_positions, document_targets
 from ..layers.loss import vocab_parallel_cross_entropy
@@ -71,12 +72,7 @@ def check_positions(seq: int, config, model_dir: str) -> None:
     """``--seq`` within the positions the model was built for (``max_position_embeddings``, or
     GPT-2's ``n_positions``): beyond them a learned table has no row and rotary positions were
     never trained."""
-    text = config.get_text_config()
-    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    if limit and seq > limit:
-        raise ValueError(f"--seq {seq} is beyond the {limit} positions of the model in "
-                         f"{model_dir} (max_position_embeddings in its config.json): pass "
-                         f"--seq {limit} or less")
+    preflight.check_positions(seq, preflight.position_limit(config.get_text_config()), model_dir)
 
 
 def check_data(cfg, config, say=None) -> None:

@@ -47,76 +47,99 @@ from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
 from ..planner.layout import CostOptions, Layout
 from ..planner.strategies import model_comm_per_step
 from ..precision import DynamicLossScaler, optimizer_step, precision_policy, read_reports
+from .preflight import check_batch
 from .schedule import check_schedule, lr_at, set_lr
 from ..utils.plot import write_line_plot_png
 from ..utils.progress import Progress
 from ..utils.tensorboard import ScalarLog, check_log_dir
 
 
+_D = RunConfig().train_fields()  # every default, from the run's sections
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. ``batch`` is the global batch in sequences: each of the ``dp × ep``
     ranks that read data runs its rows in ``grad_accum`` micro-batches of
-    ``batch / (grad_accum · dp · ep)`` sequences (:func:`micro_batch`)."""
+    ``batch / (grad_accum · dp · ep)`` sequences (:func:`micro_batch`). Every default is the
+    run's sections' (:mod:`~ops_transformer.training.config`), defined there once."""
 
-    preset: str = "tiny"
-    tp: int = 1
-    dp: int | None = None
-    steps: int = 200
-    batch: int = 8
-    seq: int = 64
-    lr: float = 3e-3
-    seed: int = 0
-    attention: str = ParallelOptions.attention
-    data: str | None = None
-    out: str | None = None
-    sample_tokens: int = 160
-    sample_prompt: str = "def "
-    progress: bool = True
-    layers: int | None = None  # overrides the preset's n_layers
-    ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
-    ranks_per_island: int | None = None  # PCIe islands in a node; None: detected (GPU) or one
-    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (with a dynamic loss scaler) | "fp8"
-    clip_grad: float | None = None  # clip the dense model's gradient norm to this
-    ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
-    tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
-    sequence_parallel: bool | str = ParallelOptions.sequence_parallel  # True, or "regather"
-    recompute: str = ParallelOptions.recompute
-    activation_cache: str = ParallelOptions.activation_cache
-    overlap: str = ParallelOptions.overlap  # collectives in chunks pipelined with their matmuls
-    chunks: int = ParallelOptions.chunks
-    zero: int = 0  # ZeRO stage over dp: 0 (off), 1, 2 or 3 (parameters sharded, FSDP2)
-    ckpt_dir: str | None = None  # sharded checkpoints (docs/checkpoints.md)
-    save_every: int = 0  # checkpoint every N steps (0: only after the last step)
-    resume: bool | str = False  # continue from the newest good checkpoint in ckpt_dir, if any
-    #                             ("strict": from the latest one, or fail)
-    max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
-    keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
-    on_save_error: str = "stop"  # a failed save (full disk): "stop" the run, or "continue" it
-    model: str | None = None  # a Hugging Face save_pretrained directory to fine-tune (no preset)
-    lr_schedule: str = "constant"  # or "cosine" (ops_transformer.schedule)
-    warmup: int = 0  # linear warmup steps
-    grad_accum: int = 1  # micro-batches per step and rank; gradients reduced once per step
-    rebalance: str = "auto"  # resume on another size: "auto" re-plans (rebalance.py), "off"
-    elastic: bool = False  # local ranks (--nproc): a restart drops the node whose ranks died
-    lora_rank: int | None = None  # LoRA adapters of this rank; every other weight frozen
-    lora_alpha: float | None = None  # None: the rank (scaling 1)
-    lora_targets: tuple[str, ...] | None = None  # module names / fnmatch patterns; None: default
-    lora_dropout: float = 0.0
-    dropout: float | None = None  # the preset's dropout probability (None: the preset's own)
-    moe_statistics: str = ParallelOptions.moe_statistics  # MoE capacity / aux loss: "local"
-    #                                                       per rank, or over the "global" batch
-    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (SPEC F18)
-    cp_strategy: str = ParallelOptions.context_parallel  # "auto", "ring" or "allgather_kv"
-    pack: str = "docs"  # train --model: "docs" (attention inside each packed document), "naive"
-    pp: int = 1  # pipeline stages (outermost axis): parallelize.pipeline over the layers
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | looped_bfs | zero_bubble | zbv
-    microbatches: int = 1  # pipeline micro-batches per step and data-parallel rank
-    stages_per_rank: int | None = None  # None: 1, or 2 for the multi-stage schedules
-    compile: bool = ParallelOptions.compile  # each Transformer block through torch.compile
-    compile_backend: str = ParallelOptions.compile_backend  # "inductor", "aot_eager", "eager"
-    fp8_backward: str = ParallelOptions.fp8_backward  # --precision fp8: "e5m2" or "fp32" grads
-    log_every: int = 10  # read the loss and metrics from the device once per this many steps
+    preset: str = _D["preset"]
+    tp: int = _D["tp"]
+    dp: int | None = _D["dp"]
+    steps: int = _D["steps"]
+    batch: int = _D["batch"]
+    seq: int = _D["seq"]
+    lr: float = _D["lr"]
+    seed: int = _D["seed"]
+    attention: str = _D["attention"]
+    data: str | None = _D["data"]
+    out: str | None = _D["out"]
+    sample_tokens: int = _D["sample_tokens"]
+    sample_prompt: str = _D["sample_prompt"]
+    progress: bool = _D["progress"]
+    log_every: int = _D["log_every"]  # read the loss and metrics from the device once per N steps
+    layers: int | None = _D["layers"]  # overrides the preset's n_layers
+    # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
+    ranks_per_node: int | None = _D["ranks_per_node"]
+    # PCIe islands in a node; None: detected (GPU) or one
+    ranks_per_island: int | None = _D["ranks_per_island"]
+    # "fp32" | "bf16" | "fp16" (with a dynamic loss scaler) | "fp8"
+    precision: str = _D["precision"]
+    clip_grad: float | None = _D["clip_grad"]  # clip the dense model's gradient norm to this
+    ep: int = _D["ep"]  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
+    # log loss, tokens/s and communication there (rank 0)
+    tensorboard: str | None = _D["tensorboard"]
+    sequence_parallel: bool | str = _D["sequence_parallel"]  # True, or "regather"
+    recompute: str = _D["recompute"]
+    activation_cache: str = _D["activation_cache"]
+    overlap: str = _D["overlap"]  # collectives in chunks pipelined with their matmuls
+    chunks: int = _D["chunks"]
+    zero: int = _D["zero"]  # ZeRO stage over dp: 0 (off), 1, 2 or 3 (parameters sharded, FSDP2)
+    ckpt_dir: str | None = _D["ckpt_dir"]  # sharded checkpoints (docs/checkpoints.md)
+    save_every: int = _D["save_every"]  # checkpoint every N steps (0: only after the last step)
+    # continue from the newest good checkpoint in ckpt_dir, if any ("strict": from the latest
+    # one, or fail)
+    resume: bool | str = _D["resume"]
+    # local ranks (--nproc): restart the job after a failure, this often
+    max_restarts: int = _D["max_restarts"]
+    keep_checkpoints: int = _D["keep_checkpoints"]  # the newest checkpoints kept in ckpt_dir
+    # a failed save (full disk): "stop" the run, or "continue" it
+    on_save_error: str = _D["on_save_error"]
+    # a Hugging Face save_pretrained directory to fine-tune (no preset)
+    model: str | None = _D["model"]
+    lr_schedule: str = _D["lr_schedule"]  # or "cosine" (ops_transformer.schedule)
+    warmup: int = _D["warmup"]  # linear warmup steps
+    # micro-batches per step and rank; gradients reduced once per step
+    grad_accum: int = _D["grad_accum"]
+    # resume on another size: "auto" re-plans (rebalance.py), "off"
+    rebalance: str = _D["rebalance"]
+    # local ranks (--nproc): a restart drops the node whose ranks died
+    elastic: bool = _D["elastic"]
+    # LoRA adapters of this rank; every other weight frozen
+    lora_rank: int | None = _D["lora_rank"]
+    lora_alpha: float | None = _D["lora_alpha"]  # None: the rank (scaling 1)
+    # module names / fnmatch patterns; None: default
+    lora_targets: tuple[str, ...] | None = _D["lora_targets"]
+    lora_dropout: float = _D["lora_dropout"]
+    # the preset's dropout probability (None: the preset's own)
+    dropout: float | None = _D["dropout"]
+    # MoE capacity / aux loss: "local" per rank, or over the "global" batch
+    moe_statistics: str = _D["moe_statistics"]
+    cp: int = _D["cp"]  # context-parallel degree: each sequence split over cp ranks (SPEC F18)
+    cp_strategy: str = _D["cp_strategy"]  # "auto", "ring" or "allgather_kv"
+    # train --model: "docs" (attention inside each packed document), "naive"
+    pack: str = _D["pack"]
+    pp: int = _D["pp"]  # pipeline stages (outermost axis): parallelize.pipeline over the layers
+    # gpipe | 1f1b | interleaved | looped_bfs | zero_bubble | zbv
+    pp_schedule: str = _D["pp_schedule"]
+    # pipeline micro-batches per step and data-parallel rank
+    microbatches: int = _D["microbatches"]
+    # None: 1, or 2 for the multi-stage schedules
+    stages_per_rank: int | None = _D["stages_per_rank"]
+    compile: bool = _D["compile"]  # each Transformer block through torch.compile
+    compile_backend: str = _D["compile_backend"]  # "inductor", "aot_eager", "eager"
+    fp8_backward: str = _D["fp8_backward"]  # --precision fp8: "e5m2" or "fp32" grads
 
     @classmethod
     def from_run_config(cls, run: RunConfig) -> TrainConfig:
@@ -296,20 +319,6 @@ def _pipeline_hf_layers(cfg: TrainConfig) -> int:
     except ValueError as exc:
         raise ValueError(f"--pp {cfg.pp} --model {cfg.model}: {exc}") from None
     return n_layers
-
-
-def check_batch(batch: int, dp: int, ep: int, grad_accum: int) -> None:
-    """The global batch splits into ``grad_accum`` micro-batches on each of the ``dp × ep``
-    ranks that read data."""
-    readers = ("dp ({dp})" if ep == 1 else "dp ({dp}) × ep ({ep})").format(dp=dp, ep=ep)
-    if batch % (dp * ep):
-        raise ValueError(f"--batch ({batch}) must be divisible by {readers}" if ep == 1 else
-                         f"--batch ({batch}) must be divisible by {readers}: each of the "
-                         f"{dp * ep} ranks reads its own rows")
-    if batch % (dp * ep * grad_accum):
-        raise ValueError(f"--batch ({batch}) must be divisible by {readers} × --grad-accum "
-                         f"({grad_accum}): each rank runs {batch // (dp * ep)} rows in "
-                         f"{grad_accum} equal micro-batches")
 
 
 def micro_batch(cfg: TrainConfig, dp_ep: int) -> int:

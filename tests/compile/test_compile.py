@@ -69,8 +69,9 @@ def _graph_breaks(config, options):
     return explained.graph_break_count, [str(r) for r in explained.break_reasons]
 
 
-# ~10 s each on 2 cores: plain TP and SP in the default suite, the other options in the slow set
-QUICK_OPTIONS = ("plain", "sequence_parallel")
+# ~10 s each on 2 cores: SP (the TP block plus the sequence-parallel regions) in the default suite,
+# plain TP and the other options in the slow set
+QUICK_OPTIONS = ("sequence_parallel",)
 
 
 @pytest.mark.parametrize("name", [n if n in QUICK_OPTIONS else pytest.param(n, marks=pytest.mark.slow)

@@ -1,18 +1,20 @@
 """Context parallelism on this machine: activation memory per rank at cp 1/2/4 for one sequence
-(measured, against the planner's figure), and the step time of ``ring`` against ``allgather_kv``.
+(measured, against the planner's figure), and the step time of ``ring`` and ``ulysses`` against
+``allgather_kv``.
 
 Model: the reference GPT ``preset("llama-tiny", n_layers=2, max_seq_len=SEQ)`` (RoPE, GQA with 2 KV
 heads, head_dim 16), one sequence of ``--seq`` tokens, fp32, gloo, one intra-op thread per rank.
 
 * **Memory**: :func:`ops_transformer.memory.measure.activation_memory` (the storages autograd keeps
   for backward, parameters excluded) of one forward at cp 1 (one process), 2 and 4 (that many
-  ranks, ``ring``; ``allgather_kv`` at cp 2 and 4 too). The planner's figure per layer is the
-  measured cp-1 layer × :func:`~ops_transformer.planner.context_parallel.activation_factor` plus,
-  for ``allgather_kv``, the gathered K/V it keeps
-  (:func:`~ops_transformer.planner.context_parallel.saved_kv_elements`).
+  ranks, ``ring``; ``allgather_kv`` at cp 2 and 4 too, ``ulysses`` at cp 2). The planner's
+  figure per layer is the measured cp-1 layer ×
+  :func:`~ops_transformer.planner.context_parallel.activation_factor` plus, for ``allgather_kv``,
+  the gathered K/V it keeps (:func:`~ops_transformer.planner.context_parallel.saved_kv_elements`).
 * **Step time** at cp 2: forward, backward, SGD step, the strategies interleaved round by round;
-  rank 0's medians and the paired ratio ring / allgather_kv (median [min-max] over rounds); beside
-  it the cost model's exposed-communication figures (``choose_strategy`` on the built-in profile).
+  rank 0's medians and the paired ratios ring / allgather_kv and ulysses / allgather_kv (median
+  [min-max] over rounds); beside it the cost model's exposed-communication figures
+  (``choose_strategy`` on the built-in profile).
 
     python benchmarks/bench_context_parallel.py --seq 1024 --rounds 5 --steps 3 --json out.json
 
@@ -35,7 +37,7 @@ from ops_transformer.planner import context_parallel as cpcost
 from _common import add_timing_args, check_count_args, finish, format_paired, interleave
 from _common import median_ms, paired_ratio, time_steps
 
-STRATEGIES = ("ring", "allgather_kv")
+STRATEGIES = ("ring", "allgather_kv", "ulysses")
 
 
 def _model(seq: int, cp: int, strategy: str):
@@ -80,8 +82,8 @@ def main() -> None:
     cfg = preset("llama-tiny")
     kv_dim = cfg.n_kv_heads * cfg.head_dim
     rows, per_layer_cp1 = [], None
-    for cp, strategy in ((1, "ring"), (2, "ring"), (2, "allgather_kv"), (4, "ring"),
-                         (4, "allgather_kv")):
+    for cp, strategy in ((1, "ring"), (2, "ring"), (2, "allgather_kv"), (2, "ulysses"),
+                         (4, "ring"), (4, "allgather_kv")):  # ulysses: cp ≤ the 2 KV heads
         measured = launch(_memory, cp, args.seq, cp, strategy)[0]
         layer = measured["per_layer"][0]
         per_layer_cp1 = per_layer_cp1 or layer
@@ -101,6 +103,7 @@ def main() -> None:
     per_rank = launch(_times, 2, args.seq, args.rounds, args.warmup, args.steps)
     times = per_rank[0]
     ratio = paired_ratio(times, "ring", "allgather_kv")
+    ulysses = paired_ratio(times, "ulysses", "allgather_kv")
     choice, reason = cpcost.choose_strategy(
         batch=1, seq=args.seq, kv_dim=kv_dim, q_dim=cfg.d_model, cp=2, alpha_s=CPU_GLOO.alpha_s,
         bandwidth=CPU_GLOO.bandwidth, matmul_flops=CPU_GLOO.matmul_flops)
@@ -108,10 +111,12 @@ def main() -> None:
     for s in STRATEGIES:
         print(f"  {s:>13}: {median_ms(times[s]):.1f} ms")
     print(f"  ring / allgather_kv: {format_paired(ratio)}")
+    print(f"  ulysses / allgather_kv: {format_paired(ulysses)}")
     print(f"  cost model (built-in profile): auto = {choice}; {reason}")
     finish(t0, args.json, {"seq": args.seq, "memory": rows,
                            "step_ms": {s: median_ms(times[s]) for s in STRATEGIES},
-                           "ring_over_allgather_kv": ratio, "auto": choice, "reason": reason},
+                           "ring_over_allgather_kv": ratio, "ulysses_over_allgather_kv": ulysses,
+                           "auto": choice, "reason": reason},
            measured_load=False)
 
 

@@ -11,6 +11,8 @@ run):
 * ``block``        — one TP=1 Transformer block (hidden 4096, 32 heads, FFN 16384, sequence 2048,
   batch 1), forward + backward under bf16 autocast, timed with CUDA events: achieved TFLOP/s and
   MFU (goal ≥ 50 %);
+* ``block_compile`` — the same block eager and compiled (``torch.compile(fullgraph=True)``,
+  inductor): tokens/s, TFLOP/s and MFU of each, and compiled / eager (issue 38);
 * ``hf``           — ``generate`` from a tiny Llama and ``embed`` from a tiny BERT written with
   ``save_pretrained`` (bf16), on CUDA;
 * ``checkpoint``   — ``train --ckpt-dir`` on CUDA, ``--resume``, then ``checkpoint export`` (which
@@ -112,6 +114,18 @@ def section_block(limit, info, tmp):
     return rc, out, m
 
 
+def section_block_compile(limit, info, tmp):
+    rc, out, _ = run([PY, str(Path(__file__).with_name("gpu_block.py")), "--methods",
+                      "eager,compiled"], limit)
+    if rc:
+        return rc, out, {}
+    m = last_json(out)
+    peak = info["bf16_peak_flops"]
+    for figures in m["methods"].values():
+        figures["mfu"] = figures["achieved_flops"] / peak if peak else None
+    return rc, out, m
+
+
 def _write_tiny_models(tmp: Path) -> tuple[Path, Path]:
     import transformers as tr
 
@@ -182,6 +196,7 @@ SECTIONS = [  # (name, function, seconds, GPUs needed)
     ("cuda_tests", section_cuda_tests, 90, 1),
     ("train", section_train, 90, 1),
     ("block", section_block, 60, 1),
+    ("block_compile", section_block_compile, 150, 1),
     ("hf", section_hf, 60, 1),
     ("checkpoint", section_checkpoint, 60, 1),
     ("calibrate", section_calibrate, 60, 1),

@@ -54,13 +54,9 @@ KNOWN_LIMITS = {
         (("sp", "regather"), "sequence-parallel"), (("bf16", "fp16"), "precision"),
         (("zero1", "zero2"), "zero"), (("zero1", "zero3"), "zero"), (("zero2", "zero3"), "zero"),
         (("recompute-selective", "recompute-full"), "recompute"))},
-    # context parallelism (SPEC F18) does not compose with these yet (docs/context_parallel.md)
-    **{(name, "cp"): f"--cp 2 does not combine with {flag} yet" for name, flag in (
-        ("dropout", "--dropout"), ("moe-ep", "an MoE preset"))},
     # pipeline parallelism (SPEC F19) does not compose with these yet (docs/pipeline.md)
     **{(name, "pp"): f"--pp 2 does not combine with {flag} yet" for name, flag in (
-        ("zero3", "--zero 3"), ("dropout", "--dropout"), ("cp", "--cp"))},
-    ("grad-accum", "pp"): "--pp runs a reference preset without",
+        ("cp", "--cp"),)},
     ("moe-ep", "pp"): "--pp 2 does not split the MoE preset",
     # torch.compile per block (SPEC F20) does not compose with these yet (docs/compile.md)
     ("regather", "compile"): "--compile does not combine with sequence_parallel='regather'",
@@ -184,6 +180,7 @@ SINGLES = [(name,) for name in FEATURES]
 SAMPLE = [("sp", "lora"), ("overlap-chunked", "lora"), ("zero2", "grad-accum"),
           ("regather", "overlap-chunked"), ("sp", "moe-ep"), ("lora", "zero3"),
           ("grad-accum", "cp"), ("zero2", "cp"), ("clip", "pp"), ("zero2", "pp"),
+          ("grad-accum", "pp"),
           ("moe-ep", "compile"), ("zero2", "fp8"), ("sp", "fp8")]  # compile's own cells: tests/compile (~9 s a cell)
 
 

@@ -338,6 +338,20 @@ def test_measuring_commands_take_a_model_directory(llama, data, tmp_path, capsys
     assert json.loads(capsys.readouterr().out)["config"]["preset"] == "tiny"  # the old alias
 
 
+
+# 6 — bench had no --model (the last of the measuring commands without it)
+def test_bench_takes_a_model_directory(llama, capsys):
+    assert main(["bench", "--model", str(llama), "--batch", "2", "--seq", "16", "--rounds", "1",
+                 "--steps", "1", "--warmup", "0", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["row"]
+    assert set(row["ms"]) == {"ours", "ours-proj", "dtensor", "plain", "tp1"}
+    assert row["config"]["model_type"] == "llama" and row["size"]["model"] == str(llama)
+    assert max(max(d) for d in row["loss_rel_diff"].values()) < 1e-4  # every method: the model's
+    assert main(["bench", "--model", str(llama), "--preset", "tiny"]) == 2
+    assert "both name the model" in capsys.readouterr().err
+    assert main(["bench", "--model", str(llama), "--seq", "4096"]) == 2
+    assert "max_position_embeddings (128)" in capsys.readouterr().err
+
 # 10 — first contact: `make demo` on a fresh clone took ~4.5 min (3.5 installing), the README said
 # "~30 s", and the install printed nothing for minutes
 def test_readme_states_install_and_demo_time_and_the_install_shows_progress():

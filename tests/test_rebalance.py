@@ -219,3 +219,99 @@ def test_bad_elastic_and_accumulation_settings_are_one_line(tmp_path, capsys, ar
                           "--out", str(tmp_path / "run"), *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+# --- context parallelism: cp is a layout degree like tp and ep ------------------------------------
+
+CP = ["--cp", "2", "--grad-accum", "2"]
+
+
+@pytest.fixture(scope="module")
+def cp_run(tmp_path_factory):
+    """The uninterrupted run on 2 ranks, dp 1 × cp 2 with accumulation 2 (micro-batch 4)."""
+    root = tmp_path_factory.mktemp("cp")
+    return root, _train(root, "ref", "--nproc", "2", *CP)
+
+
+@pytest.mark.slow
+def test_cp_run_resumed_on_4_ranks_keeps_cp_and_the_run(cp_run, tmp_path, capsys):
+    """Saved at dp 1 × cp 2, resumed on 4 ranks with no layout stated: the rebalancer keeps the
+    checkpoint's cp (and its micro-batch): dp 2 × cp 2, accumulation 1, the same losses."""
+    root, ref = cp_run
+    ckpt = _interrupted_at(root / "ref-ckpt", 3, tmp_path / "ckpt")
+    capsys.readouterr()
+    got = _train(tmp_path, "resumed", "--nproc", "4", "--resume", ckpt=ckpt)
+    err = capsys.readouterr().err
+    assert "dp 1 × cp 2 × tp 1 → dp 2 × cp 2 × tp 1, accumulation 2 → 1" in err, err
+    assert (got["dp"], got["cp"], got["grad_accum"], got["micro_batch"]) == (2, 2, 1, 4)
+    _assert_same_losses(got, ref)
+
+
+@pytest.mark.slow
+def test_rebalancer_chooses_cp(cp_run):
+    """On 1 rank cp 2 cannot be kept: the planner chooses cp 1 (said); a stated --cp 4 on 4 ranks
+    is kept (2·4 divides the sequence of 16): dp 1 × cp 4, the micro-batch kept by accumulation 2;
+    a stated --cp 3 on 3 ranks (2·3 does not divide 16) is tried and named in the one-line
+    error."""
+    root, _ = cp_run
+    cfg = TrainConfig(batch=8, seq=16, steps=STEPS, resume=True, ckpt_dir=str(root / "ref-ckpt"),
+                      cp=2)
+    one = rebalance(cfg, 1)
+    assert (one.cfg.tp, one.cfg.cp, one.cfg.grad_accum) == (1, 1, 2)
+    assert "tp 1 × cp 2 does not fit 1 ranks (tp × ep × cp = 2 does not divide 1 ranks)" in \
+        one.message()
+    import dataclasses
+
+    four = rebalance(dataclasses.replace(cfg, cp=4), 4, stated={"cp"})
+    assert (four.cfg.tp, four.cfg.cp, four.cfg.grad_accum) == (1, 4, 2), four.message()
+    with pytest.raises(ValueError) as info:  # 3 ranks: nothing holds the batch and the model
+        rebalance(dataclasses.replace(cfg, cp=3), 3, stated={"cp"})
+    assert "\n" not in str(info.value)
+    assert "tp 1 × cp 3: context parallelism splits the sequence into 2·cp = 6 chunks" in \
+        str(info.value)
+
+
+# --- pipeline parallelism: the rebalancer re-plans pp, dp and the accumulation ---------------------
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    """The uninterrupted run on 4 ranks, pp 2 × dp 2 (1f1b, 2 micro-batches), checkpointed."""
+    root = tmp_path_factory.mktemp("pp")
+    return root, _train(root, "ref", "--nproc", "4", "--pp", "2", "--microbatches", "2")
+
+
+PP = ("--pp", "2", "--microbatches", "2")
+
+
+@pytest.mark.slow
+def test_pp_resume_keeps_pp_and_the_micro_batch(pipelined, tmp_path, capsys):
+    """pp 2 × dp 2 on 4 ranks resumed on 2 with the same --pp: pp 2 × dp 1 with accumulation 2
+    (each accumulated micro-batch one schedule of 2 micro-batches): the run's losses."""
+    root, ref = pipelined
+    ckpt = _interrupted_at(root / "ref-ckpt", 3, tmp_path / "ckpt")
+    capsys.readouterr()
+    got = _train(tmp_path, "resumed", "--nproc", "2", *PP, "--resume", ckpt=ckpt)
+    err = capsys.readouterr().err
+    assert "pp 2 × dp 2 × tp 1 → pp 2 × dp 1 × tp 1, accumulation 1 → 2" in err, err
+    assert (got["pp"], got["dp"], got["grad_accum"], got["micro_batch"]) == (2, 1, 2, 4)
+    _assert_same_losses(got, ref)
+
+
+@pytest.mark.slow
+def test_pp_resume_chooses_a_pp_that_fits(pipelined, tmp_path, capsys):
+    """On 1 rank pp 2 does not fit: the rebalancer chooses pp 1 (accumulation 2), and says so;
+    the unit: a 3-rank resume has no pp × tp layout for micro-batches of 4 and 8 sequences."""
+    root, ref = pipelined
+    ckpt = _interrupted_at(root / "ref-ckpt", 3, tmp_path / "ckpt")
+    cfg = TrainConfig(pp=2, microbatches=2, batch=8, seq=16, steps=STEPS, ckpt_dir=str(ckpt),
+                      resume=True)
+    plan = rebalance(cfg, 1)
+    assert (plan.cfg.pp, plan.cfg.tp, plan.cfg.grad_accum) == (1, 1, 2)
+    assert plan.notes[0].startswith("pp 2 does not fit 1 ranks (")
+    with pytest.raises(ValueError, match="cannot resume .* on 3 ranks: no pp × tp layout"):
+        rebalance(cfg, 3)
+    capsys.readouterr()
+    got = _train(tmp_path, "resumed", "--nproc", "1", *PP, "--resume", ckpt=ckpt)
+    assert "pp 2 × dp 2 × tp 1 → dp 1 × tp 1, accumulation 1 → 2" in capsys.readouterr().err
+    assert (got["pp"], got["grad_accum"]) == (1, 2)
+    _assert_same_losses(got, ref)

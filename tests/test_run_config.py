@@ -19,7 +19,9 @@ from ops_transformer.training.loop import TrainConfig, validate
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE = EXAMPLES / "tiny_tp2.toml"
-WORLD = {"tiny_tp2": 2, "dp2_tp2_zero2_sp": 4, "moe_ep2": 2}  # each example's local ranks
+WORLD = {"tiny_tp2": 2, "dp2_tp2_zero2_sp": 4, "moe_ep2": 2,  # each example's local ranks
+         "lora_finetune": 2}
+HF = {"lora_finetune"}  # examples of a --model fine-tune: a tiny Llama and .jsonl data stand in
 ODD = TrainConfig(preset="moe-tiny", tp=2, dp=2, ep=2, steps=7, batch=16, seq=32, lr=1e-4,
                   seed=3, attention="heads", data="corpus.txt", out="runs/x", progress=False,
                   layers=1, ranks_per_node=2, precision="bf16", clip_grad=0.5, zero=2,
@@ -142,27 +144,43 @@ def test_example_runs_two_steps_and_its_resolved_file_reproduces_it(tmp_path, ca
     assert len(first["losses"]) == 2 and again["losses"] == first["losses"]  # bit for bit
 
 
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory):
+    """The flags that give an example a model and data of this machine: a text file, and for a
+    ``--model`` example a tiny Llama (with its tokenizer) and ``.jsonl`` documents."""
+    import hf_tiny
+
+    root = tmp_path_factory.mktemp("stand-ins")
+    (root / "data.txt").write_text("def add(x, y):\n    return x + y\n" * 400)
+    (root / "data.jsonl").write_text("\n".join(json.dumps({"text": f"{hf_tiny.TEXT} #{i}"})
+                                               for i in range(40)))
+    pytest.importorskip("transformers")
+    llama = hf_tiny.checkpoint(tmp_path_factory, "llama", tokenizer=True)
+    return {False: ["--data", str(root / "data.txt")],
+            True: ["--model", str(llama), "--data", str(root / "data.jsonl")]}
+
+
 @pytest.mark.parametrize("name", sorted(WORLD))
-def test_every_example_prints_and_validates_at_its_size(name, tmp_path, capsys):
+def test_every_example_prints_and_validates_at_its_size(name, tmp_path, capsys, stand_ins):
     assert sorted(p.stem for p in EXAMPLES.glob("*.toml")) == sorted(WORLD)
+    given = stand_ins[name in HF]
     (tmp_path / "r.toml").write_text(_resolved(capsys, "--config", str(EXAMPLES / f"{name}.toml"),
-                                               "--out", str(tmp_path / "o")))
+                                               "--out", str(tmp_path / "o"), *given))
     run, _ = load_toml(tmp_path / "r.toml")
     written, _ = load_toml(EXAMPLES / f"{name}.toml")
-    assert run == dataclasses.replace(written, run=dataclasses.replace(written.run,
-                                                                       out=str(tmp_path / "o")))
-    (tmp_path / "data.txt").write_text("def add(x, y):\n    return x + y\n" * 200)
-    cfg = dataclasses.replace(TrainConfig.from_run_config(run), data=str(tmp_path / "data.txt"))
-    dp, tp = validate(cfg, WORLD[name])
-    assert dp * tp * cfg.ep == WORLD[name]
+    model = dataclasses.replace(written.model, dir=given[1]) if name in HF else written.model
+    assert run == dataclasses.replace(written, model=model, data=dataclasses.replace(
+        written.data, path=given[-1]), run=dataclasses.replace(written.run, out=str(tmp_path / "o")))
+    dp, tp = validate(TrainConfig.from_run_config(run), WORLD[name])
+    assert dp * tp * run.layout.ep == WORLD[name]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(WORLD))
-def test_example_runs_as_written(name, tmp_path, capsys):
-    (tmp_path / "data.txt").write_text("def add(x, y):\n    return x + y\n" * 400)
+def test_example_runs_as_written(name, tmp_path, capsys, stand_ins):
     metrics = _train(tmp_path, capsys, "a", "--config", str(EXAMPLES / f"{name}.toml"),
-                     "--steps", "2", "--data", str(tmp_path / "data.txt"), "--no-progress")
+                     "--steps", "2", *stand_ins[name in HF], "--no-progress",
+                     "--ckpt-dir", str(tmp_path / "ckpt"))
     run, _ = load_toml(EXAMPLES / f"{name}.toml")
     assert (metrics["tp"], metrics["dp"], metrics.get("ep", 1)) == \
         (run.layout.tp, WORLD[name] // (run.layout.tp * run.layout.ep), run.layout.ep)
@@ -183,3 +201,135 @@ def test_without_argv_the_flags_that_differ_from_the_defaults_override(tmp_path,
 def load_toml_text(tmp_path, text: str) -> RunConfig:
     (tmp_path / "t.toml").write_text(text)
     return load_toml(tmp_path / "t.toml")[0]
+
+
+# --config for the commands that measure a run (profile, diagnose, sweep): flags > file > defaults
+def test_diagnose_takes_a_config_file_under_its_flags(tmp_path, capsys):
+    (tmp_path / "tp3.toml").write_text("[layout]\ntp = 3\n[run]\nbatch = 6\n")
+    assert main(["diagnose", "--config", str(tmp_path / "tp3.toml"), "--static", "--json"]) == 1
+    found = json.loads(capsys.readouterr().out)["diagnostics"]
+    assert any(d["code"] == "not_divisible" for d in found)  # the file's tp 3: FFN 256 over 3
+    assert main(["diagnose", "--config", str(tmp_path / "tp3.toml"), "--tp", "2", "--static",
+                 "--json"]) == 0  # the flag over the file
+    assert not any(d["code"] == "not_divisible"
+                   for d in json.loads(capsys.readouterr().out)["diagnostics"])
+
+
+def test_profile_takes_a_config_file_and_keeps_its_own_steps(tmp_path, capsys, monkeypatch):
+    from ops_transformer.cli import train as train_cli
+
+    seen = []
+    monkeypatch.setattr(train_cli, "run_training", lambda cfg, *a, **k: seen.append(cfg))
+    assert main(["profile", "--config", str(EXAMPLE), "--seq", "32", "--warmup", "1",
+                 "--out", str(tmp_path / "p")]) == 0
+    cfg = seen[0]
+    assert (cfg.tp, cfg.lr_schedule, cfg.warmup, cfg.clip_grad) == (2, "cosine", 1, 1.0)  # file
+    assert cfg.seq == 32 and cfg.steps == 5  # the flag; profile's own (profiled) steps
+    assert cfg.attention == "heads" and cfg.batch == 8
+
+
+def test_sweep_takes_a_config_file_as_every_configurations_base(tmp_path, capsys,
+                                                                 monkeypatch):
+    from ops_transformer.cli import sweep
+
+    seen = []
+
+    def fake(base, axes, nproc, warmup, **_):
+        seen.append((base, axes, nproc))
+        return {"axes": axes, "unavailable": {}, "nproc": nproc, "prediction_model": "-",
+                "steps": base.steps, "warmup": warmup, "preset": base.preset, "model": None,
+                "batch": base.batch, "seq": base.seq, "rows": []}
+
+    monkeypatch.setattr(sweep, "run_sweep", fake)
+    assert main(["sweep", "--config", str(EXAMPLE), "--tp", "1,2", "--lr", "1e-4", "--steps",
+                 "2", "--json", "--no-progress", "--out", str(tmp_path / "s")]) == 0
+    base, axes, nproc = seen[0]
+    assert axes == {"tp": [1, 2]} and nproc == 2
+    assert (base.lr, base.steps) == (1e-4, 2)  # the flags
+    assert (base.lr_schedule, base.clip_grad, base.attention, base.seq) == \
+        ("cosine", 1.0, "heads", 64)  # the file
+
+
+# the command line and the sections: a field cannot exist without its flag, nor a flag without
+# its field (but the launcher's and the output's), and train --help shows them by section
+CLI_ONLY = {"--help", "--debug", "--config", "--print-config", "--nproc", "--plan", "--json",
+            "--launch-timeout"}
+
+
+def _train_parser():
+    from ops_transformer.cli.main import build_parser
+
+    parser = build_parser(("train",))
+    return next(a for a in parser._actions if a.dest == "command").choices["train"]
+
+
+def test_every_section_field_has_its_flag_and_every_flag_its_field():
+    from ops_transformer.training.config import PARALLEL_FIELDS, SECTIONS, flag_of, section_flags
+
+    train = _train_parser()
+    options = {s for a in train._actions for s in a.option_strings if s.startswith("--")}
+    fields_with_flags = set(section_flags())
+    assert fields_with_flags <= options, sorted(fields_with_flags - options)
+    assert options - fields_with_flags == CLI_ONLY
+    file_only = {(name, f.name) for name, kind in SECTIONS.items()
+                 for f in dataclasses.fields(kind) if not flag_of(f).startswith("--")}
+    assert file_only == {("model", "layers"), ("run", "sample_tokens"), ("run", "sample_prompt")}
+    assert len(fields_with_flags) == sum(len(dataclasses.fields(k)) for k in SECTIONS.values()) \
+        - len(file_only) + len(PARALLEL_FIELDS)
+
+
+def test_train_help_groups_the_flags_by_section():
+    from ops_transformer.training.config import section_flags
+
+    train = _train_parser()
+    groups = {g.title: {s for a in g._group_actions for s in a.option_strings}
+              for g in train._action_groups}
+    for flag, section in section_flags().items():
+        assert flag in groups[section], (flag, section)
+    text = train.format_help()
+    heads = [line.rstrip(":") for line in text.splitlines() if line.rstrip(":") in groups]
+    assert heads == ["options", *SECTION_ORDER, "launch and output"]
+    assert "  [layout] The rank grid" in text
+
+
+def test_each_flags_choices_and_default_are_its_fields():
+    """The flags take their choices and defaults from the sections (defined once): an argparse
+    default is the field's, or unset (``None``: the field's default applies, and the flag counts
+    as not given)."""
+    from ops_transformer.training.config import PARALLEL_FIELDS, SECTIONS, flag_of
+
+    by_flag = {a.option_strings[0]: a for a in _train_parser()._actions if a.option_strings}
+    defaults = RunConfig().train_fields()
+    checked = 0
+    for name, kind in SECTIONS.items():
+        for f in dataclasses.fields(kind):
+            action = by_flag.get(flag_of(f))
+            if action is None or flag_of(f) == "--no-progress":  # the inverted store_true
+                continue
+            train = f.metadata.get("train_field") or f.name
+            assert action.default in (None, defaults[train]), (flag_of(f), action.default)
+            if action.choices is not None and f.metadata.get("choices") is not None:
+                assert set(action.choices) <= set(f.metadata["choices"]), flag_of(f)
+            checked += 1
+    for option, train in PARALLEL_FIELDS.items():
+        action = by_flag["--" + train.replace("_", "-")]
+        assert action.default in (None, getattr(ParallelOptions(), option)), train
+        if action.choices is not None:
+            from ops_transformer.schema.parallel_options import CHOICES
+
+            assert set(action.choices) <= set(CHOICES[option]), train
+        checked += 1
+    assert checked > 40
+
+
+def test_a_field_without_its_flag_stops_the_parser(monkeypatch):
+    from ops_transformer.cli import train_flags
+
+    monkeypatch.setitem(train_flags.FLAGS, "run", {k: v for k, v in train_flags.FLAGS["run"].items()
+                                                   if k != "seed"})
+    with pytest.raises(RuntimeError, match=r"fields without a flag \[\('run', 'seed'\)\]"):
+        _train_parser()
+    monkeypatch.setitem(train_flags.FLAGS, "run", {**train_flags.FLAGS["run"], "seed": {"help": ""},
+                                                   "nope": {"help": ""}})
+    with pytest.raises(RuntimeError, match=r"flags without a field \[\('run', 'nope'\)\]"):
+        _train_parser()

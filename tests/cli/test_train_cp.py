@@ -35,6 +35,9 @@ def test_train_cp2_has_the_one_process_losses(tmp_path, capsys):
      "world size 4 is not divisible by tp (4) × ep (1) × cp (2) = 8"),
     (["train", "--nproc", "8", "--cp", "2", "--tp", "4", "--seq", "20", "--sequence-parallel"],
      "--seq (20) must be divisible by cp × tp (8)"),
+    (["train", "--nproc", "4", "--cp", "4", "--cp-strategy", "ulysses", "--preset", "llama-tiny"],
+     "--cp-strategy ulysses --cp 4: context_parallel='ulysses' splits the heads over cp (4): cp "
+     "must divide this rank's KV heads (2)"),
 ])
 def test_train_cp_errors_are_one_line(argv, needle, capsys):
     assert main(argv) == 2

@@ -204,32 +204,21 @@ def test_lora_under_cp_equals_one_process(run_ranks, tp):
         assert averaged == [(2, trainable)], (averaged, trainable)  # one bucket, over cp
 
 
-def _lora_dropout_refused():
-    from ops_transformer import lora
+def _hf_dropout_refused():
+    import hf_tiny
 
     ctx = init_parallel(cp=2)
-    with pytest.raises(ValueError, match=r"does not compose with LoRA dropout > 0 yet"):
-        parallelize(GPT(preset("tiny")), ctx, lora={"rank": 4, "dropout": 0.1})
-    model = parallelize(GPT(preset("tiny")), ctx)
-    with pytest.raises(ValueError, match=r"\(cp=2\) does not compose with LoRA dropout > 0 yet"):
-        lora(model, ctx, rank=4, dropout=0.1)
+    model = hf_tiny.build("llama").float()
+    model.config.attention_dropout = 0.1
+    with pytest.raises(ValueError, match=r"\(cp=2\) does not compose with a Hugging Face "
+                                         r"model's attention dropout > 0 yet: Hugging Face"):
+        parallelize(model, ctx)
     return True
 
 
-def test_lora_dropout_under_cp_is_one_line(run_ranks):
-    """Each cp rank would draw the adapter's dropout masks for its own tokens (not those of one
-    process): refused, in parallelize and in ot.lora."""
-    assert all(run_ranks(_lora_dropout_refused, 2))
-
-
-def _limits_refused():
-    ctx = init_parallel(cp=2)
-    for cfg, why in ((dict(dropout=0.1), "draws no one-device dropout mask"),
-                     (dict(n_experts=4), "capacity queues the global batch's tokens")):
-        with pytest.raises(ValueError, match=why):
-            parallelize(GPT(preset("tiny", **cfg)), ctx)
-    return True
-
-
-def test_dropout_and_moe_under_cp_are_refused_with_the_reason(run_ranks):
-    assert all(run_ranks(_limits_refused, 2))
+@pytest.mark.slow  # transformers' import in each rank (~15 s)
+def test_hf_attention_dropout_under_cp_is_one_line(run_ranks):
+    """A Hugging Face model keeps its own attention dropout, whose masks no rank can split: one
+    line (the reference GPT's dropout and LoRA dropout run under cp:
+    tests/parallelize/test_context_parallel_dropout.py)."""
+    assert all(run_ranks(_hf_dropout_refused, 2))

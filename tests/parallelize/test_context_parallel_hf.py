@@ -50,7 +50,9 @@ def _cp_vs_dense(family, tp, strategy):
 
 
 @pytest.mark.parametrize("family,tp,strategy", [("llama", 1, "ring"), ("llama", 1, "allgather_kv"),
-                                                ("llama", 2, "ring"), ("qwen2", 1, "ring")])
+                                                ("llama", 2, "ring"), ("qwen2", 1, "ring"),
+                                                pytest.param("llama", 1, "ulysses",
+                                                             marks=pytest.mark.slow)])
 def test_hf_context_parallel_equals_one_device(run_ranks, family, tp, strategy):
     for losses, ref, worst, name in run_ranks(_cp_vs_dense, 2 * tp, family, tp, strategy):
         for mine, theirs in zip(losses, ref):

@@ -273,7 +273,7 @@ def _adamw_dense(steps, max_norm, lr=1e-3):
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _zero_run(zero, steps, max_norm, lr=1e-3):
+def _zero_run(zero, steps, max_norm, lr=1e-3, schedule="1f1b", v=1):
     """pp 2 × dp 2 (4 ranks), ZeRO ``zero``: ``steps`` AdamW steps with clipping through
     ``optimizer_step``; the losses, the gradient norms and the parameters after, by name."""
     from ops_transformer import optimizer_step, zero_optimizer
@@ -282,8 +282,14 @@ def _zero_run(zero, steps, max_norm, lr=1e-3):
     ctx = init_parallel(pp=2, dp=2)
     torch.manual_seed(0)
     model = parallelize(GPT(CFG), ctx)
-    pipe = pipeline(model, ctx, "1f1b", microbatches=2)
-    opt = zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, lr=lr)
+    pipe = pipeline(model, ctx, schedule, microbatches=2, stages_per_rank=v)
+    if zero == 3:  # FSDP2 per stage: each stage module a root, pipelining drives its syncs
+        from ops_transformer.memory.fsdp import shard_parameters
+
+        shard_parameters(model, ctx)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    else:
+        opt = zero_optimizer(model, ctx, torch.optim.AdamW, stage=zero, lr=lr)
     losses, norms = [], []
     for idx, y in _data(steps):
         idx, y = idx.chunk(2)[ctx.dp_rank], y.chunk(2)[ctx.dp_rank]  # this replica's rows
@@ -292,18 +298,26 @@ def _zero_run(zero, steps, max_norm, lr=1e-3):
                                 metrics=pipe.step_metrics(idx, y))
         losses.append(report.metrics["loss"])
         norms.append(report.grad_norm)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
     return ctx.pp_rank, losses, norms, params
 
 
-@pytest.mark.parametrize("zero", [1, 2])
-def test_pp2_dp2_zero_equals_one_process(run_ranks, zero):
+def _full(param):
+    """A ZeRO-3 (FSDP2) shard gathered over dp; any other parameter as it is."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+@pytest.mark.parametrize("zero,schedule,v", [(1, "1f1b", 1), (2, "1f1b", 1), (3, "1f1b", 1),
+                                             pytest.param(3, "interleaved", 2,
+                                                          marks=pytest.mark.slow)])
+def test_pp2_dp2_zero_equals_one_process(run_ranks, zero, schedule, v):
     """pp 2 × dp 2 with ZeRO-1/2 equals one process (plain AdamW, torch's clipping): losses,
     norms before clipping and every updated parameter after 3 steps. The traps: the tied
     embedding's gradient is summed between the end stages *before* ZeRO-2's reduce-scatter cuts it
     into chunks, and its last-stage copy stays out of ZeRO's share of the norm."""
     want_losses, want_norms, dense = _adamw_dense(3, 0.05)
-    for pp_rank, losses, norms, params in run_ranks(_zero_run, 4, zero, 3, 0.05):
+    for pp_rank, losses, norms, params in run_ranks(_zero_run, 4, zero, 3, 0.05, 1e-3, schedule,
+                                                    v):
         assert losses == pytest.approx(want_losses, rel=1e-5), pp_rank
         assert norms == pytest.approx(want_norms, rel=1e-5), pp_rank
         for name, value in params.items():
@@ -430,3 +444,107 @@ def _lora_after_split():
 
 def test_lora_after_the_split_is_refused(run_ranks):
     assert all(run_ranks(_lora_after_split, 2))
+
+
+def _accumulated(cfg, n, m, dense_grads):
+    """pp 2 with ``grad_accum=n``: n schedules of m micro-batches per step."""
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    pipe = pipeline(model, ctx, "1f1b", microbatches=m)
+    with CommLedger() as led:
+        (idx, y), = _data(1)
+        loss = pipe.step(idx, y, grad_accum=n)
+    grads = {n_: (p.grad.clone(), dense_grads[_dense_name(n_, cfg)])
+             for n_, p in model.named_parameters()}
+    sends = sum(r.kind == "send" for r in led.records if r.label == "pp_boundary")
+    return None if loss is None else loss.item(), grads, sends
+
+
+def test_pp2_grad_accum_equals_dense(run_ranks):
+    """Micro-batches of micro-batches: 2 schedules of 2 micro-batches, each piece's loss
+    CE / 4, the tied sum and the reducers once: the dense batch's loss and gradients."""
+    dense_losses, dense_grads = _dense(CFG, 1)
+    results = run_ranks(_accumulated, 2, CFG, 2, 2, dense_grads)
+    assert results[0][0] is None and abs(results[1][0] - dense_losses[0]) <= RTOL * dense_losses[0]
+    for _, grads, sends in results:
+        assert sends == 2 * 2  # per rank: n · m sends (activations forward or gradients back)
+        for name, (grad, want) in grads.items():
+            assert_rel(grad, want, RTOL, name)
+
+
+def test_pp_grad_accum_must_divide_the_batch(run_ranks):
+    def bad():
+        ctx = init_parallel(pp=2)
+        torch.manual_seed(0)
+        pipe = pipeline(GPT(CFG), ctx, "1f1b", microbatches=2)
+        idx = torch.zeros(6, T, dtype=torch.long)
+        with pytest.raises(ValueError, match=r"the batch \(6 rows\) is not divisible by "
+                                             r"grad_accum \(2\) × microbatches \(2\)"):
+            pipe.step(idx, idx, grad_accum=2)
+        return True
+
+    assert run_ranks(bad, 2) == [True, True]
+
+
+def _dropout_run(pp, tp, schedule="1f1b", v=1, m=2, grad_accum=1, recompute="none", steps=2,
+                 sequence_parallel=False, want=None):
+    """Dropout 0.1 in training mode: the losses and the first step's gradients by name, at
+    pp × tp (pp 1: one forward of the whole batch, the one-device masks)."""
+    torch.set_num_threads(1)
+    ctx = init_parallel(pp=pp, tp=tp)
+    cfg = ROPE.with_(dropout=0.1)
+    torch.manual_seed(0)
+    model = parallelize(GPT(cfg), ctx, recompute=recompute, sequence_parallel=sequence_parallel)
+    pipe = pipeline(model, ctx, schedule, microbatches=m, stages_per_rank=v) if pp > 1 else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, grads = [], None
+    for idx, y in _data(steps):
+        opt.zero_grad()
+        if pipe is None:
+            loss = model(idx, y)[1]
+            loss.backward()
+        else:
+            loss = pipe.step(idx, y, grad_accum=grad_accum)
+        if grads is None:  # (with the one device's: this rank's part of each gradient)
+            grads = {n: (p.grad.clone(), None if want is None else local_part(p, want[n][0]))
+                     for n, p in model.named_parameters()}
+        losses.append(None if loss is None else loss.item())
+        opt.step()
+    return ctx.pp_rank, ctx.tp_rank, losses, grads, torch.rand(()).item()
+
+
+@pytest.mark.parametrize("schedule,v,grad_accum", [("1f1b", 1, 1), ("interleaved", 2, 2)])
+def test_pp2_dropout_equals_one_device(run_ranks, schedule, v, grad_accum):
+    """Dropout under pp draws the one-device masks: each stage's forward of a micro-batch seeks
+    the seeds one device draws before its first site and takes the micro-batch's rows."""
+    ref = run_ranks(_dropout_run, 1, 1, 1)[0]
+    results = run_ranks(_dropout_run, 2, 2, 1, schedule, v, 2, grad_accum, want=ref[3])
+    _, _, want_losses, _, want_rng = ref
+    plain = _dense(ROPE, 2)[0]  # the same model without dropout: the masks do matter
+    assert abs(want_losses[0] - plain[0]) > 1e-3 * plain[0]
+    for pp_rank, _, losses, grads, rng in results:
+        if losses[0] is not None:
+            assert losses == pytest.approx(want_losses, rel=RTOL), pp_rank
+        for name, (grad, want) in grads.items():
+            assert_rel(grad, want, RTOL, f"pp rank {pp_rank}: {name}")
+        assert rng == want_rng  # the generator where one device's is after the steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [dict(sequence_parallel=True, recompute="full"),
+                                     dict(recompute="selective")])
+def test_pp2_tp2_dropout_equals_one_device(run_ranks, options):
+    """pp 2 × tp 2 with dropout: the heads' and the tokens' (SP) parts of the one-device masks,
+    recompute replaying them."""
+    ref = run_ranks(_dropout_run, 1, 1, 1)[0]
+    results = run_ranks(_dropout_run, 4, 2, 2, "1f1b", 1, 2, 1, options.get("recompute", "none"),
+                        2, options.get("sequence_parallel", False), want=ref[3])
+    _, _, want_losses, _, want_rng = ref
+    for pp_rank, tp_rank, losses, grads, rng in results:
+        if losses[0] is not None:
+            assert losses == pytest.approx(want_losses, rel=RTOL), pp_rank
+        for name, (grad, want) in grads.items():
+            assert_rel(grad, want, RTOL, f"pp rank {pp_rank}, tp rank {tp_rank}: {name}")
+        assert rng == want_rng

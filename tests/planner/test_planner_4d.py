@@ -192,31 +192,46 @@ def test_first_stage_holds_p_micro_batches_of_its_layers():
 def test_runtime_refuses_pp_and_cp_in_one_line():
     assert runtime_problem(tp=2, dp=2, pp=4) is None  # train --pp runs it
     assert runtime_problem(tp=2, dp=2, pp=4, zero_stage=2) is None  # ZeRO-1/2 per stage
-    assert runtime_problem(tp=2, dp=2, pp=4, zero_stage=3) == (
-        "--pp 4 does not combine with --zero 3 yet: drop one of them")
+    assert runtime_problem(tp=2, dp=2, pp=4, zero_stage=3) is None  # FSDP2 per stage
     assert runtime_problem(tp=2, dp=2, pp=2, cp=2) == (
         "--pp 2 does not combine with --cp yet: drop one of them")
     assert runtime_problem(tp=1, dp=2, cp=2) is None  # train --cp runs it
     assert runtime_problem(tp=1, dp=2, cp=2, zero_stage=2) is None  # ZeRO over dp × cp
-    assert runtime_problem(tp=1, dp=1, cp=2, experts=8).startswith(
-        "--cp 2 does not combine with an MoE model yet: an expert's capacity")
+    assert runtime_problem(tp=1, dp=1, cp=2, experts=8) is None  # MoE over the whole rows
     layout = chosen_layout({"tp": 2, "dp": 2, "cp": 2, "attention": "heads",
                             "cp_strategy": "allgather_kv"})
     assert layout["cp"] == 2 and layout["cp_strategy"] == "allgather_kv"  # train --plan runs it
     assert runtime_problem(tp=2, dp=2) is None
-    with pytest.raises(ValueError, match="a pipelined plan \\(pp 2\\) is not run from the plan"):
-        chosen_layout({"tp": 2, "dp": 2, "pp": 2, "attention": "heads"})
+    piped = chosen_layout({"tp": 2, "dp": 2, "pp": 2, "attention": "heads", "schedule":
+                           "interleaved", "virtual_stages": 2, "micro_batch": 1})
+    assert (piped["pp"], piped["pp_schedule"], piped["stages_per_rank"], piped["micro_batch"]) \
+        == (2, "interleaved", 2, 1)  # train --plan runs it
+    with pytest.raises(ValueError, match="--pp 2 does not combine with --cp yet"):
+        chosen_layout({"tp": 1, "dp": 1, "pp": 2, "cp": 2, "attention": "heads"})
     assert chosen_layout({"tp": 2, "dp": 2, "attention": "heads"})["pp"] == 1
 
 
-def test_train_plan_refuses_a_pipelined_plan(tmp_path, capsys):
+def test_train_plan_runs_a_pipelined_plan(tmp_path, capsys):
+    """``train --plan`` of a plan with pp: its pp, schedule, virtual stages and micro-batch size
+    (``--batch`` rows per dp rank in micro-batches of the plan's size) run as written — the
+    losses of the same run given by flags; a conflicting ``--pp`` is one line."""
     plan = tmp_path / "pp.json"
-    assert main(["plan", "--model", "llama3-8b", "--gpu", "h100-sxm", "--tp", "2", "--dp", "2",
-                 "--pp", "2", "--out", str(plan)]) == 0
+    assert main(["plan", "--model", "tiny", "--gpu", "local", "--gpus", "2", "--tp", "1",
+                 "--dp", "1", "--pp", "2", "--schedule", "1f1b", "--micro-batch", "2",
+                 "--batch", "4", "--seq", "32", "--out", str(plan)]) == 0
+    run = ["--preset", "tiny", "--batch", "4", "--seq", "32", "--steps", "2", "--no-progress",
+           "--nproc", "2"]
+    assert main(["train", "--plan", str(plan), *run, "--out", str(tmp_path / "plan")]) == 0
+    assert main(["train", "--pp", "2", "--pp-schedule", "1f1b", "--microbatches", "2", *run,
+                 "--out", str(tmp_path / "flags")]) == 0
+    planned, flagged = (json.loads((tmp_path / d / "metrics.json").read_text())
+                        for d in ("plan", "flags"))
+    assert (planned["pp"], planned["pp_schedule"], planned["microbatches"]) == (2, "1f1b", 2)
+    assert planned["losses"] == flagged["losses"]
     capsys.readouterr()
-    assert main(["train", "--plan", str(plan), "--nproc", "8", "--steps", "1"]) == 2
+    assert main(["train", "--plan", str(plan), *run, "--microbatches", "4"]) == 2
     err = capsys.readouterr().err
-    assert "a pipelined plan (pp 2) is not run from the plan file yet" in err
+    assert "sets --microbatches 2, but also --microbatches 4 was given" in err
     assert len(err.strip().splitlines()) == 1
 
 

@@ -5,14 +5,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..checkpoint import adapters as lora_export
-from ..checkpoint import export as ex
-from ..checkpoint import store
-from ..checkpoint.reader import UnsafeCheckpointError
-from ..training.checkpoints import REBALANCE
-from ..training.loop import TrainConfig
 from ..utils.progress import format_table
 from ._common import print_json, refuse_torchrun, replacing_output
+from .train_args import add_checkpoint_arguments, checkpoint_settings  # noqa: F401 (train's)
 
 HELP = "inspect a sharded checkpoint, or export its dense weights"
 
@@ -42,42 +37,6 @@ def add_parser(p) -> None:
                         "non-empty --out is refused")
     export.add_argument("--base", metavar="DIR", help="with --merge: the base model directory, "
                         "when it is no longer where training read it")
-
-
-def add_checkpoint_arguments(p) -> None:
-    """The checkpoint flags of ``train``."""
-    p.add_argument("--ckpt-dir", help="write sharded checkpoints here (docs/checkpoints.md)")
-    defaults = TrainConfig()
-    p.add_argument("--save-every", type=int, default=defaults.save_every, help="checkpoint every "
-                   f"N steps (default {defaults.save_every}: only after the last step)")
-    p.add_argument("--resume", nargs="?", const=True, default=False, choices=(True, "strict"),
-                   metavar="strict", help="continue from the latest checkpoint in --ckpt-dir if "
-                   "there is one (the same command starts and restarts a job); a damaged latest "
-                   "one is skipped with a warning for the newest that verifies, unless "
-                   "'--resume strict'")
-    p.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
-                   help="with --nproc: restart all ranks after a failure this many times "
-                   "(torchrun: use its own --max-restarts)")
-    p.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints,
-                   help=f"newest checkpoints kept (default {defaults.keep_checkpoints})")
-    p.add_argument("--on-save-error", choices=("stop", "continue"), default=defaults.on_save_error,
-                   help="when a checkpoint cannot be saved (a full disk): stop the run (default), "
-                   "or warn and go on training (the next save tries again)")
-    p.add_argument("--rebalance", choices=REBALANCE, default=defaults.rebalance,
-                   help="--resume on another number of ranks: 'auto' re-plans the layout (tp "
-                   "and ep kept when they fit) and the gradient accumulation so that the global "
-                   "batch, the micro-batch and the sample order stay the run's; 'off' runs the "
-                   f"layout given (default {defaults.rebalance})")
-    p.add_argument("--elastic", action="store_true", help="with --nproc, --ranks-per-node and "
-                   "--max-restarts: a restart drops the node whose ranks died and continues on "
-                   "the others, rebalanced (torchrun: --nnodes MIN:MAX)")
-
-
-def checkpoint_settings(args) -> dict:
-    """The ``TrainConfig`` fields of the checkpoint flags (absent flags: the defaults)."""
-    names = ("ckpt_dir", "save_every", "resume", "max_restarts", "keep_checkpoints",
-             "on_save_error", "rebalance", "elastic")
-    return {n: getattr(args, n) for n in names if hasattr(args, n)}
 
 
 def _size(n: int) -> str:
@@ -122,6 +81,8 @@ def _batch_split(meta: dict) -> str:
 
 
 def _inspect(args) -> int:
+    from ..checkpoint import export as ex
+
     info = ex.describe_root(Path(args.dir), check=not args.no_verify)
     if args.json:
         print_json(info)
@@ -141,6 +102,8 @@ def _inspect(args) -> int:
 def _refuse_unsafe(info: dict) -> None:
     """A checkpoint whose pickles ask for more than checkpoints hold is an error (exit 2), after
     the table: it is crafted, not damaged."""
+    from ..checkpoint.reader import UnsafeCheckpointError
+
     unsafe = [c for c in info["checkpoints"] if c.get("unsafe")]
     if unsafe:
         more = f" ({len(unsafe) - 1} more)" if len(unsafe) > 1 else ""
@@ -148,6 +111,9 @@ def _refuse_unsafe(info: dict) -> None:
 
 
 def _export(args) -> int:
+    from ..checkpoint import export as ex
+    from ..checkpoint import store
+
     out = Path(args.out)
     path = store.resolve(args.dir, args.step)
     manifest = store.read_manifest(path)  # small: no tensors read
@@ -171,6 +137,9 @@ def _export(args) -> int:
 
 def _export_lora(args, out: Path, path: Path, manifest: dict) -> int:
     """``--adapter`` / ``--merge`` of a LoRA checkpoint (which holds its adapters only)."""
+    from ..checkpoint import adapters as lora_export
+    from ..checkpoint import export as ex
+
     info = lora_export.lora_info(manifest, path)
     if not (args.adapter or args.merge):
         raise ValueError(f"checkpoint {path} holds LoRA adapters only (rank {info['rank']} on "

@@ -1,22 +1,28 @@
-"""``ops-transformer diagnose``: what is wrong with a training configuration, and the fix."""
+"""``ops-transformer diagnose``: what is wrong with a training configuration, and the fix. (Its
+command line is train's, torch-free; the profiler is imported when the command runs.)"""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..profiler.diagnose import SEVERITIES
-from ..profiler.run import check_measuring_only, dense_diagnostics, diagnose_worker
 from ..utils.progress import format_table
-from . import train as train_cli
+from . import train_args
 from ._common import launch_timeout, print_json
 
 HELP = ("diagnose a training configuration (options as train): sizes vs tp and Tensor-Core "
         "tiles, host syncs, redundant or small collectives, exposed communication, imbalance")
 
 
+def add_run_arguments(p) -> None:
+    """The options of the run that diagnose checks: train's (and ``--config``)."""
+    p = train_args.SectionGroups(p)  # grouped by the run's sections, as train's
+    train_args.add_config_argument(p, "diagnose")
+    train_args.add_training_arguments(p)
+    train_args.add_model_argument(p, "diagnose")
+
+
 def add_parser(p) -> None:
-    train_cli.add_training_arguments(p)
-    train_cli.add_model_argument(p, "diagnose")
+    add_run_arguments(p)
     p.add_argument("--static", action="store_true", help="only the checks on the model's sizes "
                    "(no step is run)")
 
@@ -31,8 +37,12 @@ def table(found: list[dict]) -> str:
 
 
 def run(args) -> int:
+    from ..profiler.diagnose import SEVERITIES
+    from ..profiler.run import check_measuring_only, dense_diagnostics, diagnose_worker
+    from . import train as train_cli
+
     train_cli.model_or_preset(args)
-    cfg = replace(train_cli.config_from_args(args, "diagnose"), out=None)  # it writes no file
+    cfg = replace(train_cli.config_from_args(args, "diagnose", add_run_arguments), out=None)  # it writes no file
     check_measuring_only(cfg, "diagnose")
     found = dense_diagnostics(cfg, cfg.tp)
     if not args.static and not any(d["severity"] == "error" for d in found):

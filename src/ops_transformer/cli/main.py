@@ -10,35 +10,45 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import importlib.metadata
 import sys
 
 from .._version import __version__
-from . import calibrate, checkpoint, demo, embed, generate, plan, train
-from . import bench, diagnose, memory, profile, sweep
-from . import check
 from ..launch.local import RankError
 from ._common import error_line, one_line_warnings, quiet_unless_lead
 
-COMMANDS = {"demo": demo, "train": train, "generate": generate, "embed": embed, "plan": plan,
-            "calibrate": calibrate, "profile": profile, "diagnose": diagnose, "sweep": sweep,
-            "bench": bench}
-COMMANDS["memory"] = memory
-COMMANDS["checkpoint"] = checkpoint
-COMMANDS["check"] = check
+# command → (the module of its command line, the module that runs it), both under cli/: a
+# command's modules are imported only when it is the one that runs (its parser module imports no
+# torch: ``train --help`` and an argument error are quick); ``check_args(args)`` of the parser
+# module, where there is one, runs before the run module is imported.
+COMMANDS = {"demo": ("demo", "demo"), "train": ("train_args", "train"),
+            "generate": ("generate", "generate"), "embed": ("embed", "embed"),
+            "plan": ("plan", "plan"), "calibrate": ("calibrate", "calibrate"),
+            "profile": ("profile", "profile"), "diagnose": ("diagnose", "diagnose"),
+            "sweep": ("sweep", "sweep"), "bench": ("bench", "bench"),
+            "memory": ("memory", "memory"), "checkpoint": ("checkpoint", "checkpoint"),
+            "check": ("check", "check")}
 DEBUG_HELP = "show the traceback of an error instead of one line"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import torch
+def command_module(name: str, part: int = 0):
+    """The module of command ``name``'s command line (``part`` 0) or of its run (1)."""
+    return importlib.import_module(f"{__package__}.{COMMANDS[name][part]}")
 
+
+def build_parser(commands=tuple(COMMANDS)) -> argparse.ArgumentParser:
+    """The command line of ``commands`` (default: every one) — :func:`main` builds the one
+    command it runs, importing no other command's modules."""
     parser = argparse.ArgumentParser(
         prog="ops-transformer",
         description="Exact, low-overhead tensor parallelism for Transformers on PyTorch.")
     parser.add_argument("--version", action="version",
-                        version=f"ops-transformer {__version__} (torch {torch.__version__})")
+                        version=f"ops-transformer {__version__} (torch {_torch_version()})")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in COMMANDS.items():
+    for name in commands:
+        module = command_module(name)
         command = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_parser(command)
         # also after the command; SUPPRESS keeps the value given before it
@@ -47,13 +57,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torch_version() -> str:
+    try:  # the installed distribution's metadata: no import of torch
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def commands_of(argv: list[str]) -> tuple[str, ...]:
+    """The commands whose parsers ``argv`` needs: the one it names (its first word that is not an
+    option), none for ``--version`` alone, else every one (``--help``, a mistyped command)."""
+    words = [a for a in argv if not a.startswith("-")]
+    if words and words[0] in COMMANDS:
+        return (words[0],)
+    return () if not words and "--version" in argv else tuple(COMMANDS)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # what resumes an interrupted run
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(commands_of(argv)).parse_args(argv)
+    args.argv = argv  # what resumes an interrupted run
     try:
         with quiet_unless_lead(), (contextlib.nullcontext() if args.debug
                                    else one_line_warnings(args.command)):
-            return COMMANDS[args.command].run(args) or 0
+            check = getattr(command_module(args.command), "check_args", None)
+            if check is not None:  # before the run's modules (and torch) are imported
+                check(args)
+            return command_module(args.command, 1).run(args) or 0
     except ValueError as exc:
         if args.debug:
             raise

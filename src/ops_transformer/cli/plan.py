@@ -65,8 +65,8 @@ def add_parser(p) -> None:
     g.add_argument("--micro-batch", type=int, help="sequences per forward pass (default 1)")
     g.add_argument("--attention", choices=ATTENTION_STRATEGIES, help="attention strategy "
                    "(default heads)")
-    g.add_argument("--pp", type=int, help="pipeline stages (priced; train does not run pp > 1 "
-                   "yet)")
+    g.add_argument("--pp", type=int, help="pipeline stages (priced; train --plan runs them: "
+                   "docs/pipeline.md)")
     g.add_argument("--cp", type=int, help="context-parallel ranks (priced; train does not run "
                    "cp > 1 yet)")
     g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")

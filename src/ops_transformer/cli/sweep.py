@@ -18,6 +18,8 @@ from ._common import (add_launch_timeout, check_out_dir, launch_timeout, print_j
                       refuse_torchrun)
 from ._calibrated import command_profile
 from ._hf import check_model_dir
+from ._config_file import given_dests
+from ..training.config import load_toml
 
 HELP = ("run several training configurations (comma-separated values per option, every "
         "combination) and compare step time, tokens/s, activation memory, communication and the "
@@ -25,6 +27,10 @@ HELP = ("run several training configurations (comma-separated values per option,
 
 
 def add_parser(p) -> None:
+    p.add_argument("--config", metavar="FILE", help="a run's TOML file (docs/run_config.md; a "
+                   "run's OUT/config.toml too) as every configuration's base: the swept values, "
+                   "--lr, --data and --model given override its fields; its [run] steps are not "
+                   "sweep's --steps")
     for flag in AXES:
         p.add_argument(f"--{flag}", metavar="V1,V2", help=f"values of --{flag} to sweep")
     p.add_argument("--nproc", type=int, help="local ranks for every configuration (default: the "
@@ -88,6 +94,24 @@ def chart(result: dict, path: Path) -> Path:
               f"{result['nproc']} rank(s): median step time", ylabel="ms per step")
 
 
+def base_fields(args) -> dict:
+    """What every configuration starts from: ``--config``'s run (its ``TrainConfig`` fields) under
+    the ``--lr``, ``--data`` and ``--model`` given (flags > file > defaults); without a file, those
+    three flags."""
+    flags = {"lr": args.lr, "data": args.data, "model": args.model}
+    if not getattr(args, "config", None):
+        return flags
+    run, _ = load_toml(args.config)
+    given = given_dests(args, add_parser)
+    if given is None:  # no argv: the flags that differ from the defaults
+        given = {k for k, v in flags.items() if v != getattr(TrainConfig, k)}
+    fields = run.train_fields() | {k: v for k, v in flags.items() if k in given}
+    if "preset" in given and "model" not in given:  # a swept --preset replaces the file's model
+        fields["model"] = None
+    return {k: v for k, v in fields.items() if k not in ("steps", "out", "progress",
+                                                         "sample_tokens")}
+
+
 def run(args) -> int:
     refuse_torchrun("sweep", "launches its own local ranks for each configuration")
     timeout = launch_timeout(args)
@@ -97,12 +121,14 @@ def run(args) -> int:
     axes = _axes(args)
     have = {f.name for f in fields(TrainConfig)}
     fixed = {k: axes.pop(k)[0] for k in list(axes) if len(axes[k]) == 1 and k in have}
-    if args.model:
+    start = base_fields(args)
+    model = start["model"]
+    if model:
         if "preset" in axes or "preset" in fixed:
-            raise ValueError(f"--model {args.model!r} and --preset both name the model: give one")
-        check_model_dir(args.model, "sweep --model")
-    base = TrainConfig(steps=args.steps, lr=args.lr, data=args.data, out=None, progress=False,
-                       sample_tokens=0, model=args.model, **fixed)
+            raise ValueError(f"--model {model!r} and --preset both name the model: give one")
+        check_model_dir(model, "sweep --model")
+    base = TrainConfig(**(start | fixed | {"steps": args.steps, "out": None, "progress": False,
+                                           "sample_tokens": 0}))
     nproc = args.nproc or max([base.tp] + axes.get("tp", []))
     out = check_out_dir(args.out or f"runs/sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     count = 1

@@ -26,7 +26,7 @@ from torch import nn
 from . import collectives as C
 from .collectives import ProcessGroup, ReduceOp, group_size
 
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # as data-parallel buckets (DDP's bucket_cap_mb)
+from ..schema.choices import DEFAULT_BUCKET_BYTES
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], group: ProcessGroup | None, *,

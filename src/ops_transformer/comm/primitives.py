@@ -155,14 +155,16 @@ def _all_to_all(x, group, output_splits, input_splits, label):
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
+    def forward(ctx, x, group, output_splits, input_splits, label="all_to_all"):
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        return _all_to_all(x, group, output_splits, input_splits, "all_to_all.fwd")
+        ctx.label = label
+        return _all_to_all(x, group, output_splits, input_splits, f"{label}.fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        back = _all_to_all(grad, ctx.group, ctx.input_splits, ctx.output_splits, "all_to_all.bwd")
-        return back, None, None, None
+        back = _all_to_all(grad, ctx.group, ctx.input_splits, ctx.output_splits,
+                           f"{ctx.label}.bwd")
+        return back, None, None, None, None
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -209,8 +211,9 @@ def reduce_scatter_along(x: torch.Tensor, group: ProcessGroup | None, dim: int =
 
 def all_to_all(x: torch.Tensor, group: ProcessGroup | None, *,
                output_splits: list[int] | None = None,
-               input_splits: list[int] | None = None) -> torch.Tensor:
+               input_splits: list[int] | None = None, label: str = "all_to_all") -> torch.Tensor:
     """All-to-all along dim 0; uneven when split sizes are given. Backward swaps the splits.
+    The ledger labels the calls ``{label}.fwd`` / ``{label}.bwd``.
 
     ``input_splits[r]`` rows of ``x`` go to rank ``r``; ``output_splits[r]`` rows arrive from rank
     ``r``. With ``None`` splits, dim 0 must divide by the group size.
@@ -227,4 +230,4 @@ def all_to_all(x: torch.Tensor, group: ProcessGroup | None, *,
     elif sum(input_splits) != x.shape[0]:
         raise ValueError(f"all_to_all: input_splits {list(input_splits)} sum to "
                          f"{sum(input_splits)}, but dim 0 of the input has size {x.shape[0]}")
-    return _AllToAll.apply(x, group, output_splits, input_splits)
+    return _AllToAll.apply(x, group, output_splits, input_splits, label)

@@ -62,7 +62,7 @@ def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
     """``(offset, size)`` of ``min(chunks, rows)`` pieces of ``rows`` (sizes differ by at most
     one, the larger first; one empty piece for no rows)."""
     chunks = max(1, min(chunks, rows))
-    base, extra = divmod(rows, chunks)
+    base, extra = rows // chunks, rows % chunks  # (not divmod: Dynamo cannot trace it on a SymInt)
     out, offset = [], 0
     for i in range(chunks):
         size = base + (i < extra)

@@ -46,6 +46,9 @@ from ..comm.collectives import group_rank, group_size
 from ..comm.primitives import all_gather_along
 from ..comm.ring import ring_shift
 from ..models.documents import document_mask, document_runs
+from .context_dropout import AttentionDropout, block_dropout, explicit_attention
+from .dropout import Layout, draw_seed, head_tail_positions
+from .ulysses import ulysses_attention
 from ..planner.context_parallel import CP_STRATEGIES, check_sequence, check_strategy
 
 NEG_INF = float("-inf")
@@ -58,9 +61,7 @@ def head_tail_chunks(cp_rank: int, cp: int) -> tuple[int, int]:
 
 def local_positions(seq_local: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
     """The positions in the whole sequence of the ``seq_local`` tokens rank ``cp_rank`` holds."""
-    c = seq_local // 2
-    return torch.cat([torch.arange(k * c, (k + 1) * c, device=device)
-                      for k in head_tail_chunks(cp_rank, cp)])
+    return head_tail_positions(seq_local, cp_rank, cp, device)
 
 
 def shard_sequence(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
@@ -157,7 +158,7 @@ class _RingAttention(torch.autograd.Function):
     ``(B, nkv, S, d)`` with ``S`` this rank's two chunks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, runs):
+    def forward(ctx, q, k, v, group, causal, scale, runs, drop):
         p, r = group_size(group), group_rank(group)
         B, H, S, D = q.shape
         nkv, acc = k.shape[1], _acc_dtype(q.dtype)
@@ -172,8 +173,10 @@ class _RingAttention(torch.autograd.Function):
                 rows, cols, mask = plan
                 s = _scores(q5[..., rows, :], kv[0][..., cols, :].to(acc), scale, mask)
                 blk_lse = torch.logsumexp(s, -1)
-                blk_out = torch.exp(s - _finite(blk_lse).unsqueeze(-1)) @ \
-                    kv[1][..., cols, :].to(acc).unsqueeze(2)
+                weights = torch.exp(s - _finite(blk_lse).unsqueeze(-1))  # (B, nkv, g, rows, cols)
+                if drop is not None:  # dropout after the softmax: it commutes with the merge
+                    weights = weights * block_dropout(drop, r, (r - step) % p, rows, cols, q5)
+                blk_out = weights @ kv[1][..., cols, :].to(acc).unsqueeze(2)
                 blk_lse, blk_out = blk_lse.to(out.dtype), blk_out.to(out.dtype)
                 old_lse = lse[..., rows]
                 new_lse = torch.logaddexp(old_lse, blk_lse)
@@ -184,7 +187,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = pending.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.runs = group, causal, scale, runs
+        ctx.group, ctx.causal, ctx.scale, ctx.runs, ctx.drop = group, causal, scale, runs, drop
         return out.reshape(B, H, S, D).to(q.dtype)
 
     @staticmethod
@@ -214,8 +217,11 @@ class _RingAttention(torch.autograd.Function):
                 probs = torch.exp(_scores(q5[..., rows, :], k_blk, scale, mask)
                                   - lse[..., rows].unsqueeze(-1))  # (B, nkv, g, rows, cols)
                 do_rows = do5[..., rows, :]
-                dkv[1][..., cols, :] += (probs.transpose(-1, -2) @ do_rows).sum(2)
-                dprobs = do_rows @ v_blk.unsqueeze(2).transpose(-1, -2)
+                dropped, dprobs = probs, do_rows @ v_blk.unsqueeze(2).transpose(-1, -2)
+                if ctx.drop is not None:  # the forward's mask, drawn again from its indices
+                    mask = block_dropout(ctx.drop, r, (r - step) % p, rows, cols, q5)
+                    dropped, dprobs = probs * mask, dprobs * mask
+                dkv[1][..., cols, :] += (dropped.transpose(-1, -2) @ do_rows).sum(2)
                 ds = probs * (dprobs - delta[..., rows].unsqueeze(-1)) * scale
                 dq[..., rows, :] += ds @ k_blk.unsqueeze(2)
                 dkv[0][..., cols, :] += (ds.transpose(-1, -2) @ q5[..., rows, :]).sum(2)
@@ -224,21 +230,21 @@ class _RingAttention(torch.autograd.Function):
                 kv = pending_kv.wait()
         dkv = pending_dkv.wait()  # our own block's, home after p hops
         return (dq.reshape(B, H, S, D).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def ring_attention(q, k, v, group, *, causal: bool = True, scale: float | None = None,
-                   document_ids=None):
+                   document_ids=None, dropout: AttentionDropout | None = None):
     """Ring attention of this rank's queries ``(B, nh, S, d)`` against the whole sequence, whose
     K/V ``(B, nkv, S, d)`` are spread head-tail over ``group``; returns ``(B, nh, S, d)``.
     ``document_ids``: the *whole* sequences' ``(B, cp·S)`` (every rank has them; none travel)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     runs = None if document_ids is None else document_runs(document_ids)
-    return _RingAttention.apply(q, k, v, group, causal, scale, runs)
+    return _RingAttention.apply(q, k, v, group, causal, scale, runs, dropout)
 
 
 def allgather_kv_attention(q, k, v, group, *, causal: bool = True, scale: float | None = None,
-                           document_ids=None):
+                           document_ids=None, dropout: AttentionDropout | None = None):
     """All-gather K/V over ``group``, then this rank's queries against the whole sequence."""
     p, r = group_size(group), group_rank(group)
     S = q.shape[2]
@@ -251,15 +257,20 @@ def allgather_kv_attention(q, k, v, group, *, causal: bool = True, scale: float 
         runs = document_runs(document_ids)
         k_runs = torch.cat([shard_sequence(runs, j, p) for j in range(p)], 1)
         mask = _with_documents(mask, shard_sequence(runs, r, p), k_runs)[:, 0]  # (B, 1, S, pS)
+    if dropout is not None:
+        k_pos = torch.cat([local_positions(S, j, p, q.device) for j in range(p)])
+        return explicit_attention(q, kv[0], kv[1], mask, scale, dropout,
+                                  local_positions(S, r, p, q.device), k_pos, S * p)
     return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask,
                                           is_causal=causal and mask is None, scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
 def context_parallel_attention(q, k, v, group, *, strategy: str = "ring", causal: bool = True,
-                               scale: float | None = None, document_ids=None):
-    """Attention over a sequence split head-tail over ``group`` with ``strategy`` (``ring`` or
-    ``allgather_kv``): this rank's ``(B, nh, S, d)`` queries, ``(B, nkv, S, d)`` keys and values;
+                               scale: float | None = None, document_ids=None,
+                               dropout: AttentionDropout | None = None):
+    """Attention over a sequence split head-tail over ``group`` with ``strategy`` (``ring``,
+    ``allgather_kv`` or ``ulysses``, :mod:`.ulysses`): this rank's ``(B, nh, S, d)`` queries, ``(B, nkv, S, d)`` keys and values;
     ``S`` must be even (two chunks). ``document_ids`` ``(B, cp·S)``: the whole sequences'
     documents (:mod:`ops_transformer.models.documents`); a query never sees another document."""
     check_strategy(strategy)
@@ -275,31 +286,45 @@ def context_parallel_attention(q, k, v, group, *, strategy: str = "ring", causal
         raise ValueError(f"context-parallel attention takes the whole sequences' document_ids: "
                          f"{q.shape[2] * group_size(group)} per row, got "
                          f"{tuple(document_ids.shape)}")
-    fn = ring_attention if strategy == "ring" else allgather_kv_attention
-    return fn(q, k, v, group, causal=causal, scale=scale, document_ids=document_ids)
+    fn = {"ring": ring_attention, "allgather_kv": allgather_kv_attention,
+          "ulysses": ulysses_attention}[strategy]
+    return fn(q, k, v, group, causal=causal, scale=scale, document_ids=document_ids,
+              dropout=dropout)
 
 
 class ContextParallelCore(nn.Module):
     """The attention core (``Attention.core(q, k, v)`` of the reference GPT) over a sequence split
     by the ``cp`` group of ``ctx``: causal, this rank's heads (TP) and its two chunks (CP)."""
 
-    def __init__(self, ctx, strategy: str, reason: str = "", switch=None):
+    def __init__(self, ctx, strategy: str, reason: str = "", switch=None,
+                 dropout: float = 0.0):
         super().__init__()
         check_strategy(strategy)
         self.group, self.cp_size, self.strategy, self.reason = ctx.cp_group, ctx.cp_size, \
             strategy, reason
         self.switch = switch  # ``switch.on`` False: the sequence is whole here (generation)
+        # dropout of the probabilities: the one-device mask of this rank's rows, heads and
+        # blocks (micro_batch_masks moves ``dropout_layout`` under gradient accumulation)
+        self.dropout = dropout
+        self.dropout_layout = Layout("heads", ctx.tp_rank, ctx.tp_size, ctx.dp_ep_rank,
+                                     ctx.dp_ep_size, ctx.cp_rank, ctx.cp_size)
 
     def forward(self, q, k, v, document_ids=None):
         if self.switch is not None and not self.switch.on:  # the whole sequence on every rank
             return context_parallel_attention(q, k, v, None, document_ids=document_ids)
+        drop = None
+        if self.training and self.dropout > 0:  # one seed per call, as the one-device core
+            drop = AttentionDropout(self.dropout, draw_seed(q.device), self.dropout_layout)
         return context_parallel_attention(q, k, v, self.group, strategy=self.strategy,
-                                          document_ids=document_ids)
+                                          document_ids=document_ids, dropout=drop)
 
     def extra_repr(self) -> str:
-        comm = ("ring send_recv of K/V (fwd), K/V and dK/dV (bwd)" if self.strategy == "ring"
-                else "all-gather K/V (fwd), reduce-scatter dK/dV (bwd)")
-        return f"strategy={self.strategy}, cp={self.cp_size}, {comm}"
+        comm = {"ring": "ring send_recv of K/V (fwd), K/V and dK/dV (bwd)",
+                "allgather_kv": "all-gather K/V (fwd), reduce-scatter dK/dV (bwd)",
+                "ulysses": "all-to-all of Q, K/V and the output over heads (fwd and bwd)"
+                }[self.strategy]
+        return f"strategy={self.strategy}, cp={self.cp_size}, {comm}" + (
+            f", dropout={self.dropout:g} (one-device masks per block)" if self.dropout else "")
 
 
 __all__ = ["CP_STRATEGIES", "ContextParallelCore", "allgather_kv_attention",

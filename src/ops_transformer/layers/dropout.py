@@ -23,7 +23,10 @@ only its own elements — skipping ahead costs nothing — so:
 =================== ===================================================== ====================
 
 and data-parallel rank ``d`` holds rows ``[d·b, (d+1)·b)`` of the global batch: ``dp × tp``
-draws the masks of one device running the global batch. The hash (:func:`keep_mask`) is two
+draws the masks of one device running the global batch. Under context parallelism (``cp_rank``
+of ``cp``) dim 1 holds the rank's head-tail chunks of the sequence, whose positions the index
+follows (:meth:`Layout._cp_index`); the attention probabilities' blocks take theirs from
+:meth:`Layout.attention_index` (:mod:`.context_attention`, :mod:`.ulysses`). The hash (:func:`keep_mask`) is two
 rounds of a 32-bit integer mixer (Wellons' ``lowbias32``, a bijection with low bias) over the
 index's two 32-bit halves and the seed's, in place on int32; a value is kept when its 32-bit hash
 is at least ``⌊p·2³²⌋``. It is not a cryptographic generator; its keep rate and independence are tested. The
@@ -119,6 +122,8 @@ class Layout:
     tp: int = 1
     dp_rank: int = 0
     dp: int = 1
+    cp_rank: int = 0  # context parallelism: dim 1 holds this rank's head-tail chunks of cp
+    cp: int = 1
 
     def __post_init__(self):
         if self.kind not in LAYOUTS:
@@ -126,6 +131,8 @@ class Layout:
 
     def index(self, local_shape, device) -> torch.Tensor:
         """The one-device index of every element of a local tensor of ``local_shape``."""
+        if self.cp > 1:
+            return self._cp_index(tuple(local_shape), device)
         b = local_shape[0]
         dense, starts = [b * self.dp, *local_shape[1:]], [self.dp_rank * b] + [0] * (
             len(local_shape) - 1)
@@ -141,6 +148,50 @@ class Layout:
             dense[dim] *= self.tp
             starts[dim] = self.tp_rank * local_shape[dim]
         return block_index(dense, starts, local_shape, device)
+
+    def _cp_index(self, local_shape, device) -> torch.Tensor:
+        """Under context parallelism, a ``(b, s/cp, …)`` tensor whose dim 1 holds this rank's
+        chunks ``r`` and ``2·cp−1−r`` of the sequence (``replicated``), or a ``(b, s/(cp·t), …)``
+        one holding the contiguous ``1/t`` share of those ``b·s/cp`` token rows (``tokens``:
+        sequence parallelism inside cp). Indices in int64."""
+        if self.kind not in ("replicated", "tokens"):
+            raise ValueError(f"dropout layout {self.kind!r} under cp: the attention "
+                             f"probabilities' mask is drawn per block (attention_index)")
+        b, here = local_shape[0], local_shape[1]
+        inner = 1
+        for size in local_shape[2:]:
+            inner *= size
+        s_local = here * (self.tp if self.kind == "tokens" else 1)
+        token = torch.arange(b * here, device=device)  # this tensor's token rows, in order
+        if self.kind == "tokens":
+            token = token + self.tp_rank * b * here
+        row, place = token // s_local, token % s_local
+        position = head_tail_positions(s_local, self.cp_rank, self.cp, device)[place]
+        flat = (self.dp_rank * b + row) * (s_local * self.cp) + position  # (b·here,)
+        index = flat.unsqueeze(-1) * inner + torch.arange(inner, device=device)
+        return index.view(local_shape)
+
+    def attention_index(self, batch: int, heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                        seq: int) -> torch.Tensor:
+        """``(batch, heads, len(q_pos), len(k_pos))`` int64: the one-device indices in the
+        ``(b·dp, heads·t, seq, seq)`` attention probabilities of this rank's rows, its heads
+        (``tp_rank``'s of ``tp``) and the query and key positions given (a context-parallel
+        attention block)."""
+        device = q_pos.device
+        rows = self.dp_rank * batch + torch.arange(batch, device=device)
+        head = self.tp_rank * heads + torch.arange(heads, device=device)
+        bh = rows[:, None] * (heads * self.tp) + head[None, :]  # (b, h)
+        qk = q_pos.long()[:, None] * seq + k_pos.long()[None, :]  # (q, k)
+        return bh[:, :, None, None] * (seq * seq) + qk
+
+
+def head_tail_positions(seq_local: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
+    """The whole-sequence positions of the ``seq_local`` tokens of ``cp_rank``: chunks ``r`` and
+    ``2·cp−1−r`` of ``2·cp`` (the layout of :mod:`.context_attention`, which builds on this
+    module)."""
+    c = seq_local // 2
+    return torch.cat([torch.arange(k * c, (k + 1) * c, device=device)
+                      for k in (cp_rank, 2 * cp - 1 - cp_rank)])
 
 
 class _MaskedScale(torch.autograd.Function):
@@ -200,7 +251,8 @@ class ParallelDropout(nn.Module):
     def extra_repr(self) -> str:
         lay = self.layout
         return (f"p={self.p}, layout={lay.kind}, tp_rank={lay.tp_rank}/{lay.tp}, "
-                f"dp_rank={lay.dp_rank}/{lay.dp}")
+                f"dp_rank={lay.dp_rank}/{lay.dp}" +
+                (f", cp_rank={lay.cp_rank}/{lay.cp} (head-tail)" if lay.cp > 1 else ""))
 
 
 @contextlib.contextmanager

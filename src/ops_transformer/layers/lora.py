@@ -261,7 +261,8 @@ def add_adapter(module: nn.Module, ctx, *, rank: int, alpha: float, dropout: flo
     module.lora_A, module.lora_B = factors["A"], factors["B"]
     module.lora_rank, module.lora_alpha, module.lora_dropout = rank, float(alpha), float(dropout)
     module.lora_layout = Layout("replicated", ctx.tp_rank, ctx.tp_size, ctx.dp_ep_rank,
-                                ctx.dp_ep_size)
+                                ctx.dp_ep_size, getattr(ctx, "cp_rank", 0),
+                                getattr(ctx, "cp_size", 1))  # cp: this rank's head-tail tokens
     module.lora_scaling = alpha / rank
     return module
 

@@ -55,7 +55,7 @@ from .linear import RowParallelLinear, chunks_of, exit_operands
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 
 
-SEQUENCE_PARALLEL_VALUES = (False, True, "regather")
+from ..schema.choices import SEQUENCE_PARALLEL_VALUES
 
 
 def sequence_parallel_mode(value) -> str:

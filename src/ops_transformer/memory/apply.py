@@ -11,7 +11,7 @@ from ..models.hf import transformer_layers
 from .int8_cache import Int8ActivationCache
 from .recompute import apply_recompute, check_recompute
 
-ACTIVATION_CACHES = ("none", "int8")
+from ..schema.choices import ACTIVATION_CACHES
 
 
 def check_activation_cache(activation_cache: str) -> None:

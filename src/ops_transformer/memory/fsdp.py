@@ -10,8 +10,8 @@ one-dimensional sub-mesh of ``ctx.mesh`` (:meth:`~ops_transformer.parallel.Paral
 parameters                  group        FSDP unit
 =========================== ============ ===================================================
 experts (``expert_shard``)  ``dp``       the experts' module of each layer, its own unit;
-                                         gradients divided by ``dp·ep`` (the EP ranks' tokens
-                                         were summed by the all-to-all)
+                            (``× cp``)   gradients divided by ``dp·ep·cp`` (the EP ranks'
+                                         tokens were summed by the all-to-all)
 dense (everything else)     ``dp × ep``  each Transformer layer; the LM head (unless tied to
                                          the embeddings); the root (embeddings, final norm)
 partial gradients (SP norms ``—``        not sharded: averaged by the chain's ``GradSync``
@@ -74,17 +74,20 @@ def shard_parameters(model: nn.Module, ctx, *, reshard_after_forward: bool = Tru
             if not p.is_contiguous() and p not in common["ignored_params"]:
                 p.data = p.data.contiguous()
     units = []
+    roots = state.pipeline_modules or (model,)  # pp: each stage is a root (pipelining runs it)
     for layer in transformer_layers(model):
+        if not any(True for _ in layer.parameters()):  # a layer another pipeline stage holds
+            continue
         if ctx.ep_size > 1 and ctx.dp_size > 1:  # experts over dp, the rest over dp × ep
             for module in _expert_modules(layer):
                 unit = fully_shard(module, mesh=ctx.data_mesh(experts=True), **common)
-                unit.set_gradient_divide_factor(float(ctx.dp_size * ctx.ep_size))
+                unit.set_gradient_divide_factor(float(ctx.dp_size * ctx.ep_size * ctx.cp_size))
                 units.append(unit)
         units.append(fully_shard(layer, mesh=ctx.data_mesh(), **common))
     head = _head(model, common["ignored_params"])
     if head is not None:  # its own unit: gathered last in forward, reduced first in backward
         units.append(fully_shard(head, mesh=ctx.data_mesh(), **common))
-    units.append(fully_shard(model, mesh=ctx.data_mesh(), **common))
+    units += [fully_shard(root, mesh=ctx.data_mesh(), **common) for root in roots]
     for unit in units:
         unit.set_custom_all_gather(LedgerAllGather())
         unit.set_custom_reduce_scatter(LedgerReduceScatter())
@@ -174,11 +177,14 @@ def _step_aside(model: nn.Module, ctx, state, units, unsharded) -> None:
     old = [r for r in (reducers.get("dp"), reducers.get("dp_experts")) if r is not None]
     new = [FSDPGradSync(model, units)]
     dense = [p for p in unsharded if expert_shard(p) is None]
+    experts = [p for p in unsharded if expert_shard(p) is not None]
     dtype = getattr(old[0], "reduce_dtype", None) if old else None
+    buckets = getattr(state.options, "bucket_bytes", DEFAULT_BUCKET_BYTES)
     if dense:
-        new.append(GradSync(dense, ctx.grad_group,
-                            bucket_bytes=getattr(state.options, "bucket_bytes",
-                                                 DEFAULT_BUCKET_BYTES), reduce_dtype=dtype))
+        new.append(GradSync(dense, ctx.grad_group, bucket_bytes=buckets, reduce_dtype=dtype))
+    if experts and ctx.cp_size > 1:  # whole experts (dp 1), replicated over cp: averaged there
+        new.append(GradSync(experts, ctx.expert_grad_group, bucket_bytes=buckets,
+                            reduce_dtype=dtype, name="dp_experts"))
     if old:
         reducers.replace(old[0], new)
         for extra in old[1:]:

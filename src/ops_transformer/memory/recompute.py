@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from ..layers.regions import wrap_own_forward
 from ..models.hf import is_hf, transformer_layers
 
-RECOMPUTE = ("none", "selective", "full")
+from ..schema.choices import RECOMPUTE
 
 
 def checkpointed(fn):

@@ -125,7 +125,7 @@ class ZeroBucket:
 def make_buckets(model: nn.Module, ctx, bucket_bytes: int, stage: int) -> list[ZeroBucket]:
     """The model's ZeRO buckets: the dense parameters over ``dp × ep`` (``× cp`` with context
     parallelism: the gradient group, :attr:`~ops_transformer.parallel.ParallelContext.grad_group`),
-    the experts over ``dp``;
+    the experts over ``dp`` (``× cp``);
     in each, the parameters with partial gradients in buckets of their own (they are all-reduced,
     never reduce-scattered: see :mod:`.zero`)."""
     names = {id(p): n for n, p in model.named_parameters()}  # tied parameters once
@@ -133,7 +133,7 @@ def make_buckets(model: nn.Module, ctx, bucket_bytes: int, stage: int) -> list[Z
     dense_group = ctx.grad_group
     buckets = []
     for experts in (False, True):
-        group = ctx.dp_group if experts else dense_group
+        group = ctx.expert_grad_group if experts else dense_group
         for partial in (False, True):
             run = [p for p in reversed(params) if (expert_shard(p) is not None) == experts
                    and (partial_grad_group(p) is not None) == partial]

@@ -1,9 +1,24 @@
-"""Reference models: plain single-device PyTorch with no knowledge of parallelism."""
+"""Reference models: plain single-device PyTorch with no knowledge of parallelism.
 
-from .gpt import GPT, PRESETS, GPTConfig, preset
+The names below are imported from their modules when first used (PEP 562), so that
+``models.config`` (``GPTConfig``, ``PRESETS``: torch-free) imports without the models."""
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "preset"]
+from __future__ import annotations
 
-from .moe import MoE, Router, moe_stats  # noqa: E402
+import importlib
 
-__all__ += ["MoE", "Router", "moe_stats"]
+EXPORTS = {"GPT": "gpt", "GPTConfig": "config", "PRESETS": "config", "preset": "config",
+           "MoE": "moe", "Router": "moe", "moe_stats": "moe"}
+__all__ = list(EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(EXPORTS))

@@ -10,109 +10,14 @@ vocab-parallel cross-entropy).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .documents import check_document_ids, document_mask, document_positions, document_targets
-from .moe import MoE, check_moe_config, init_routers, moe_aux_loss
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Global sizes of the whole model (never per-rank sizes)."""
-
-    vocab_size: int = 256
-    n_layers: int = 2
-    d_model: int = 64
-    n_heads: int = 4
-    n_kv_heads: int | None = None  # None: same as n_heads (MHA); 1: MQA; else GQA
-    d_ff: int = 256
-    max_seq_len: int = 64
-    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
-    pos: str = "learned"  # "learned" | "rope"
-    mlp: str = "gelu"  # "gelu" | "swiglu"
-    bias: bool = True
-    tie_embeddings: bool = True
-    dropout: float = 0.0
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    # Mixture of experts (models/moe.py): n_experts 0 is the dense FFN; every moe_every-th layer
-    # (layers moe_every-1, 2·moe_every-1, ...) routes each token to top_k of n_experts FFNs.
-    n_experts: int = 0
-    top_k: int = 2
-    moe_capacity_factor: float | None = None  # None: dropless
-    moe_aux_loss_coef: float = 0.01
-    moe_every: int = 1
-
-    def __post_init__(self):
-        kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-        object.__setattr__(self, "n_kv_heads", kv)
-        choices = {"norm": ("layernorm", "rmsnorm"), "pos": ("learned", "rope"),
-                   "mlp": ("gelu", "swiglu")}
-        for name, valid in choices.items():
-            if getattr(self, name) not in valid:
-                raise ValueError(f"{name} must be one of {valid}, got {getattr(self, name)!r}")
-        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff",
-                     "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads "
-                             f"({self.n_heads})")
-        if self.n_heads % kv:
-            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({kv})")
-        if self.pos == "rope" and self.head_dim % 2:
-            raise ValueError(f"rope needs an even head dimension, got {self.head_dim}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        check_moe_config(self)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def with_(self, **changes) -> GPTConfig:
-        """A copy with ``changes``; a multi-head config stays multi-head when ``n_heads`` changes."""
-        if "n_heads" in changes and "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
-            changes["n_kv_heads"] = None
-        return replace(self, **changes)
-
-
-PRESETS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=256,
-                      max_seq_len=128),
-    "small": GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=8, d_ff=1024,
-                       max_seq_len=256),
-    "llama-tiny": GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
-                            d_ff=176, max_seq_len=128, norm="rmsnorm", pos="rope", mlp="swiglu",
-                            bias=False, tie_embeddings=False),
-    "llama-style": GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=8, n_kv_heads=2,
-                             d_ff=688, max_seq_len=256, norm="rmsnorm", pos="rope", mlp="swiglu",
-                             bias=False, tie_embeddings=False),
-    "moe-tiny": GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, d_ff=128,
-                          max_seq_len=128, n_experts=4, top_k=2, moe_capacity_factor=1.25),
-    "moe-small": GPTConfig(vocab_size=256, n_layers=4, d_model=256, n_heads=8, d_ff=512,
-                           max_seq_len=256, n_experts=8, top_k=2, moe_capacity_factor=1.25),
-    "gpt2-124m": GPTConfig(vocab_size=50257, n_layers=12, d_model=768, n_heads=12, d_ff=3072,
-                           max_seq_len=1024),
-}
-
-
-def preset(name: str, **overrides) -> GPTConfig:
-    """A named configuration (``tiny``, ``small``, ``llama-tiny``, ``llama-style``, ``moe-tiny``,
-    ``moe-small``, ``gpt2-124m``), optionally with some fields changed."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name].with_(**overrides)
+from .config import PRESETS, GPTConfig, preset  # noqa: F401 (their name here too)
+from .moe import MoE, init_routers, moe_aux_loss
 
 
 class RMSNorm(nn.Module):
@@ -293,9 +198,14 @@ class GPT(nn.Module):
         for block in self.layers:
             x = block(x, rope) if document_ids is None else block(x, rope, document_ids)
         logits, loss = self.lm_head(self.norm(x), targets)
-        if loss is not None and self.cfg.n_experts:  # each MoE layer's load-balancing loss
-            loss = loss + self.cfg.moe_aux_loss_coef * moe_aux_loss(self)
-        return logits, loss
+        return logits, self.add_aux_loss(loss)
+
+    def add_aux_loss(self, loss):
+        """``loss`` plus ``moe_aux_loss_coef`` × each MoE layer's load-balancing loss of this
+        forward (nothing without experts or targets)."""
+        if loss is None or not self.cfg.n_experts:
+            return loss
+        return loss + self.cfg.moe_aux_loss_coef * moe_aux_loss(self)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, *, temperature: float = 1.0,

@@ -27,21 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def check_moe_config(cfg) -> None:
-    """The MoE fields of a :class:`~ops_transformer.models.GPTConfig`, each named when invalid."""
-    if cfg.n_experts < 0:
-        raise ValueError(f"n_experts must be 0 (dense FFN) or positive, got {cfg.n_experts}")
-    if cfg.moe_every < 1:
-        raise ValueError(f"moe_every must be at least 1, got {cfg.moe_every}")
-    if cfg.moe_aux_loss_coef < 0:
-        raise ValueError(f"moe_aux_loss_coef must be non-negative, got {cfg.moe_aux_loss_coef}")
-    if cfg.moe_capacity_factor is not None and not cfg.moe_capacity_factor > 0:
-        raise ValueError(f"moe_capacity_factor must be positive or None (dropless), got "
-                         f"{cfg.moe_capacity_factor}")
-    if cfg.n_experts and not 1 <= cfg.top_k <= cfg.n_experts:
-        raise ValueError(f"top_k ({cfg.top_k}) must be between 1 and n_experts "
-                         f"({cfg.n_experts})")
+from .config import check_moe_config  # noqa: F401 (its name here too)
 
 
 class Router(nn.Module):
@@ -181,14 +167,24 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
     return torch.stack(losses).sum() if losses else 0.0
 
 
+def moe_stat_tensors(model: nn.Module) -> dict | None:
+    """``{"aux_loss", "dropped"}`` as 0-d float64 device tensors (summed over the MoE layers of the
+    last forward on this rank) and ``"slots"`` (an int): no host sync. ``None``: no MoE layer ran."""
+    layers = [m for m in model.modules() if isinstance(m, RoutingStats) and m.aux_loss is not None]
+    if not layers:
+        return None
+    values = torch.stack([torch.stack([m.aux_loss.detach().double(), m.dropped.double()])
+                          for m in layers]).sum(0)
+    return {"aux_loss": values[0], "dropped": values[1], "slots": sum(m.slots for m in layers)}
+
+
 def moe_stats(model: nn.Module) -> dict[str, float]:
     """``{"aux_loss", "dropped", "slots", "dropped_fraction"}`` of the last forward on this rank,
     summed over MoE layers (``aux_loss`` before the coefficient). One host sync."""
-    layers = [m for m in model.modules() if isinstance(m, RoutingStats) and m.aux_loss is not None]
-    if not layers:
+    stats = moe_stat_tensors(model)
+    if stats is None:
         return {"aux_loss": 0.0, "dropped": 0, "slots": 0, "dropped_fraction": 0.0}
-    values = torch.stack([torch.stack([m.aux_loss.detach().double(), m.dropped.double()])
-                          for m in layers]).sum(0).tolist()
-    slots = sum(m.slots for m in layers)
-    return {"aux_loss": values[0], "dropped": int(values[1]), "slots": slots,
-            "dropped_fraction": values[1] / slots if slots else 0.0}
+    aux, dropped = torch.stack([stats["aux_loss"], stats["dropped"]]).tolist()
+    slots = stats["slots"]
+    return {"aux_loss": aux, "dropped": int(dropped), "slots": slots,
+            "dropped_fraction": dropped / slots if slots else 0.0}

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import collectives as C
+from ..schema.mesh import check_mesh_degrees  # torch-free, for the checks before any rank
 from .nodes import agree_setup, build_engine, resolve_profile_source
 from ..launch.rendezvous import job_store
 from ..launch.teardown import DEFAULT_TEARDOWN_TIMEOUT_S, destroy_process_groups
@@ -67,6 +68,8 @@ class ParallelContext:
     cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     # dp × ep × cp flattened (None unless cp > 1): where dense gradients average with cp
     dp_ep_cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    # dp × cp flattened (None unless cp > 1): the ranks holding the same experts with cp
+    dp_cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     # Pipeline stages (outermost axis): this rank's stage among pp_size, the group of the ranks at
     # this (dp, ep, tp) position in every stage, and their global ranks in stage order.
     pp_size: int = 1
@@ -112,17 +115,20 @@ class ParallelContext:
         cp_size, cp_rank, cp_group = axis("cp")
         dp_ep_group = dp_group if ep_size == 1 else ep_group if dp_size == 1 else \
             mesh["dp", "ep"]._flatten("dp_ep").get_group()
-        dp_ep_cp_group = None
+        dp_ep_cp_group = dp_cp_group = None
         if cp_size > 1:
             dp_ep_cp_group = cp_group if dp_size * ep_size == 1 else \
                 mesh["dp", "ep", "cp"]._flatten("dp_ep_cp").get_group()
+            dp_cp_group = cp_group if dp_size == 1 else \
+                mesh["dp", "cp"]._flatten("dp_cp").get_group()
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
                    tp_size=tp_size, tp_rank=tp_rank, dp_size=dp_size, dp_rank=dp_rank,
                    ep_size=ep_size, ep_rank=ep_rank, tp_group=tp_group, dp_group=dp_group,
                    ep_group=ep_group, mesh=mesh, device=device, backend=backend,
                    dp_ep_group=dp_ep_group, ranks_per_node=ranks_per_node, profile=profile,
                    ranks_per_island=ranks_per_island, cp_size=cp_size, cp_rank=cp_rank,
-                   cp_group=cp_group, dp_ep_cp_group=dp_ep_cp_group, pp_size=pp_size,
+                   cp_group=cp_group, dp_ep_cp_group=dp_ep_cp_group, dp_cp_group=dp_cp_group,
+                   pp_size=pp_size,
                    pp_rank=pp_rank, pp_group=pp_group, pp_ranks=pp_ranks)
 
     @property
@@ -132,6 +138,13 @@ class ParallelContext:
         if self.cp_size > 1:
             return self.dp_ep_cp_group
         return self.dp_ep_group if self.ep_size > 1 else self.dp_group
+
+    @property
+    def expert_grad_group(self) -> dist.ProcessGroup | None:
+        """Where the experts' gradients are averaged (each EP rank holds its own experts):
+        ``dp``, times ``cp`` when the sequence is split (the ``cp`` ranks hold the same experts,
+        each its part of the tokens)."""
+        return self.dp_cp_group if self.cp_size > 1 else self.dp_group
 
     @property
     def pp_prev_rank(self) -> int | None:
@@ -174,7 +187,10 @@ class ParallelContext:
         if self.mesh is None:
             raise ValueError("this context has no device mesh (a single process): there is no "
                              "data-parallel group to shard over")
-        if self.cp_size > 1 and not experts:  # cp ranks hold the same parameters: × cp
+        if self.cp_size > 1:  # cp ranks hold the same parameters (and experts): × cp
+            if experts:
+                return self.mesh["cp"] if self.dp_size == 1 else \
+                    self.mesh["dp", "cp"]._flatten("dp_cp")  # made once, by from_mesh
             if self.dp_ep_size == 1:
                 return self.mesh["cp"]
             return self.mesh["dp", "ep", "cp"]._flatten("dp_ep_cp")  # made once, by from_mesh
@@ -254,32 +270,6 @@ def check_degrees(world_size: int, tp: int, dp: int | None, ep: int, *,
     """Validate the parallel degrees against the world size; returns ``(dp, ep, tp)``."""
     dp, ep, _, tp = check_mesh_degrees(world_size, tp=tp, dp=dp, ep=ep, cp=1, pp=pp)
     return dp, ep, tp
-
-
-def check_mesh_degrees(world_size: int, *, tp: int, dp: int | None, ep: int, cp: int,
-                       pp: int = 1) -> tuple[int, int, int, int]:
-    """Validate every degree of the ``pp × dp × ep × cp × tp`` grid against the world size,
-    naming each factor in the error (``pp`` and ``cp`` only when above 1); returns ``(dp, ep, cp,
-    tp)`` (``dp=None``: the rest of the ranks)."""
-    for name, value in (("pp", pp), ("tp", tp), ("cp", cp), ("ep", ep), ("dp", dp)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    fixed = pp * tp * ep * cp
-    pp_part = f"pp ({pp}) × " if pp > 1 else ""
-    cp_part = f" × cp ({cp})" if cp > 1 else ""
-    if dp is None:
-        if world_size % fixed != 0:
-            raise ValueError(
-                f"world size {world_size} is not divisible by {pp_part}tp ({tp}) × ep ({ep})"
-                f"{cp_part} = {fixed}, so dp cannot be inferred; choose degrees whose product "
-                f"divides {world_size}")
-        dp = world_size // fixed
-    if dp * fixed != world_size:
-        raise ValueError(
-            f"{pp_part}dp ({dp}) × ep ({ep}){cp_part} × tp ({tp}) = {dp * fixed} must equal the "
-            f"world size ({world_size})")
-    return dp, ep, cp, tp
 
 
 def _env_int(name: str) -> int | None:

@@ -127,6 +127,7 @@ class ParallelState:
     lora: object = None
     context_parallel: object = None  # the ContextParallelChoice at cp > 1 (strategy, reason)
     pipeline_stages: tuple[int, ...] | None = None  # the stages this rank holds (pp > 1)
+    pipeline_modules: tuple = ()  # their modules (GPTStage / HFStage): ZeRO-3's roots under pp
 
 
 def parallel_state_of(model: nn.Module, *, create: bool = False) -> ParallelState | None:

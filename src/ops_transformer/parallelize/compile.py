@@ -13,9 +13,15 @@ collectives report through a custom op that runs on every call of the graph
 
 from __future__ import annotations
 
+import logging
+
+import torch
 from torch import nn
 
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+from ..schema.choices import COMPILE_BACKENDS
+
+log = logging.getLogger("ops_transformer")
+_BLOCKS_COMPILED = [0]  # blocks compiled in this process (each may be a graph of its own)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -54,6 +60,24 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[nn.Module
     if getattr(getattr(model, "cfg", None), "n_experts", 0):
         check_compile(True, moe=True)
     blocks = transformer_blocks(model)
+    allow_a_graph_per_block(len(blocks))
     for block in blocks:
         block.compile(backend=backend, fullgraph=True)
     return blocks
+
+
+def allow_a_graph_per_block(n_blocks: int) -> None:
+    """Raise Dynamo's recompile limits so that every block compiled in this process may be a
+    graph of its own. The blocks share one code object (``Module._call_impl``), and a block with an
+    integer attribute its forward reads (a Hugging Face decoder layer's ``layer_idx``) specialises
+    on it: one cache entry per layer, and with ``fullgraph=True`` the 9th layer of a model would
+    be a hard failure at the default limit of 8 (measured: a 4-layer Llama compiled twice in one
+    process hit it). Limits already higher are kept."""
+    _BLOCKS_COMPILED[0] += n_blocks
+    config = torch._dynamo.config
+    wanted = 8 + _BLOCKS_COMPILED[0]
+    for name in ("recompile_limit", "accumulated_recompile_limit"):
+        if getattr(config, name) < wanted:
+            log.info("compile: torch._dynamo.config.%s %d -> %d (a graph per block)", name,
+                     getattr(config, name), wanted)
+            setattr(config, name, wanted)

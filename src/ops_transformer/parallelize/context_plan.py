@@ -22,7 +22,11 @@
    ``cp`` rank's gradient is a part of a sum, its loss gradient is scaled by ``cp`` (as
    Megatron-LM does).
 
-Hugging Face Llama, Mistral and Qwen2 get the same through :mod:`.context_hf`.
+Dropout keeps the one-device masks (each site's :class:`~ops_transformer.layers.dropout.Layout`
+learns this rank's head-tail tokens; the cores draw their blocks' masks), and MoE layers take
+their capacity and load-balancing statistics over the cp group's whole rows
+(:mod:`ops_transformer.layers.moe_context`). Hugging Face Llama, Mistral and Qwen2 get the same
+through :mod:`.context_hf` (without dropout).
 
 The logits a rank returns are those of its own tokens (in the head-tail order of
 :func:`shard_sequence`; :func:`~ops_transformer.layers.context_attention.unshard_sequence` puts
@@ -43,10 +47,13 @@ from torch import nn
 from ..comm.primitives import reduce_from_tp_region
 from ..layers.context_attention import (ContextParallelCore, head_tail_chunks, local_positions,
                                        shard_sequence)
+from ..layers.dropout import ParallelDropout
+from ..layers.moe_context import use_context_statistics
 from ..models.documents import check_document_ids, document_positions, document_targets
 from ..models.gpt import GPT
 from ..planner.choose import resolve_profile
-from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence, choose_strategy
+from ..planner.context_parallel import (CP_CHOICES, CP_LIMITS, ULYSSES, check_sequence,
+                                        check_ulysses, choose_strategy)
 from .context_hf import CP_FAMILIES, apply_hf_context_parallel, supports_context_parallel
 from .gpt_plan import AUTO_BATCH
 
@@ -74,15 +81,10 @@ def check_context_parallel(model: nn.Module, ctx, options):
     if not (isinstance(model, GPT) or supports_context_parallel(model)):
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) supports the reference GPT and "
                          f"Hugging Face {', '.join(CP_FAMILIES)}; got {type(model).__name__}")
-    dropout, experts = _dropout_and_experts(model)
-    unsupported = {"dropout > 0": ("dropout", dropout > 0),
-                   "MoE (n_experts > 0)": ("moe", experts > 0),
-                   "LoRA dropout > 0": ("lora_dropout",
-                                        options.lora is not None and options.lora.dropout > 0)}
-    for what, (why, present) in unsupported.items():
-        if present:
-            raise ValueError(f"context parallelism (cp={ctx.cp_size}) does not compose with "
-                             f"{what} yet: {CP_LIMITS[why]}")
+    if not isinstance(model, GPT) and _hf_dropout(model) > 0:
+        raise ValueError(f"context parallelism (cp={ctx.cp_size}) does not compose with "
+                         f"a Hugging Face model's attention dropout > 0 yet: "
+                         f"{CP_LIMITS['hf_dropout']}")
     if options.attention not in ("auto", "heads"):
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) splits the tokens of "
                          f"attention='heads' (each TP rank its heads); got "
@@ -90,13 +92,11 @@ def check_context_parallel(model: nn.Module, ctx, options):
     return dataclasses.replace(options, attention="heads")
 
 
-def _dropout_and_experts(model: nn.Module) -> tuple[float, int]:
-    if isinstance(model, GPT):
-        return model.cfg.dropout, model.cfg.n_experts
-    return float(getattr(model.config, "attention_dropout", 0.0) or 0.0), 0
+def _hf_dropout(model: nn.Module) -> float:
+    return float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
 
 
-def _shapes(model: nn.Module) -> dict:
+def context_shapes(model: nn.Module) -> dict:
     """``max_seq_len, n_kv_heads, head_dim, d_model`` of the reference GPT or a HF decoder."""
     if isinstance(model, GPT):
         cfg = model.cfg
@@ -114,7 +114,7 @@ def choose_context_parallel(model: nn.Module, ctx, requested: str) -> ContextPar
     if requested != "auto":
         return ContextParallelChoice(requested, f"forced (context_parallel={requested!r})",
                                      ctx.cp_size)
-    shapes, tp = _shapes(model), ctx.tp_size
+    shapes, tp = context_shapes(model), ctx.tp_size
     profile = resolve_profile(getattr(ctx, "profile", None))
     kv_heads = max(1, shapes["kv_heads"] // tp)  # replicated KV heads: one per rank
     strategy, reason = choose_strategy(
@@ -134,21 +134,38 @@ def apply_context_parallel(model: nn.Module, ctx, options) -> ContextParallelCho
         raise ValueError(f"context parallelism (cp={ctx.cp_size}) splits the tokens of "
                          f"attention='heads'; the plan has attention={plan.attention!r}")
     choice = choose_context_parallel(model, ctx, options.context_parallel)
-    split = SequenceSplit(ctx, _shapes(model)["seq"])
+    shapes = context_shapes(model)
+    if choice.strategy == ULYSSES:  # each cp rank 1/cp of this rank's heads: named now
+        check_ulysses(shapes["d_model"] // shapes["head_dim"] // ctx.tp_size,
+                      max(1, shapes["kv_heads"] // ctx.tp_size), ctx.cp_size)
+    split = SequenceSplit(ctx, shapes["seq"])
     if isinstance(model, GPT):
         for block in model.layers:
             # a submodule, so print(model) names it; ``Attention.forward`` calls the instance's
             # ``core`` (as parallelize/dropout.py replaces it), a class method otherwise
             block.attn.cp_core = ContextParallelCore(ctx, choice.strategy, choice.reason,
-                                                     switch=split.switch)
+                                                     switch=split.switch,
+                                                     dropout=model.cfg.dropout)
             block.attn.core = block.attn.cp_core.__call__
+        head_tail_dropout(model, ctx)  # the embedding and residual sites: this rank's tokens
         model.sequence_split = split
+        use_context_statistics(model, ctx, split.switch)  # MoE: capacity and aux over the rows
         model.__class__ = ContextParallelGPT  # the same parameters and names; its forward splits
     else:
         apply_hf_context_parallel(model, ctx, choice, split)
     log.info("parallelize: cp=%d context_parallel=%s (%s)", ctx.cp_size, choice.strategy,
              choice.reason)
     return choice
+
+
+def head_tail_dropout(model: nn.Module, ctx) -> int:
+    """Give every :class:`~ops_transformer.layers.dropout.ParallelDropout` of ``model`` (what
+    :mod:`.dropout` made of the reference GPT's embedding and residual sites) this rank's
+    head-tail tokens of the one-device mask; returns how many."""
+    sites = [m for m in model.modules() if isinstance(m, ParallelDropout)]
+    for module in sites:
+        module.layout = dataclasses.replace(module.layout, cp_rank=ctx.cp_rank, cp=ctx.cp_size)
+    return len(sites)
 
 
 class ContextParallelGPT(GPT):
@@ -160,12 +177,19 @@ class ContextParallelGPT(GPT):
             raise ValueError("a context-parallel model takes whole sequences: it places their "
                              "positions itself (positions= must be None)")
         if not self.sequence_split.switch.on:  # generate(): every rank the whole sequence
-            return super().forward(idx, targets, document_ids=document_ids)
+            logits, loss = super().forward(idx, targets, document_ids=document_ids)
+            return logits, GPT.add_aux_loss(self, loss)
         local, local_targets, positions, total = self.sequence_split.enter(idx, targets,
                                                                            document_ids)
         logits, loss = super().forward(local, local_targets, positions=positions,
                                        document_ids=document_ids)  # whole: the cores read them
-        return logits, self.sequence_split.exit(loss, local_targets, total)
+        # the MoE load-balancing loss after the exit: it is normalised over the cp group's
+        # tokens already (layers/moe_context.py), the cross-entropy by the exit
+        return logits, GPT.add_aux_loss(self, self.sequence_split.exit(loss, local_targets,
+                                                                       total))
+
+    def add_aux_loss(self, loss):
+        return loss  # added by forward, after the sequence split's exit
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, **kwargs):

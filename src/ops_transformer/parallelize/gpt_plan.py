@@ -26,13 +26,13 @@ replicas); otherwise not possible.
 
 from __future__ import annotations
 
-from ..models.gpt import GPTConfig
+from ..models.config import GPTConfig, check_ffn_split
 from ..planner.choose import attention_problem, choose_attention, choose_vocab
 from ..planner.hardware import HardwareProfile
 from ..planner.strategies import ATTENTION_STRATEGIES, VOCAB_MODES
 from .plan import Plan
 
-ATTENTION_CHOICES = ("auto",) + ATTENTION_STRATEGIES
+from ..schema.choices import ATTENTION_CHOICES
 AUTO_BATCH = 8  # the micro-batch `auto` assumes when none is given
 
 
@@ -42,8 +42,7 @@ def check_tp_for_gpt(cfg: GPTConfig, tp: int, attention: str = "heads",
     problem = attention_problem(cfg, tp, attention, seq) if attention != "auto" else None
     if problem:
         raise ValueError(f"attention={attention!r}: {problem}")
-    if cfg.d_ff % tp:
-        raise ValueError(f"d_ff ({cfg.d_ff}) is not divisible by tp ({tp})")
+    check_ffn_split(cfg, tp)
 
 
 def _attention_rules(cfg: GPTConfig, attention: str) -> dict:

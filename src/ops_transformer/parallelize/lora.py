@@ -21,7 +21,6 @@ from torch import nn
 from ..layers.lora import SUPPORTED, adapter_kind, add_adapter, dense_dims, is_conv1d
 from ..models.hf import is_hf, transformer_layers
 from ..parallel.grad_shard import ReduceScatterGradSync
-from ..planner.context_parallel import CP_LIMITS
 from .reducers import gradient_reducers
 from .options import ParallelOptions, check_lora_args
 
@@ -74,9 +73,6 @@ def lora(model: nn.Module, ctx, *, rank: int, alpha: float | None = None, target
     if state.lora is not None:
         raise ValueError(f"this model already has LoRA adapters (rank {state.lora.rank} on "
                          f"{len(state.lora.targets)} modules)")
-    if getattr(ctx, "cp_size", 1) > 1 and dropout > 0:  # each cp rank would draw its own masks
-        raise ValueError(f"context parallelism (cp={ctx.cp_size}) does not compose with LoRA "
-                         f"dropout > 0 yet: {CP_LIMITS['lora_dropout']} (got dropout={dropout})")
     if getattr(state, "sharding", None) is not None:
         raise ValueError("lora must come before shard_parameters (and is untested with it): "
                          "FSDP2 has already sharded the parameters lora would change")

@@ -15,16 +15,8 @@ rank starts, so a split the layers do not divide is a one-line ``ValueError``, n
 
 from __future__ import annotations
 
-# schedule name -> (torch.distributed.pipelining class name, stages per rank: "one" | "many",
-# placement: "loop" | "v")
-SCHEDULES: dict[str, tuple[str, str, str]] = {
-    "gpipe": ("ScheduleGPipe", "one", "loop"),
-    "1f1b": ("Schedule1F1B", "one", "loop"),
-    "interleaved": ("ScheduleInterleaved1F1B", "many", "loop"),
-    "looped_bfs": ("ScheduleLoopedBFS", "many", "loop"),
-    "zero_bubble": ("ScheduleInterleavedZeroBubble", "many", "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", "many", "v"),
-}
+# schedule name -> (torch.distributed.pipelining class, stages per rank, placement)
+from ..schema.choices import PIPELINE_SCHEDULES as SCHEDULES
 
 
 def check_pipeline(n_layers: int, pp: int, *, schedule: str = "1f1b", microbatches: int = 1,

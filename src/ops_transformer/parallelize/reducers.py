@@ -20,7 +20,7 @@ def gradient_reducers(model: nn.Module, ctx, options: ParallelOptions,
     """The model's gradient reductions, in the order they finish: data-parallel averaging of the
     dense parameters over ``dp × ep`` (EP ranks read different micro-batches, like DP ranks; ``× cp``
     with context parallelism, each ``cp`` rank seeing its part of the tokens) and of the experts
-    over ``dp``, then the sums of the partial gradients the plan marked. Frozen
+    over ``dp`` (``× cp``), then the sums of the partial gradients the plan marked. Frozen
     parameters (``requires_grad=False``: a LoRA model's base) get none; one unfrozen later is
     reduced from its first backward on (:meth:`GradReducers.watch`). ``params``: only these."""
     dtype = resolve_grad_reduce_dtype(model, options.grad_reduce_dtype)
@@ -33,8 +33,8 @@ def gradient_reducers(model: nn.Module, ctx, options: ParallelOptions,
             for p in experts:
                 p.grad.div_(ctx.ep_size)
         reducers.append(GradSync(dense, ctx.grad_group, bucket_bytes=buckets, reduce_dtype=dtype))
-        if experts and ctx.dp_size > 1:
-            reducers.append(GradSync(experts, ctx.dp_group, bucket_bytes=buckets,
+        if experts and ctx.dp_size * getattr(ctx, "cp_size", 1) > 1:  # over dp (× cp)
+            reducers.append(GradSync(experts, ctx.expert_grad_group, bucket_bytes=buckets,
                                      reduce_dtype=dtype, name="dp_experts"))
     pairs = [(p, partial_grad_group(p)) for p in dict.fromkeys(chosen)
              if partial_grad_group(p) is not None]

@@ -11,6 +11,8 @@ rank's K and V)::
                    (each posted before the local block    cp send_recv of X (dK, dV travelling
                    is computed, so it hides behind it)    with their block, back to its owner)
     allgather_kv   one all-gather of cp·X = 2·b·s·kv_dim  one reduce-scatter of 2·b·s·kv_dim
+    ulysses        three all-to-alls: Q (b·(s/cp)·q_dim),  the same three, reversed
+                   K,V (X) and the output (b·(s/cp)·q_dim)
 
 Elements follow the ledger's convention (:mod:`ops_transformer.comm.ledger`): a ``send_recv`` counts
 what one rank sends, an all-gather its gathered output, a reduce-scatter its unscattered input.
@@ -29,16 +31,23 @@ from __future__ import annotations
 
 from .cost import Comm, collective_time
 
-CP_STRATEGIES = ("ring", "allgather_kv")
-CP_CHOICES = ("auto",) + CP_STRATEGIES
+from ..schema.choices import CP_CHOICES, CP_STRATEGIES, ULYSSES
 # What context parallelism does not compose with yet, and why (the refusals' one line: train,
 # parallelize, the planner's rule; docs/context_parallel.md)
 CP_LIMITS = {
-    "dropout": "the ring's blockwise attention draws no one-device dropout mask",
-    "moe": "an expert's capacity queues the global batch's tokens in order, and a cp rank's "
-           "head and tail chunks interleave with the other cp ranks'",
-    "lora_dropout": "each cp rank would draw the adapter's masks for its own tokens",
+    "hf_dropout": "Hugging Face models keep their own attention dropout, whose masks no rank "
+                  "can split (the reference GPT's one-device masks: layers/dropout.py)",
 }
+
+
+def check_ulysses(heads: int, kv_heads: int, cp: int) -> None:
+    """Ulysses gives each ``cp`` rank ``1/cp`` of the heads: a ``ValueError`` naming the sizes
+    when ``cp`` does not divide this rank's query or KV heads (``cp ≤ kv heads``)."""
+    for what, n in (("query", heads), ("KV", kv_heads)):
+        if n % cp:
+            raise ValueError(f"context_parallel='ulysses' splits the heads over cp ({cp}): cp "
+                             f"must divide this rank's {what} heads ({n}); use cp ≤ {kv_heads} "
+                             f"dividing it, or 'ring' / 'allgather_kv'")
 
 
 def check_sequence(seq: int, cp: int) -> int:
@@ -56,14 +65,19 @@ def block_elements(*, batch: int, seq: int, kv_dim: int, cp: int) -> int:
 
 
 def layer_comm(strategy: str, *, batch: int, seq: int, kv_dim: int,
-               cp: int) -> dict[str, Comm]:
+               cp: int, q_dim: int | None = None) -> dict[str, Comm]:
     """``{"fwd": Comm, "bwd": Comm}``: the collectives one attention layer issues on one rank of a
     ``cp`` group — what :class:`~ops_transformer.comm.ledger.CommLedger` records (labels
-    ``cp.ring.*`` / ``cp.allgather_kv.*``)."""
+    ``cp.ring.*`` / ``cp.allgather_kv.*`` / ``cp.ulysses.*``; ``ulysses`` needs ``q_dim``, this
+    rank's query heads × head_dim)."""
     check_strategy(strategy)
     if cp <= 1:
         return {"fwd": Comm(), "bwd": Comm()}
     x = block_elements(batch=batch, seq=seq, kv_dim=kv_dim, cp=cp)
+    if strategy == ULYSSES:  # Q, K/V (one message) and the output; backward the same reversed
+        q = batch * (seq // cp) * q_dim
+        one = Comm({"all_to_all": {"calls": 3, "elements": 2 * q + x}})
+        return {"fwd": one, "bwd": Comm({"all_to_all": {"calls": 3, "elements": 2 * q + x}})}
     if strategy == "ring":
         return {"fwd": Comm({"send_recv": {"calls": cp - 1, "elements": (cp - 1) * x}}),
                 "bwd": Comm({"send_recv": {"calls": 2 * cp - 1, "elements": (2 * cp - 1) * x}})}
@@ -73,7 +87,7 @@ def layer_comm(strategy: str, *, batch: int, seq: int, kv_dim: int,
 
 
 def check_strategy(strategy: str) -> None:
-    if strategy not in CP_STRATEGIES:
+    if strategy not in CP_CHOICES[1:]:
         raise ValueError(f"context_parallel strategy must be one of {CP_CHOICES}, got "
                          f"{strategy!r}")
 
@@ -87,7 +101,7 @@ def saved_kv_elements(strategy: str, *, batch: int, seq: int, kv_dim: int, cp: i
     """K/V elements one layer keeps for backward beyond the local ones: the gathered sequence for
     ``allgather_kv`` (``(cp−1)·X``), none for ``ring`` (its blocks are in flight only)."""
     check_strategy(strategy)
-    if strategy == "ring" or cp <= 1:
+    if strategy in ("ring", ULYSSES) or cp <= 1:  # ulysses: h/cp heads of the whole sequence
         return 0
     return (cp - 1) * block_elements(batch=batch, seq=seq, kv_dim=kv_dim, cp=cp)
 
@@ -112,6 +126,11 @@ def layer_time(strategy: str, *, batch: int, seq: int, kv_dim: int, q_dim: int, 
     if cp <= 1:
         return 0.0
     x = block_elements(batch=batch, seq=seq, kv_dim=kv_dim, cp=cp)
+    if strategy == ULYSSES:  # nothing hides the all-to-alls: attention waits for all heads
+        c = layer_comm(strategy, batch=batch, seq=seq, kv_dim=kv_dim, cp=cp, q_dim=q_dim)
+        return 2 * collective_time("all_to_all", c["fwd"]["all_to_all"]["elements"], cp,
+                                   alpha_s=alpha_s, bandwidth=bandwidth,
+                                   bytes_per_element=bytes_per_element, calls=3)
     if strategy == "ring":
         t_x = collective_time("send_recv", x, cp, alpha_s=alpha_s, bandwidth=bandwidth,
                               bytes_per_element=bytes_per_element)
@@ -163,3 +182,24 @@ def propose_cp(*, activation_bytes: float, other_bytes: float, memory_bytes: flo
         cp *= 2
     raise ValueError(f"no context-parallel degree up to {ranks} ranks fits a sequence of {seq} "
                      f"tokens in {memory_bytes / 2**30:.3g} GiB per rank: {'; '.join(tried)}")
+
+
+def layer_figures(strategy: str, *, batch: int, seq: int, kv_dim: int, q_dim: int, cp: int,
+                  alpha_s: float, bandwidth: float, matmul_flops: float,
+                  bytes_per_element: int = 4, causal: bool = True) -> dict[str, float]:
+    """What the diagnostics compare, per layer and rank, in seconds: ``transfer`` (one ring
+    step's K/V, or the all-gather), ``block`` (the attention one ring step hides it behind),
+    ``exposed`` (:func:`layer_time`, forward and backward) and ``attention`` (this rank's whole
+    attention work, forward and backward: ``cp`` blocks, backward twice the forward)."""
+    check_strategy(strategy)
+    x = block_elements(batch=batch, seq=seq, kv_dim=kv_dim, cp=cp)
+    kind, elements = {"ring": ("send_recv", x), "allgather_kv": ("all_gather", cp * x),
+                      ULYSSES: ("all_to_all", 2 * batch * (seq // cp) * q_dim + x)}[strategy]
+    block = block_flops(batch=batch, seq=seq, q_dim=q_dim, cp=cp, causal=causal) / matmul_flops
+    return {"transfer": collective_time(kind, elements, cp, alpha_s=alpha_s, bandwidth=bandwidth,
+                                        bytes_per_element=bytes_per_element),
+            "block": block, "attention": 3 * cp * block,
+            "exposed": layer_time(strategy, batch=batch, seq=seq, kv_dim=kv_dim, q_dim=q_dim,
+                                  cp=cp, alpha_s=alpha_s, bandwidth=bandwidth,
+                                  matmul_flops=matmul_flops, bytes_per_element=bytes_per_element,
+                                  causal=causal)}

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from .cost import Comm, wire_elements
 from .hardware import CPU_GLOO
 
-OVERLAP_MODES = ("none", "chunked", "auto")
+from ..schema.choices import OVERLAP_MODES
 
 
 @dataclass(frozen=True)

@@ -76,3 +76,17 @@ def boundary_elements(micro_batch: int, seq: int, hidden: int, *, tp: int = 1, c
     (Megatron's scatter/gather optimisation, Narayanan et al. 2021 §4.1; sequence parallelism
     gives the same split)."""
     return micro_batch * (seq // cp) * hidden // (tp if scatter else 1)
+
+
+def stage_flops_per_token(model, stages: int) -> list[float]:
+    """Training FLOPs per token of each of ``stages`` equal runs of ``model``'s layers (a
+    :class:`~.specs.ModelSpec`), the last one with the LM head: ``6·V·h`` per token on top of
+    its layers' share of :meth:`~.specs.ModelSpec.flops_per_token` (the embedding lookup does not
+    count). The first and the last stage are the ones an equal split leaves unequal."""
+    if stages < 1 or model.layers % stages:
+        raise ValueError(f"{stages} stages do not split the model's {model.layers} layers "
+                         f"into equal runs")
+    head = 6.0 * model.vocab * model.hidden
+    per_layer = (model.flops_per_token() - head) / model.layers
+    layers = model.layers // stages
+    return [layers * per_layer + (head if s == stages - 1 else 0.0) for s in range(stages)]

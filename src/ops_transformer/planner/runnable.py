@@ -17,9 +17,10 @@ ZeRO stage 1, 2 or 3           ``dp × ep × cp > 1`` (each parameter sharded ov
                                for the experts; stage 3 through FSDP2)
 ``recompute="selective"``      not with ``attention="kv_split"`` at ``tp > 1`` (its attention
                                core communicates)
-``pp > 1``                     the reference GPT with TP, dp, ZeRO-1/2, sequence parallelism
-                               and recompute inside each stage (``parallelize.pipeline``); not
-                               yet with ZeRO-3, MoE / ``ep > 1`` or ``cp > 1``
+``pp > 1``                     the reference GPT and Hugging Face decoders with TP, dp,
+                               ZeRO-1/2/3, sequence parallelism and recompute inside each stage
+                               (``parallelize.pipeline``); not yet with MoE / ``ep > 1`` or
+                               ``cp > 1``
 ``cp > 1``                     ``train --cp`` (SPEC F18), with sequence parallelism (each
                                rank's ``s/cp`` tokens split over ``tp``), recompute and ZeRO
                                (over ``dp × ep × cp``), ``heads`` attention; not yet with MoE
@@ -31,9 +32,8 @@ Messages name the command-line flags, which ``train`` and ``plan`` share.
 
 from __future__ import annotations
 
-from .context_parallel import CP_LIMITS
+from ..schema.choices import ZERO_STAGES
 
-ZERO_STAGES = (0, 1, 2, 3)  # what train runs (3: FSDP2, ``memory.fsdp.shard_parameters``)
 SEQUENCE_PARALLEL_ATTENTION = ("auto", "heads")  # "auto" becomes "heads" under SP
 
 
@@ -51,8 +51,6 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
         if cp > 1:
             return f"--pp {pp} does not combine with --cp yet: drop one of them"
     if cp > 1:
-        if experts > 1:
-            return f"--cp {cp} does not combine with an MoE model yet: {CP_LIMITS['moe']}"
         if attention not in SEQUENCE_PARALLEL_ATTENTION:
             return f"--cp {cp} splits the tokens of --attention heads (or auto), got {attention!r}"
     if zero_stage not in ZERO_STAGES:
@@ -84,9 +82,8 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
 def _pipeline_problem(pp: int, *, ep: int, experts: int, sequence_parallel: bool, recompute: str,
                       zero_stage: int, model: str) -> str | None:
     """What ``train --pp`` does not combine with yet (docs/pipeline.md)."""
-    for flag, on in (("--zero 3", zero_stage == 3),):
-        if on:  # (ZeRO-1/2 run per stage: the optimizer shards over each stage's dp)
-            return f"--pp {pp} does not combine with {flag} yet: drop one of them"
+    # (ZeRO-1/2 run per stage: the optimizer shards over each stage's dp; ZeRO-3: FSDP2 with
+    # each stage module a root, its syncs driven by pipelining)
     if ep > 1 or experts > 1:
         return f"--pp {pp} does not split {model} yet (MoE): use a dense preset or --pp 1"
     return None

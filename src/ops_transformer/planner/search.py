@@ -352,9 +352,11 @@ def is_planner_output(data) -> bool:
 def chosen_layout(data) -> dict:
     """The one reader of a planner result: the layout it chose (its ``best``, or the row itself)
     as ``{"tp", "dp", "ep", "attention", "sequence_parallel", "recompute", "zero_stage", "pp",
-    "cp", "cp_strategy"}``. ``ValueError`` when nothing fits (``best`` is null), ``data`` is not
-    a planner result, or the layout has pipeline parallelism, which ``train --plan`` does not run
-    yet (:func:`.runnable.runtime_problem`'s one-line reason)."""
+    "cp", "cp_strategy"}``, and for a pipelined layout (``pp > 1``) its ``"pp_schedule"``,
+    ``"stages_per_rank"`` (the plan's virtual stages) and ``"micro_batch"`` (sequences per
+    pipeline micro-batch). ``ValueError`` when nothing fits (``best`` is null), ``data`` is not
+    a planner result, or the layout is one ``train`` cannot run
+    (:func:`.runnable.runtime_problem`'s one-line reason)."""
     if isinstance(data, dict) and "best" in data:
         if data["best"] is None:
             raise ValueError("the planner found no layout that fits (its 'best' is null)")
@@ -363,10 +365,18 @@ def chosen_layout(data) -> dict:
         raise ValueError("not a planner result: it has neither a 'best' layout nor 'tp', 'dp' "
                          "and 'attention'")
     pp, cp = int(data.get("pp", 1)), int(data.get("cp", 1))
-    if pp > 1:  # its schedule and micro-batches are not read from a plan yet
-        problem = runtime_problem(tp=data["tp"], dp=data["dp"], pp=pp, cp=cp)
-        raise ValueError(problem or f"--plan: a pipelined plan (pp {pp}) is not run from the plan "
-                         f"file yet: start it with --pp {pp} --pp-schedule S --microbatches M")
+    piped = {}
+    if pp > 1:
+        problem = runtime_problem(tp=data["tp"], dp=data["dp"], ep=data.get("ep", 1), pp=pp,
+                                  cp=cp, zero_stage=data.get("zero_stage", 0))
+        if problem:
+            raise ValueError(problem)
+        schedule = data.get("schedule", "1f1b")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"the plan's schedule must be one of {SCHEDULES}, got "
+                             f"{schedule!r}")
+        piped = {"pp_schedule": schedule, "stages_per_rank": int(data.get("virtual_stages", 1)),
+                 "micro_batch": data.get("micro_batch")}
     strategy = data.get("cp_strategy", "ring") if cp > 1 else "auto"
     if cp > 1 and strategy not in CP_STRATEGIES:
         raise ValueError(f"the plan's cp_strategy must be one of {CP_STRATEGIES}, got "
@@ -375,7 +385,7 @@ def chosen_layout(data) -> dict:
             "attention": data["attention"],
             "sequence_parallel": bool(data.get("sequence_parallel", False)),
             "recompute": data.get("recompute", "none"), "zero_stage": data.get("zero_stage", 0),
-            "pp": pp, "cp": cp, "cp_strategy": strategy}
+            "pp": pp, "cp": cp, "cp_strategy": strategy, **piped}
 
 
 def _gb(x: float) -> str:

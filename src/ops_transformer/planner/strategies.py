@@ -22,7 +22,7 @@ from .cost import Comm
 from .layout import CostOptions, Layout, degree, is_legacy, legacy_arguments, positional_of
 from .overlap import decoder_overlap_calls, moe_chunk_calls
 
-ATTENTION_STRATEGIES = ("heads", "heads_allgather", "kv_split", "naive")
+from ..schema.choices import ATTENTION_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,7 @@ def split_comm(split: str, tokens: int, in_features: int, out_features: int,
     return {"fwd": Comm.of(*fwd), "bwd": Comm.of(*bwd)}
 
 
-VOCAB_MODES = ("parallel", "replicated")
+from ..schema.choices import VOCAB_MODES
 VOCAB_HEADS = ("loss", "logits", "none")  # what follows the embedding (see vocab_cost)
 
 

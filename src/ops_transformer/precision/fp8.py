@@ -44,12 +44,12 @@ import torch
 
 from ..comm import collectives as C
 from ..comm.primitives import all_gather_along, reduce_scatter_along
+from ..schema.choices import FP8_BACKWARDS as BACKWARDS  # the vocabulary, defined once
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_GRAD = torch.float8_e5m2  # the gradients' format (backward="e5m2")
 FP8_GRAD_MAX = torch.finfo(FP8_GRAD).max  # 57344
-BACKWARDS = ("e5m2", "fp32")
 _EPS = 1e-12  # the amax of an all-zero tensor: any scale is exact, keep it finite
 
 

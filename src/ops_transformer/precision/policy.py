@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+from ..schema.choices import PRECISIONS
+from ..schema.parallel_options import check_grad_reduce_dtype  # with the options it checks
 # fp8: the blocks' matmuls in fp8 (parallelize's precision="fp8"), everything else in fp32
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
             "fp8": torch.float32}
@@ -74,11 +75,3 @@ def resolve_grad_reduce_dtype(model: nn.Module,
     if any(p.dtype in _SIXTEEN_BIT for p in model.parameters()):
         return torch.float32
     return None
-
-
-def check_grad_reduce_dtype(grad_reduce_dtype) -> None:
-    """``None`` or a floating-point ``torch.dtype``; otherwise a ``ValueError`` naming it."""
-    if grad_reduce_dtype is not None and not (isinstance(grad_reduce_dtype, torch.dtype)
-                                              and grad_reduce_dtype.is_floating_point):
-        raise ValueError(f"grad_reduce_dtype must be a floating-point torch.dtype, got "
-                         f"{grad_reduce_dtype!r}")

@@ -42,18 +42,43 @@ class StepReport:
     averaged over the data-parallel ranks)."""
 
     stepped: bool
-    grad_norm: float | None = None
+    grad_norm: float | torch.Tensor | None = None
     loss_scale: float | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
+
+    def read(self) -> StepReport:
+        """This report with its numbers on the host (:func:`read_reports` of one)."""
+        return read_reports([self])[0]
+
+
+def read_reports(reports: list[StepReport]) -> list[StepReport]:
+    """``reports`` of ``optimizer_step(..., read=False)`` with every device value (metrics and
+    gradient norms) read in **one** host transfer: the one synchronisation of a logging interval
+    (torchtitan reads its loss once per ``log_freq`` steps the same way)."""
+    tensors = [t for r in reports for t in (r.grad_norm, *r.metrics.values())
+               if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return list(reports)
+    values = iter(torch.stack([t.detach().reshape(()).float() for t in tensors]).tolist())
+
+    def host(v):
+        return next(values) if isinstance(v, torch.Tensor) else v
+
+    return [StepReport(r.stepped, host(r.grad_norm), r.loss_scale,
+                       {k: host(v) for k, v in r.metrics.items()}) for r in reports]
 
 
 def optimizer_step(model, optimizer, ctx, *, scaler: DynamicLossScaler | None = None,
                    max_norm: float | None = None,
-                   metrics: dict[str, torch.Tensor | float] | None = None) -> StepReport:
+                   metrics: dict[str, torch.Tensor | float] | None = None,
+                   read: bool = True) -> StepReport:
     """Unscale (with ``scaler``), agree on overflow, clip to ``max_norm`` (the dense model's
     2-norm) and step ``optimizer`` — or skip it on every rank — with one all-reduce over the job,
     which also averages ``metrics`` (e.g. ``{"loss": loss}``) over the data-parallel ranks. Call it
-    after ``backward`` on every rank; then ``optimizer.zero_grad()``."""
+    after ``backward`` on every rank; then ``optimizer.zero_grad()``. ``read=False``: the
+    metrics and the gradient norm stay 0-d device tensors, so the step makes no host
+    synchronisation (but the loss scaler's overflow flag, which decides the step); read them
+    later, many steps at once, with :func:`read_reports`."""
     if max_norm is not None:
         check_max_norm(max_norm, 2.0)
     metrics = {k: torch.as_tensor(v, dtype=torch.float32, device=ctx.device).detach().reshape(1)
@@ -81,12 +106,15 @@ def optimizer_step(model, optimizer, ctx, *, scaler: DynamicLossScaler | None = 
         norm = total_norm(reduced.pop(0))
         if not found_inf:
             clip_grads_with_norm_(params, max_norm, norm)
-    averaged = ({k: float(v) for k, v in zip(metrics, reduced)} if shards > 1
-                else {k: float(v) for k, v in metrics.items()})
+    averaged = dict(zip(metrics, reduced)) if shards > 1 else dict(metrics)
+    averaged = {k: v.detach().reshape(()) for k, v in averaged.items()}
+    norm = None if norm is None else norm.detach().reshape(())
     if scaler is None:
         optimizer.step()
-        return StepReport(True, None if norm is None else float(norm), None, averaged)
-    scale = scaler.scale_value
-    stepped = scaler.step(optimizer, found_inf=found_inf)
-    scaler.update()
-    return StepReport(stepped, None if norm is None else float(norm), scale, averaged)
+        report = StepReport(True, norm, None, averaged)
+    else:
+        scale = scaler.scale_value
+        stepped = scaler.step(optimizer, found_inf=found_inf)
+        scaler.update()
+        report = StepReport(stepped, norm, scale, averaged)
+    return report.read() if read else report

@@ -14,6 +14,13 @@ round by round (the order rotates each round, a barrier starts each block):
 * ``plain``     — the dense GPT in one process (rank 0) while the other ranks wait at a barrier;
 * ``tp1``       — ``parallelize(GPT(cfg), ParallelContext.single())`` on rank 0.
 
+``bench --model DIR`` (``Size.model``) runs the same five methods on a Hugging Face Llama-family
+causal LM (Llama, Mistral, Qwen2) read from its ``save_pretrained`` directory in fp32, its loss
+from ``labels``: ``ours`` is ``parallelize`` of it (the plan ``train --model`` runs),
+``ours-proj`` that plan less the embedding and LM head, ``dtensor`` ColwiseParallel on
+``q/k/v_proj`` and ``gate/up_proj`` and RowwiseParallel on ``o_proj`` and ``down_proj`` of every
+layer (as torchtitan applies it).
+
 Every model starts from the same seed; before timing, the losses of two steps are checked against
 ``plain``'s and one step's collectives are counted (dispatcher and ledger). Times are rank 0's
 per-step wall times; ratios are of medians, pooled and paired by round.
@@ -37,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..comm.ledger import CommLedger
 from ..models.gpt import GPT, preset
+from ..models.hf import is_hf
 from ..parallel.context import ParallelContext, init_parallel
 from ..parallelize import Plan, parallelize
 
@@ -125,7 +133,15 @@ class Size:
     seq: int
     steps: int
     warmup: int
+    model: str | None = None  # a Hugging Face causal LM directory (bench --model), else the preset
 
+
+HF_FAMILIES = ("llama", "mistral", "qwen2")  # bench --model: DTensor's plan below fits these
+HF_DTENSOR_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+                   "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
+                   "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                   "mlp.down_proj": "rowwise"}
+HF_VOCAB_RULES = ("model.embed_tokens", "lm_head")  # what ours-proj leaves out of an HF plan
 
 SIZES = {
     "small": Size("small", "tiny", batch=8, seq=64, steps=30, warmup=3),  # 2 layers, d 64
@@ -140,6 +156,26 @@ def dense_gpt(cfg, device: torch.device | str = "cpu") -> GPT:
     return GPT(cfg).to(device)
 
 
+def dense_model(size: Size, device: torch.device | str = "cpu") -> nn.Module:
+    """The dense model of ``size``: the preset's GPT (:func:`dense_gpt`), or the Hugging Face
+    directory's weights in fp32 (the same on every rank and for every method)."""
+    if size.model is None:
+        return dense_gpt(preset(size.preset), device)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(SEED)
+    return AutoModelForCausalLM.from_pretrained(size.model, torch_dtype=torch.float32).to(device)
+
+
+def model_config(size: Size):
+    """The preset's ``GPTConfig``, or the Hugging Face directory's config."""
+    if size.model is None:
+        return preset(size.preset)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(size.model)
+
+
 def applied_plan(model: nn.Module) -> Plan:
     """The plan ``parallelize`` applied."""
     return model.parallel_plan
@@ -147,7 +183,8 @@ def applied_plan(model: nn.Module) -> Plan:
 
 def projections_plan(full: Plan) -> Plan:
     """``full`` without the embedding and LM-head rules: the projections DTensor gets."""
-    rules = {k: v for k, v in full.rules.items() if k not in ("tok_emb", "lm_head")}
+    rules = {k: v for k, v in full.rules.items()
+             if k not in ("tok_emb", "lm_head") + HF_VOCAB_RULES}
     return Plan(rules=rules, attention=full.attention, reason="projections only (as DTensor)",
                 vocab="replicated")
 
@@ -167,17 +204,33 @@ def dtensor_gpt(cfg, tp_mesh) -> nn.Module:
     return model
 
 
-def build_models(cfg, ctx) -> dict[str, nn.Module]:
+def dtensor_hf(size: Size, tp_mesh) -> nn.Module:
+    """The dense Hugging Face model with DTensor TP on every layer's projections
+    (:data:`HF_DTENSOR_PLAN`)."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    model = dense_model(size, tp_mesh.device_type)
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, {name: styles[style]()
+                                            for name, style in HF_DTENSOR_PLAN.items()})
+    return model
+
+
+def build_models(size: Size, ctx) -> dict[str, nn.Module]:
     """Every method's model of one size (``plain`` and ``tp1`` on rank 0 only)."""
     dev = ctx.device
-    ours = parallelize(dense_gpt(cfg, dev), ctx)
+    ours = parallelize(dense_model(size, dev), ctx)
+    dtensor = (dtensor_gpt(preset(size.preset), ctx.mesh["tp"]) if size.model is None
+               else dtensor_hf(size, ctx.mesh["tp"]))
     models = {"ours": ours,
-              "ours-proj": parallelize(dense_gpt(cfg, dev), ctx,
+              "ours-proj": parallelize(dense_model(size, dev), ctx,
                                        plan=projections_plan(applied_plan(ours))),
-              "dtensor": dtensor_gpt(cfg, ctx.mesh["tp"])}
+              "dtensor": dtensor}
     if ctx.rank == 0:
-        models["plain"] = dense_gpt(cfg, dev)
-        models["tp1"] = parallelize(dense_gpt(cfg, dev), ParallelContext.single(dev))
+        models["plain"] = dense_model(size, dev)
+        models["tp1"] = parallelize(dense_model(size, dev), ParallelContext.single(dev))
     return models
 
 
@@ -195,8 +248,12 @@ def make_batches(size: Size, vocab: int,
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: torch.Tensor,
                targets: torch.Tensor) -> torch.Tensor:
-    """Forward with targets, backward, AdamW step, zero_grad; returns the (detached) loss."""
-    _, loss = model(idx, targets)
+    """Forward with targets, backward, AdamW step, zero_grad; returns the (detached) loss. (A
+    Hugging Face model: its loss from ``labels``, which it shifts itself: ``idx``.)"""
+    if is_hf(model):
+        loss = model(input_ids=idx, labels=idx).loss
+    else:
+        _, loss = model(idx, targets)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -252,8 +309,8 @@ def count_collectives(models, opts, batch) -> dict[str, dict]:
 
 def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | None) -> dict:
     """Check, count and time one size on this rank (``None``: the size's default)."""
-    cfg = preset(size.preset)
-    models = build_models(cfg, ctx)
+    cfg = model_config(size)
+    models = build_models(size, ctx)
     opts = {m: torch.optim.AdamW(model.parameters(), lr=LR) for m, model in models.items()}
     batches = make_batches(size, cfg.vocab_size, ctx.device)
     losses = check_losses(models, opts, batches)

@@ -29,7 +29,14 @@ three times under :func:`~.profile.profile_step`):
   point-to-point/collective threshold, else Hockney's half-bandwidth size ``α·β``) with no
   computation between them, with the saving of coalescing them (``(n−1)·α``);
 - ``exposed_comm``: exposed communication above ``exposed_threshold`` of the step;
-- ``load_imbalance``: the ranks' compute differs by more than ``imbalance_threshold``.
+- ``load_imbalance``: the ranks' compute differs by more than ``imbalance_threshold``;
+- under context parallelism (:mod:`.context_checks`): ``cp_exposed_exchange``, a ring step's
+  K/V transfer longer than the attention block it should hide behind, and ``cp_short_sequence``,
+  a sequence too short for its ``cp`` (exposed CP communication above the attention it splits),
+  each with the step's measured ``cp.*`` traffic.
+- ``pp_unbalanced`` (``diagnose`` of a ``--pp`` run, :mod:`.pipeline`): the pipeline stages'
+  work differs by more than the imbalance threshold — predicted from the model (the last stage
+  also runs the LM head), and measured from the stages' busy times in the diagnosed steps.
 
 The list is sorted by severity, then by estimated saving, and is the same on every rank.
 """
@@ -51,7 +58,8 @@ SEVERITIES = ("error", "warning", "info")
 # collectives and syncs, then the profiled steps
 STEP_CALLS = 2 + PROFILED_STEPS
 CODES = ("not_divisible", "unaligned_dim", "implicit_broadcast", "host_sync", "redundant_collective",
-         "small_collectives", "exposed_comm", "load_imbalance")
+         "small_collectives", "exposed_comm", "load_imbalance", "cp_exposed_exchange",
+         "cp_short_sequence", "pp_unbalanced")
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,11 @@ def diagnose(model: nn.Module, ctx, step_fn=None, *, profile: HardwareProfile | 
             model, ctx, step_fn, profile or getattr(ctx, "profile", None) or CPU_GLOO,
             exposed_threshold=exposed_threshold,
             imbalance_threshold=imbalance_threshold, small_run=small_run)]
+    return sort_diagnostics(found)
+
+
+def sort_diagnostics(found: list[Diagnostic]) -> list[Diagnostic]:
+    """By severity, then by estimated saving (the same order on every rank)."""
     return sorted(found, key=lambda d: (SEVERITIES.index(d.severity),
                                         -(d.estimated_saving_s or 0.0), d.code, d.where))
 

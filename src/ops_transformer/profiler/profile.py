@@ -12,7 +12,9 @@ steps (:mod:`.timeline`) and the :class:`Profile` it returns holds every rank's 
   waiting for the host), the compute/communication ratio and the device utilisation
   (compute / step); per collective kind the calls, bytes (ledger) and element counts per step,
   the mean latency and the achieved bus bandwidth (ring wire bytes / latency, the convention of
-  nccl-tests' ``busbw``); the top operators by self time; one step's timeline.
+  nccl-tests' ``busbw``); under context parallelism ``cp_collectives``, per ``cp.*`` ledger label
+  (``cp.ring.fwd``, ``cp.allgather_kv.bwd``, ``cp.loss.fwd``, ``cp.moe_stats``) its calls, elements
+  and bytes per step; the top operators by self time; one step's timeline.
 - ``collectives``, ``top_operators``: the same, averaged over ranks; ``critical_path``: the chain
   of operators and collectives of the slowest rank's median step (the rank that sets the length).
 
@@ -141,6 +143,7 @@ def _rank_summary(prof, ledgers: list[CommLedger], walls: list[float], ctx) -> d
         "compute_comm_ratio": mean["compute"] / mean["comm"] if mean["comm"] else None,
         "device_utilisation": mean["compute"] / mean["step"] if mean["step"] else None,
         "collectives": _collectives(events, steps, ledgers),
+        "cp_collectives": _labelled(ledgers, "cp."),
         "top_operators": _top_operators(prof, n),
         "timeline": step_timeline(events, *steps[median]),
         "critical_path": critical_path(events, *steps[median]),
@@ -170,6 +173,20 @@ def _collectives(events, steps, ledgers: list[CommLedger]) -> dict[str, dict]:
                      "bus_bandwidth_Bps": wire / total if total else None,
                      "group_sizes": sorted({r.group_size for r in mine})}
     return out
+
+
+def _labelled(ledgers: list[CommLedger], prefix: str) -> dict[str, dict]:
+    """Per ledger label starting with ``prefix`` (context parallelism's ``cp.*``): its kind, and
+    calls, elements and bytes per step."""
+    n = len(ledgers)
+    out: dict[str, dict] = {}
+    for r in (r for ledger in ledgers for r in ledger.records if r.label.startswith(prefix)):
+        row = out.setdefault(r.label, {"kind": r.kind, "calls": 0.0, "elements": 0.0,
+                                       "bytes": 0.0})
+        row["calls"] += 1 / n
+        row["elements"] += r.elements / n
+        row["bytes"] += r.bytes / n
+    return dict(sorted(out.items()))
 
 
 def _top_operators(prof, steps: int) -> list[dict]:
@@ -222,6 +239,7 @@ class Profile:
             "per_rank": [{k: v for k, v in r.items() if k not in ("timeline", "critical_path")}
                          for r in ranks],
             "collectives": _mean_collectives(ranks),
+            "cp_collectives": ranks[0].get("cp_collectives", {}),  # the same on every cp rank
             "top_operators": _mean_operators(ranks),
             "critical_path": {"rank": slowest["rank"], **slowest["critical_path"]},
             "timelines": [{"rank": r["rank"], **r["timeline"]} for r in ranks],

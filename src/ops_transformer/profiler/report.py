@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..utils.plot import write_stacked_bars_png, write_timeline_png
+from .pipeline import pipeline_table
 from ..utils.progress import format_table
 
 
@@ -45,6 +46,14 @@ def collective_table(summary: dict) -> str:
     return format_table(rows) if rows else "(no collectives)"
 
 
+def cp_table(summary: dict) -> str | None:
+    """The context-parallel collectives by ledger label (``None`` without cp)."""
+    rows = [{"cp collective (label)": label, "kind": c["kind"], "calls/step": round(c["calls"], 2),
+             "elements/step": int(c["elements"]), "MB/step": round(c["bytes"] / 2**20, 4)}
+            for label, c in summary.get("cp_collectives", {}).items()]
+    return format_table(rows) if rows else None
+
+
 def operator_table(summary: dict, top: int = 8) -> str:
     rows = [{"operator": op["name"][:60], "calls/step": round(op["calls"], 1),
              "self ms/step": _ms(op["self_s"]), "total ms/step": _ms(op["total_s"])}
@@ -64,8 +73,10 @@ def summary_text(summary: dict) -> str:
     return "\n\n".join([
         f"{summary['ranks']} rank(s), {summary['steps']} profiled steps after "
         f"{summary['warmup']} warm-up; median step {1e3 * summary['step_time_s']:.2f} ms",
-        rank_table(summary), collective_table(summary), operator_table(summary),
-        critical_path_text(summary)])
+        rank_table(summary), collective_table(summary),
+        *[t for t in (cp_table(summary),) if t is not None], operator_table(summary),
+        critical_path_text(summary)]
+        + ([pipeline_table(summary["pipeline"])] if summary.get("pipeline") else []))
 
 
 def write_breakdown_png(summary: dict, path) -> Path:

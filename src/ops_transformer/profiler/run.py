@@ -15,8 +15,10 @@ from pathlib import Path
 
 from ..models.gpt import GPT
 from ..training.loop import TrainConfig, join, setup_training
-from .diagnose import STEP_CALLS, Diagnostic, diagnose
+from ..planner.specs import ModelSpec
+from .diagnose import STEP_CALLS, Diagnostic, diagnose, sort_diagnostics
 from .dims import dimension_checks
+from .pipeline import measured_balance, pipeline_summary, predicted_balance
 from .profile import profile_step
 from .report import write_breakdown_png, write_timeline_of_step_png
 
@@ -52,9 +54,13 @@ def profile_worker(cfg: TrainConfig, steps: int, warmup: int, profile=None) -> d
 
 def _profile(state, steps: int, warmup: int) -> dict | None:
     cfg = state.cfg
+    state.read_metrics = False  # train's step: no host read of its loss in the profiled steps
     batches = iter([state.batch(i) for i in range(warmup + steps)])
+    if state.pipe is not None:  # the bubble per rank: each schedule timed
+        state.pipe.measure = True
     prof = profile_step(lambda: state.step(*next(batches)), state.ctx, steps=steps,
                         warmup=warmup)
+    piped = pipeline_summary(state.pipe, steps) if state.pipe is not None else None
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(out / f"trace_rank{state.ctx.rank}.json")
@@ -64,7 +70,8 @@ def _profile(state, steps: int, warmup: int) -> dict | None:
     plan = state.model.parallel_plan
     summary.update(config=asdict(cfg), attention=plan.attention, vocab=plan.vocab,
                    tp=state.ctx.tp_size, dp=state.ctx.dp_size,
-                   tokens_per_s=cfg.batch * cfg.seq / summary["step_time_s"])
+                   tokens_per_s=cfg.batch * cfg.seq / summary["step_time_s"],
+                   **({"pipeline": piped} if piped else {}))
     files = output_files(out, state.ctx.world_size)
     summary["files"] = {k: str(v) for k, v in files.items()}
     write_breakdown_png(summary, files["breakdown"])
@@ -78,9 +85,17 @@ def diagnose_worker(cfg: TrainConfig, steps: bool = True, profile=None) -> list[
     The small-message threshold and α come from the profile the ranks agreed on."""
     with join(cfg, profile) as ctx:
         state = setup_training(cfg, ctx)
+        state.read_metrics = False  # train's step: its numbers read once per logging interval
         batches = iter([state.batch(i) for i in range(STEP_CALLS)])
         step_fn = (lambda: state.step(*next(batches))) if steps else None
+        if state.pipe is not None and steps:
+            state.pipe.measure = True
         found = diagnose(state.model, ctx, step_fn)
+        if state.pipe is not None:  # the stages' predicted and measured work (every rank)
+            more = pipeline_predicted(cfg, state.model)
+            if steps:
+                more += measured_balance(pipeline_summary(state.pipe, 0)["per_rank"])
+            found = sort_diagnostics(found + [Diagnostic(**d) for d in more])
         return [d.to_dict() for d in found] if ctx.rank == 0 else None
 
 
@@ -95,4 +110,15 @@ def dense_diagnostics(cfg: TrainConfig, tp: int) -> list[dict]:
     else:
         with torch.device("meta"):
             model = GPT(cfg.model_config())
-    return [Diagnostic(**d).to_dict() for d in dimension_checks(model, tp)]
+    found = dimension_checks(model, tp) + pipeline_predicted(cfg, model)
+    return [Diagnostic(**d).to_dict() for d in found]
+
+
+def pipeline_predicted(cfg: TrainConfig, model) -> list[dict]:
+    """``--pp``: ``pp_unbalanced`` from the stages' predicted work (the last one runs the head
+    too); ``model``: the dense model or a meta copy (a Hugging Face one: its config)."""
+    if cfg.pp == 1:
+        return []
+    spec = (ModelSpec.from_hf_config(model.config, seq=cfg.seq) if cfg.model else
+            ModelSpec.from_gpt_config(cfg.model_config(), seq=cfg.seq))
+    return predicted_balance(spec, cfg.pp, cfg.pp_schedule, cfg.pp_stages_per_rank)

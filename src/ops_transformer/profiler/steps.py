@@ -12,6 +12,7 @@ from ..memory.recompute import checkpointed
 from ..parallelize.sequence_plan import is_sequence_parallel
 from ..planner.layout import CostOptions, Layout
 from ..planner.strategies import model_comm_per_step
+from .context_checks import cp_checks
 from .profile import gather_objects, profile_step, world_group
 from .watch import BACKWARD, OUTSIDE, StepWatch
 
@@ -253,5 +254,5 @@ def comm_checks(model, ctx, step_fn, profile, *, exposed_threshold: float,
     me = next(r for r in ranks if r["rank"] == 0)
     return (host_syncs(ranks) + beyond_minimum(model, ctx, me, latency)
             + duplicated(ranks, latency, replays=recompute_of(model) == "full")
-            + small_runs(me, profile, small_run)
+            + small_runs(me, profile, small_run) + cp_checks(model, ctx, me, profile)
             + balance(summary, exposed_threshold, imbalance_threshold, sequence_parallel_of(model)))

@@ -18,7 +18,7 @@ from ..checkpoint.store import latest_step, list_steps, read_manifest, step_dirn
 from ..checkpoint.writer import save_checkpoint
 
 
-REBALANCE = ("auto", "off")  # train --rebalance: re-plan a resume on another size, or not
+from .config import REBALANCE  # train --rebalance: re-plan a resume on another size, or not
 
 
 def check_options(cfg) -> None:

@@ -9,7 +9,8 @@ flag; a TOML file of the same sections (:func:`load_toml`, :func:`to_toml`); and
 Each section field says which ``TrainConfig`` field it is (``train_field`` in its metadata, the
 field's own name by default); a flag is that field's name with dashes (``--no-progress`` for
 ``run.progress``); ``model.layers`` and ``run.sample_*`` have none (the file sets them). The
-defaults are ``TrainConfig``'s (a test holds them equal)."""
+defaults are defined here, once: ``TrainConfig``'s fields and the command line's flags take
+theirs from the sections."""
 
 from __future__ import annotations
 
@@ -22,14 +23,13 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ..parallelize.options import ParallelOptions
-from ..parallelize.pipeline_split import SCHEDULES
-from ..planner.runnable import ZERO_STAGES
-from ..precision.policy import PRECISIONS
-from .checkpoints import REBALANCE
+from ..schema.choices import PIPELINE_SCHEDULES as SCHEDULES
+from ..schema.choices import PRECISIONS, ZERO_STAGES
+from ..schema.parallel_options import ParallelOptions
 from .schedule import LR_SCHEDULES
 
 PACKS = ("docs", "naive")  # train --model: how documents share a packed row
+REBALANCE = ("auto", "off")  # train --rebalance: re-plan a resume on another size, or not
 
 
 def _f(default, *, train_field: str | None = None, flag: str | None = None,
@@ -194,6 +194,7 @@ class RunSection(_Section):
     out: str | None = None
     progress: bool = _f(True, flag="--no-progress")
     tensorboard: str | None = None
+    log_every: int = _f(10, least=1)  # the loss read from the device once per this many steps
     sample_tokens: int = _f(160, least=0, flag="[run] sample_tokens")  # no flag: the file
     sample_prompt: str = _f("def ", flag="[run] sample_prompt")  # no flag: the file
 
@@ -224,7 +225,8 @@ def parallel_options(**values) -> ParallelOptions:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One run, in sections (defaults: :class:`~ops_transformer.training.loop.TrainConfig`'s).
+    """One run, in sections (whose defaults :class:`~ops_transformer.training.loop.TrainConfig`
+    takes).
     Each section checked itself when built; the rules across sections are here, once:
     ``parallel.precision`` follows ``optim.precision`` (``fp8`` is the layers'; 16-bit autocast is
     the loop's)."""
@@ -269,6 +271,24 @@ def from_train_fields(values: dict) -> RunConfig:
     sections["parallel"] = parallel_options(precision=precision, **{
         name: values[train] for name, train in PARALLEL_FIELDS.items() if train in values})
     return RunConfig(**sections)
+
+
+def section_flags() -> dict[str, str]:
+    """Every command-line flag a section field has → its section's name (``--tp`` → ``layout``);
+    the fields only a file sets (``[model] layers``, ``[run] sample_*``) have none."""
+    flags = {"--" + train.replace("_", "-"): "parallel" for train in PARALLEL_FIELDS.values()}
+    for name, kind in SECTIONS.items():
+        flags.update({flag_of(f): name for f in fields(kind) if flag_of(f).startswith("--")})
+    return flags
+
+
+def section_summary(name: str) -> str:
+    """The first sentence of section ``name``'s docstring (the heading of its flags in
+    ``--help``)."""
+    if name == "parallel":
+        return "how parallelize prepares the model (ParallelOptions)"
+    doc = " ".join((SECTIONS[name].__doc__ or "").replace("``", "").split())
+    return doc.split(". ")[0].rstrip(".")
 
 
 def section_keys(name: str) -> tuple[str, ...]:

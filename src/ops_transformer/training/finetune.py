@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import collectives as C
+from . import preflight
 from .corpus import packed_corpus
 from ..models.documents import document_positions, document_targets
 from ..layers.loss import vocab_parallel_cross_entropy
@@ -71,12 +72,7 @@ def check_positions(seq: int, config, model_dir: str) -> None:
     """``--seq`` within the positions the model was built for (``max_position_embeddings``, or
     GPT-2's ``n_positions``): beyond them a learned table has no row and rotary positions were
     never trained."""
-    text = config.get_text_config()
-    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    if limit and seq > limit:
-        raise ValueError(f"--seq {seq} is beyond the {limit} positions of the model in "
-                         f"{model_dir} (max_position_embeddings in its config.json): pass "
-                         f"--seq {limit} or less")
+    preflight.check_positions(seq, preflight.position_limit(config.get_text_config()), model_dir)
 
 
 def check_data(cfg, config, say=None) -> None:
@@ -130,6 +126,22 @@ def micro_batch_weights(cfg, data, ctx, xs, ys) -> list[float] | None:
     total = counts.sum().clone()
     C.all_reduce(total, ctx.dp_ep_group if ctx.dp_ep_size > 1 else None, label="pack.tokens")
     return (counts * ctx.dp_ep_size / total).tolist()
+
+
+def pipeline_pack(cfg, data, ctx, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """``--pp`` with ``--pack docs``: the targets without a document's last token, and for
+    ``Pipeline.step`` the documents' positions (every stage's masks keep attention inside each
+    document) and each target's weight, ``readers / targets of the global batch`` (the
+    ``dp × ep`` readers average their gradients), so the step's gradient is the mean over every
+    target as on one process. ``--pack naive``: ``y`` and nothing more."""
+    if cfg.pack != "docs":
+        return y, {}
+    document_ids = data.document_ids(x)
+    y = document_targets(y, document_ids)
+    total = (y != -100).sum().double()
+    C.all_reduce(total, ctx.dp_ep_group if ctx.dp_ep_size > 1 else None, label="pack.tokens")
+    return y, {"position_ids": document_positions(document_ids),
+               "target_weight": ctx.dp_ep_size / max(total.item(), 1.0)}
 
 
 def pack_document_ids(cfg, data, x: torch.Tensor) -> torch.Tensor | None:

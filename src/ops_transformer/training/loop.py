@@ -33,88 +33,113 @@ from .optimizer import (check_memory_flags, make_optimizer, measured_state_bytes
                                  partial_numel, shard_for_zero)
 from .data import VOCAB_SIZE, check_corpus, decode, encode, get_batch, load_corpus, slice_for_rank
 from ..models.gpt import GPT, GPTConfig, preset
-from ..models.moe import moe_stats
+from ..models.moe import moe_stat_tensors
 from ..parallel.context import check_mesh_degrees, init_parallel
 from ..parallel.state import no_sync
 from ..parallelize import ParallelOptions, parallelize
 from ..parallelize.compile import check_compile
 from ..parallelize.gpt_plan import gpt_plan
 from ..parallelize.moe_plan import n_experts_of
-from ..planner.context_parallel import CP_CHOICES, CP_LIMITS, check_sequence
+from ..planner.context_parallel import CP_CHOICES, ULYSSES, check_sequence, check_ulysses
 from ..parallelize.pipeline import Pipeline, pipeline
+from ..parallelize.pipeline_hf import n_layers_of
 from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
 from ..planner.layout import CostOptions, Layout
 from ..planner.strategies import model_comm_per_step
-from ..precision import DynamicLossScaler, optimizer_step, precision_policy
+from ..precision import DynamicLossScaler, optimizer_step, precision_policy, read_reports
+from .preflight import check_batch
 from .schedule import check_schedule, lr_at, set_lr
 from ..utils.plot import write_line_plot_png
 from ..utils.progress import Progress
 from ..utils.tensorboard import ScalarLog, check_log_dir
 
 
+_D = RunConfig().train_fields()  # every default, from the run's sections
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. ``batch`` is the global batch in sequences: each of the ``dp × ep``
     ranks that read data runs its rows in ``grad_accum`` micro-batches of
-    ``batch / (grad_accum · dp · ep)`` sequences (:func:`micro_batch`)."""
+    ``batch / (grad_accum · dp · ep)`` sequences (:func:`micro_batch`). Every default is the
+    run's sections' (:mod:`~ops_transformer.training.config`), defined there once."""
 
-    preset: str = "tiny"
-    tp: int = 1
-    dp: int | None = None
-    steps: int = 200
-    batch: int = 8
-    seq: int = 64
-    lr: float = 3e-3
-    seed: int = 0
-    attention: str = ParallelOptions.attention
-    data: str | None = None
-    out: str | None = None
-    sample_tokens: int = 160
-    sample_prompt: str = "def "
-    progress: bool = True
-    layers: int | None = None  # overrides the preset's n_layers
-    ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
-    ranks_per_island: int | None = None  # PCIe islands in a node; None: detected (GPU) or one
-    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (with a dynamic loss scaler) | "fp8"
-    clip_grad: float | None = None  # clip the dense model's gradient norm to this
-    ep: int = 1  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
-    tensorboard: str | None = None  # log loss, tokens/s and communication there (rank 0)
-    sequence_parallel: bool | str = ParallelOptions.sequence_parallel  # True, or "regather"
-    recompute: str = ParallelOptions.recompute
-    activation_cache: str = ParallelOptions.activation_cache
-    overlap: str = ParallelOptions.overlap  # collectives in chunks pipelined with their matmuls
-    chunks: int = ParallelOptions.chunks
-    zero: int = 0  # ZeRO stage over dp: 0 (off), 1, 2 or 3 (parameters sharded, FSDP2)
-    ckpt_dir: str | None = None  # sharded checkpoints (docs/checkpoints.md)
-    save_every: int = 0  # checkpoint every N steps (0: only after the last step)
-    resume: bool | str = False  # continue from the newest good checkpoint in ckpt_dir, if any
-    #                             ("strict": from the latest one, or fail)
-    max_restarts: int = 0  # local ranks (--nproc): restart the job after a failure, this often
-    keep_checkpoints: int = 3  # the newest checkpoints kept in ckpt_dir
-    on_save_error: str = "stop"  # a failed save (full disk): "stop" the run, or "continue" it
-    model: str | None = None  # a Hugging Face save_pretrained directory to fine-tune (no preset)
-    lr_schedule: str = "constant"  # or "cosine" (ops_transformer.schedule)
-    warmup: int = 0  # linear warmup steps
-    grad_accum: int = 1  # micro-batches per step and rank; gradients reduced once per step
-    rebalance: str = "auto"  # resume on another size: "auto" re-plans (rebalance.py), "off"
-    elastic: bool = False  # local ranks (--nproc): a restart drops the node whose ranks died
-    lora_rank: int | None = None  # LoRA adapters of this rank; every other weight frozen
-    lora_alpha: float | None = None  # None: the rank (scaling 1)
-    lora_targets: tuple[str, ...] | None = None  # module names / fnmatch patterns; None: default
-    lora_dropout: float = 0.0
-    dropout: float | None = None  # the preset's dropout probability (None: the preset's own)
-    moe_statistics: str = ParallelOptions.moe_statistics  # MoE capacity / aux loss: "local"
-    #                                                       per rank, or over the "global" batch
-    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (SPEC F18)
-    cp_strategy: str = ParallelOptions.context_parallel  # "auto", "ring" or "allgather_kv"
-    pack: str = "docs"  # train --model: "docs" (attention inside each packed document), "naive"
-    pp: int = 1  # pipeline stages (outermost axis): parallelize.pipeline over the layers
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | looped_bfs | zero_bubble | zbv
-    microbatches: int = 1  # pipeline micro-batches per step and data-parallel rank
-    stages_per_rank: int | None = None  # None: 1, or 2 for the multi-stage schedules
-    compile: bool = ParallelOptions.compile  # each Transformer block through torch.compile
-    compile_backend: str = ParallelOptions.compile_backend  # "inductor", "aot_eager", "eager"
-    fp8_backward: str = ParallelOptions.fp8_backward  # --precision fp8: "e5m2" or "fp32" grads
+    preset: str = _D["preset"]
+    tp: int = _D["tp"]
+    dp: int | None = _D["dp"]
+    steps: int = _D["steps"]
+    batch: int = _D["batch"]
+    seq: int = _D["seq"]
+    lr: float = _D["lr"]
+    seed: int = _D["seed"]
+    attention: str = _D["attention"]
+    data: str | None = _D["data"]
+    out: str | None = _D["out"]
+    sample_tokens: int = _D["sample_tokens"]
+    sample_prompt: str = _D["sample_prompt"]
+    progress: bool = _D["progress"]
+    log_every: int = _D["log_every"]  # read the loss and metrics from the device once per N steps
+    layers: int | None = _D["layers"]  # overrides the preset's n_layers
+    # None: torchrun's LOCAL_WORLD_SIZE (one node without it)
+    ranks_per_node: int | None = _D["ranks_per_node"]
+    # PCIe islands in a node; None: detected (GPU) or one
+    ranks_per_island: int | None = _D["ranks_per_island"]
+    # "fp32" | "bf16" | "fp16" (with a dynamic loss scaler) | "fp8"
+    precision: str = _D["precision"]
+    clip_grad: float | None = _D["clip_grad"]  # clip the dense model's gradient norm to this
+    ep: int = _D["ep"]  # expert-parallel degree (MoE presets): n_experts / ep experts per rank
+    # log loss, tokens/s and communication there (rank 0)
+    tensorboard: str | None = _D["tensorboard"]
+    sequence_parallel: bool | str = _D["sequence_parallel"]  # True, or "regather"
+    recompute: str = _D["recompute"]
+    activation_cache: str = _D["activation_cache"]
+    overlap: str = _D["overlap"]  # collectives in chunks pipelined with their matmuls
+    chunks: int = _D["chunks"]
+    zero: int = _D["zero"]  # ZeRO stage over dp: 0 (off), 1, 2 or 3 (parameters sharded, FSDP2)
+    ckpt_dir: str | None = _D["ckpt_dir"]  # sharded checkpoints (docs/checkpoints.md)
+    save_every: int = _D["save_every"]  # checkpoint every N steps (0: only after the last step)
+    # continue from the newest good checkpoint in ckpt_dir, if any ("strict": from the latest
+    # one, or fail)
+    resume: bool | str = _D["resume"]
+    # local ranks (--nproc): restart the job after a failure, this often
+    max_restarts: int = _D["max_restarts"]
+    keep_checkpoints: int = _D["keep_checkpoints"]  # the newest checkpoints kept in ckpt_dir
+    # a failed save (full disk): "stop" the run, or "continue" it
+    on_save_error: str = _D["on_save_error"]
+    # a Hugging Face save_pretrained directory to fine-tune (no preset)
+    model: str | None = _D["model"]
+    lr_schedule: str = _D["lr_schedule"]  # or "cosine" (ops_transformer.schedule)
+    warmup: int = _D["warmup"]  # linear warmup steps
+    # micro-batches per step and rank; gradients reduced once per step
+    grad_accum: int = _D["grad_accum"]
+    # resume on another size: "auto" re-plans (rebalance.py), "off"
+    rebalance: str = _D["rebalance"]
+    # local ranks (--nproc): a restart drops the node whose ranks died
+    elastic: bool = _D["elastic"]
+    # LoRA adapters of this rank; every other weight frozen
+    lora_rank: int | None = _D["lora_rank"]
+    lora_alpha: float | None = _D["lora_alpha"]  # None: the rank (scaling 1)
+    # module names / fnmatch patterns; None: default
+    lora_targets: tuple[str, ...] | None = _D["lora_targets"]
+    lora_dropout: float = _D["lora_dropout"]
+    # the preset's dropout probability (None: the preset's own)
+    dropout: float | None = _D["dropout"]
+    # MoE capacity / aux loss: "local" per rank, or over the "global" batch
+    moe_statistics: str = _D["moe_statistics"]
+    cp: int = _D["cp"]  # context-parallel degree: each sequence split over cp ranks (SPEC F18)
+    cp_strategy: str = _D["cp_strategy"]  # "auto", "ring" or "allgather_kv"
+    # train --model: "docs" (attention inside each packed document), "naive"
+    pack: str = _D["pack"]
+    pp: int = _D["pp"]  # pipeline stages (outermost axis): parallelize.pipeline over the layers
+    # gpipe | 1f1b | interleaved | looped_bfs | zero_bubble | zbv
+    pp_schedule: str = _D["pp_schedule"]
+    # pipeline micro-batches per step and data-parallel rank
+    microbatches: int = _D["microbatches"]
+    # None: 1, or 2 for the multi-stage schedules
+    stages_per_rank: int | None = _D["stages_per_rank"]
+    compile: bool = _D["compile"]  # each Transformer block through torch.compile
+    compile_backend: str = _D["compile_backend"]  # "inductor", "aot_eager", "eager"
+    fp8_backward: str = _D["fp8_backward"]  # --precision fp8: "e5m2" or "fp32" grads
 
     @classmethod
     def from_run_config(cls, run: RunConfig) -> TrainConfig:
@@ -165,7 +190,7 @@ class TrainConfig:
 def validate(cfg: TrainConfig, world_size: int, say=None) -> tuple[int, int]:
     """Every check that needs no process group; returns ``(dp, tp)``. ``say(line)``: where a
     note and the tokenizer's progress go (``train --model``), ``None`` for silence."""
-    for name in ("steps", "batch", "seq", "grad_accum"):
+    for name in ("steps", "batch", "seq", "grad_accum", "log_every"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
                              f"{getattr(cfg, name)}")
@@ -245,14 +270,13 @@ def check_train_cp(cfg: TrainConfig) -> None:
         raise ValueError(f"--pack must be one of {', '.join(PACKS)}, got {cfg.pack!r}")
     if cfg.cp == 1:
         return
-    preset_cfg = None if cfg.model else cfg.model_config()  # --model: parallelize checks it
-    for flag, why, on in (
-            ("--lora-dropout", "lora_dropout", cfg.lora_dropout > 0),
-            ("an MoE preset", "moe", preset_cfg is not None and preset_cfg.n_experts > 0),
-            ("--dropout", "dropout", preset_cfg is not None and preset_cfg.dropout > 0)):
-        if on:
-            raise ValueError(f"--cp {cfg.cp} does not combine with {flag} yet: {CP_LIMITS[why]}")
     check_sequence(cfg.seq, cfg.cp)
+    if cfg.cp_strategy == ULYSSES and not cfg.model:  # --model: parallelize checks it
+        m = cfg.model_config()
+        try:
+            check_ulysses(m.n_heads // cfg.tp, max(1, m.n_kv_heads // cfg.tp), cfg.cp)
+        except ValueError as exc:
+            raise ValueError(f"--cp-strategy ulysses --cp {cfg.cp}: {exc}") from None
     if cfg.sequence_parallel and (cfg.seq // cfg.cp) % cfg.tp:
         raise ValueError(f"--sequence-parallel with --cp splits each rank's s/cp = "
                          f"{cfg.seq // cfg.cp} tokens over tp ({cfg.tp}): --seq ({cfg.seq}) must "
@@ -263,35 +287,38 @@ def check_train_pipeline(cfg: TrainConfig, dp_ep: int) -> None:
     """``--pp``: the split (:func:`check_pipeline`, flags named) and what it runs with."""
     if cfg.cp > 1:
         raise ValueError(f"--pp {cfg.pp} does not combine with --cp yet: drop one of them")
-    if not cfg.model and cfg.model_config().dropout > 0:  # micro-batches draw other masks
-        raise ValueError(f"--pp {cfg.pp} does not combine with --dropout yet: drop one of them")
-    if cfg.model or cfg.grad_accum > 1:
-        raise ValueError("--pp runs a reference preset without --model or --grad-accum (use "
-                         "--microbatches) yet (docs/pipeline.md)")
+    if not cfg.model and cfg.model_config().dropout > 0 and cfg.attention == "kv_split":
+        raise ValueError(f"--pp {cfg.pp} with --dropout needs --attention heads (or auto): "
+                         f"kv_split draws its own masks")
+    if cfg.model:
+        n_layers = _pipeline_hf_layers(cfg)
+    else:
+        n_layers = cfg.model_config().n_layers
     try:
-        check_pipeline(cfg.model_config().n_layers, cfg.pp, schedule=cfg.pp_schedule,
+        check_pipeline(n_layers, cfg.pp, schedule=cfg.pp_schedule,
                        microbatches=cfg.microbatches, stages_per_rank=cfg.pp_stages_per_rank)
     except ValueError as exc:
         message = str(exc).replace("schedule must", "--pp-schedule must")
         raise ValueError(f"--pp {cfg.pp}: {message}") from None
     rows = cfg.batch // dp_ep if cfg.batch % dp_ep == 0 else None
-    if rows is None or rows % cfg.microbatches:
+    if rows is None or rows % (cfg.microbatches * cfg.grad_accum):
+        accum = f" × --grad-accum {cfg.grad_accum}" if cfg.grad_accum > 1 else ""
         raise ValueError(f"--batch {cfg.batch} over {dp_ep} data-parallel rank(s) does not split "
-                         f"into --microbatches {cfg.microbatches}")
+                         f"into --microbatches {cfg.microbatches}{accum}")
 
 
-def check_batch(batch: int, dp: int, ep: int, grad_accum: int) -> None:
-    """The global batch splits into ``grad_accum`` micro-batches on each of the ``dp × ep``
-    ranks that read data."""
-    readers = ("dp ({dp})" if ep == 1 else "dp ({dp}) × ep ({ep})").format(dp=dp, ep=ep)
-    if batch % (dp * ep):
-        raise ValueError(f"--batch ({batch}) must be divisible by {readers}" if ep == 1 else
-                         f"--batch ({batch}) must be divisible by {readers}: each of the "
-                         f"{dp * ep} ranks reads its own rows")
-    if batch % (dp * ep * grad_accum):
-        raise ValueError(f"--batch ({batch}) must be divisible by {readers} × --grad-accum "
-                         f"({grad_accum}): each rank runs {batch // (dp * ep)} rows in "
-                         f"{grad_accum} equal micro-batches")
+def _pipeline_hf_layers(cfg: TrainConfig) -> int:
+    """``--pp --model``: the layers of a Hugging Face decoder ``pipeline`` splits (GPT-2, Llama,
+    Mistral, Qwen2, Qwen3; dense)."""
+    model = finetune.meta_model(cfg.model)
+    if n_experts_of(model):
+        raise ValueError(f"--pp {cfg.pp} does not split {type(model).__name__} yet (MoE): use a "
+                         f"dense model or --pp 1")
+    try:
+        n_layers = n_layers_of(model)
+    except ValueError as exc:
+        raise ValueError(f"--pp {cfg.pp} --model {cfg.model}: {exc}") from None
+    return n_layers
 
 
 def micro_batch(cfg: TrainConfig, dp_ep: int) -> int:
@@ -339,6 +366,7 @@ class TrainState:
     scaler: DynamicLossScaler | None
     state_bytes: dict | None = None  # this rank's parameters, gradients, optimizer state (bytes)
     pipe: Pipeline | None = None  # --pp: this rank's stages and the schedule
+    read_metrics: bool = True  # False: step() leaves the report's numbers on the device
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the global batch of ``step`` (on the device): data-parallel and
@@ -354,16 +382,27 @@ class TrainState:
     def step(self, x: torch.Tensor, y: torch.Tensor):
         """Forward, backward, clipping and the optimizer step: ``(report, ledger)``, the
         optimizer's report (``report.metrics["loss"]``: the global-batch loss) and the step's
-        collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches."""
+        collectives. ``x, y``: this rank's rows, run as ``cfg.grad_accum`` micro-batches. With
+        :attr:`read_metrics` off (``train``'s loop, ``diagnose``) the report's metrics and
+        gradient norm stay 0-d device tensors: the step makes no host synchronisation, and the
+        caller reads many steps at once (:func:`~ops_transformer.precision.read_reports`)."""
         with CommLedger() as ledger:  # forward, backward, clipping and the optimizer step
-            metrics = (self.accumulate(x, y) if self.pipe is None else
-                       self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy))
+            metrics = self.accumulate(x, y) if self.pipe is None else self.pipelined(x, y)
             report = optimizer_step(self.model, self.opt, self.ctx, scaler=self.scaler,
-                                    max_norm=self.cfg.clip_grad, metrics=metrics)
+                                    max_norm=self.cfg.clip_grad, metrics=metrics,
+                                    read=self.read_metrics)
             # (one all-reduce for what is small; the metrics averaged over dp × ep)
         self.state_bytes = self.state_bytes or measured_state_bytes(self.model, self.opt)
         self.opt.zero_grad(set_to_none=True)
         return report, ledger
+
+    def pipelined(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        """``--pp``: the step's schedules (``cfg.grad_accum`` of them) and their metrics; with
+        ``--model --pack docs`` the documents' positions and per-target loss weights."""
+        y, more = (finetune.pipeline_pack(self.cfg, self.data, self.ctx, x, y) if self.cfg.model
+                   else (y, {}))
+        return self.pipe.step_metrics(x, y, scaler=self.scaler, policy=self.policy,
+                                      grad_accum=self.cfg.grad_accum, **more)
 
     def accumulate(self, x: torch.Tensor, y: torch.Tensor) -> dict:
         """Forward and backward of each micro-batch of ``x, y``, the gradients accumulating
@@ -452,6 +491,8 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
     policy = precision_policy(cfg.precision)
     if cfg.model:
         model, data = finetune.build(cfg, ctx, policy)
+        if ctx.pp_size > 1:  # split after parallelize and LoRA, as the reference GPT
+            return _pipelined(cfg, ctx, model, data, policy)
         return _with_optimizer(cfg, ctx, model, data, policy)
     model_cfg = cfg.model_config()
     data = load_corpus(cfg.data)
@@ -460,14 +501,19 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
                     batch=micro_batch(cfg, ctx.dp_ep_size), seq=cfg.seq,
                     profile=ctx.profile)  # `auto`: for this run's shapes, on the agreed profile
     model = parallelize(GPT(model_cfg).to(ctx.device), ctx, plan, options)
-    if ctx.pp_size > 1:  # split after parallelize and LoRA (its factors drawn in the dense
-        # model's order): TP, dp and the adapters inside each stage as they are
-        model = finetune.with_lora(cfg, ctx, model)
-        pipe = pipeline(model, ctx, cfg.pp_schedule, microbatches=cfg.microbatches,
-                        stages_per_rank=cfg.pp_stages_per_rank)
-        return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy,
-                                                   add_lora=False), pipe=pipe)
+    if ctx.pp_size > 1:
+        return _pipelined(cfg, ctx, model, data, policy)
     return _with_optimizer(cfg, ctx, model, data, policy)
+
+
+def _pipelined(cfg: TrainConfig, ctx, model, data, policy) -> TrainState:
+    """Split after parallelize and LoRA (its factors drawn in the dense model's order): TP, dp
+    and the adapters inside each stage as they are."""
+    model = finetune.with_lora(cfg, ctx, model)
+    pipe = pipeline(model, ctx, cfg.pp_schedule, microbatches=cfg.microbatches,
+                    stages_per_rank=cfg.pp_stages_per_rank)
+    return dataclasses.replace(_with_optimizer(cfg, ctx, model, data, policy, add_lora=False),
+                               pipe=pipe)
 
 
 def _with_optimizer(cfg: TrainConfig, ctx, model, data, policy, *,
@@ -501,38 +547,29 @@ def _train(cfg: TrainConfig, ctx, journal=None) -> dict | None:
     if first:
         bar.write(f"resumed from step {first} of {cfg.ckpt_dir}")
         bar.update(first)
-    for step in range(first, cfg.steps):
-        x, y = state.batch(step)
-        set_lr(opt, lr_at(step, lr=cfg.lr, steps=cfg.steps, schedule=cfg.lr_schedule,
-                          warmup=cfg.warmup))
-        start = time.perf_counter()
-        report, ledger = state.step(x, y)
-        step_times.append(time.perf_counter() - start)
-        losses.append(report.metrics["loss"])
-        _tell(journal, {"loss": losses[-1]})
-        last = ledger
-        if not math.isfinite(losses[-1]) and (scaler is None
-                                              or scaler.scale_value <= scaler.min_scale):
-            raise ValueError(f"the loss became {losses[-1]} at step {step}; lower --lr "
-                             f"(now {cfg.lr})")
-        tokens_per_s = cfg.batch * cfg.seq / step_times[-1]
-        if moe and not cfg.model:
-            moe_history.append(_moe_report(report.metrics))
-        if cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every):
-            ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
-                      keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
-                      on_error=cfg.on_save_error, meta=batch_layout(cfg, ctx))
-        bar.update(loss=losses[-1], **{"tok/s": tokens_per_s,
-                                       "comm": f"{ledger.total_bytes / 2**20:.2f}MiB/step"},
-                   **_precision_stats(report, scaler),
-                   **({"aux": moe_history[-1]["aux_loss"],
-                       "dropped": f"{moe_history[-1]['dropped_fraction']:.1%}"}
-                      if moe_history else {}))
-        board.log(step, loss=losses[-1], tokens_per_s=tokens_per_s,
-                  comm_bytes_per_step=ledger.total_bytes, comm_calls_per_step=ledger.calls,
-                  grad_norm=report.grad_norm,
-                  loss_scale=None if scaler is None else scaler.scale_value,
-                  moe_aux_loss=moe_history[-1]["aux_loss"] if moe_history else None)
+    state.read_metrics = False  # the step's numbers stay on the device until logged
+    log = _StepLog(cfg, scaler, bar, board, journal, losses, moe_history if moe and not cfg.model
+                   else None)
+    try:
+        for step in range(first, cfg.steps):
+            x, y = state.batch(step)
+            set_lr(opt, lr_at(step, lr=cfg.lr, steps=cfg.steps, schedule=cfg.lr_schedule,
+                              warmup=cfg.warmup))
+            start = time.perf_counter()
+            report, ledger = state.step(x, y)
+            step_times.append(time.perf_counter() - start)
+            last = ledger
+            log.add(step, report, ledger, step_times[-1])
+            saving = cfg.ckpt_dir and ckpt.should_save(step + 1, cfg.steps, cfg.save_every)
+            if saving or (step + 1 - first) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                report = log.flush() or report  # one host read for the interval
+            if saving:
+                ckpt.save(cfg.ckpt_dir, model, opt, ctx, step + 1, position, scaler=scaler,
+                          keep=cfg.keep_checkpoints, extra={"losses": losses, "moe": moe_history},
+                          on_error=cfg.on_save_error, meta=batch_layout(cfg, ctx))
+    except BaseException:  # an interrupt or a failure: what ran still reaches the journal
+        log.flush(check=False)
+        raise
     bar.close()
     board.close()
     sample = None if cfg.model or ctx.pp_size > 1 else _sample(model, cfg, ctx.device)
@@ -554,6 +591,64 @@ def _train(cfg: TrainConfig, ctx, journal=None) -> dict | None:
                      **({"moe": {k: [m[k] for m in moe_history]
                                  for k in ("aux_loss", "dropped_fraction")}}
                         if moe_history else {})})
+
+
+class _StepLog:
+    """What the loop reports of each step — the losses, the journal, the progress line,
+    TensorBoard, the MoE history — fed from steps whose numbers are still on the device
+    (:meth:`add`) and read once per logging interval (:meth:`flush`, ``--log-every``): no host
+    synchronisation in the steps between (torchtitan's ``log_freq``). What is reported per step
+    is the same as reading every step; only when it is written changes."""
+
+    def __init__(self, cfg, scaler, bar, board, journal, losses: list, moe_history: list | None):
+        self.cfg, self.scaler, self.bar, self.board, self.journal = cfg, scaler, bar, board, journal
+        self.losses, self.moe_history = losses, moe_history
+        self.pending = []  # (step, report, ledger, seconds, loss scale, skipped steps)
+
+    def add(self, step: int, report, ledger, seconds: float) -> None:
+        scaler = self.scaler
+        self.pending.append((step, report, ledger, seconds,
+                             None if scaler is None else scaler.scale_value,
+                             None if scaler is None else scaler.skipped_steps))
+        self.bar.update()
+
+    def flush(self, check: bool = True):
+        """Read the pending steps' numbers (one transfer) and report each; returns the last read
+        report (``None``: nothing pending). ``check``: a non-finite loss is an error (with fp16's
+        scaler, once the scale is at its floor)."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return None
+        reports = read_reports([p[1] for p in pending])
+        for (step, _, ledger, seconds, scale, skipped), report in zip(pending, reports):
+            loss = report.metrics["loss"]
+            self.losses.append(loss)
+            _tell(self.journal, {"loss": loss})
+            if check and not math.isfinite(loss) and (scale is None
+                                                      or scale <= self.scaler.min_scale):
+                raise ValueError(f"the loss became {loss} at step {step}; lower --lr "
+                                 f"(now {self.cfg.lr})")
+            self._show(step, report, ledger, seconds, scale, skipped)
+        return reports[-1]
+
+    def _show(self, step, report, ledger, seconds, scale, skipped) -> None:
+        cfg, loss = self.cfg, report.metrics["loss"]
+        tokens_per_s = cfg.batch * cfg.seq / seconds
+        moe = None
+        if self.moe_history is not None:
+            moe = _moe_report(report.metrics)
+            self.moe_history.append(moe)
+        stats = _precision_stats(report, None)  # the scale as it was after that step
+        if scale is not None:
+            stats.update(scale=scale, skipped=skipped)
+        self.bar.update(0, loss=loss, **{"tok/s": tokens_per_s,
+                                         "comm": f"{ledger.total_bytes / 2**20:.2f}MiB/step"},
+                        **stats, **({"aux": moe["aux_loss"],
+                                     "dropped": f"{moe['dropped_fraction']:.1%}"} if moe else {}))
+        self.board.log(step, loss=loss, tokens_per_s=tokens_per_s,
+                       comm_bytes_per_step=ledger.total_bytes, comm_calls_per_step=ledger.calls,
+                       grad_norm=report.grad_norm, loss_scale=scale,
+                       moe_aux_loss=moe["aux_loss"] if moe else None)
 
 
 def trainable_params(model) -> int:
@@ -578,8 +673,10 @@ def _moe_metrics(model, cfg: TrainConfig) -> dict:
     MoE; a Hugging Face router keeps its own statistics)."""
     if cfg.model or not model.cfg.n_experts:
         return {}
-    stats = moe_stats(model)
-    return {"moe_aux_loss": stats["aux_loss"], "moe_dropped": float(stats["dropped"]),
+    stats = moe_stat_tensors(model)  # on the device: read with the loss, once per interval
+    if stats is None:
+        return {"moe_aux_loss": 0.0, "moe_dropped": 0.0, "moe_slots": 0.0}
+    return {"moe_aux_loss": stats["aux_loss"], "moe_dropped": stats["dropped"],
             "moe_slots": float(stats["slots"])}
 
 

@@ -6,6 +6,9 @@ order rotates each round):
 
 * ``ours``    — ``parallelize(model, ctx, overlap="none")``: the plan ``parallelize`` chooses for
   this model, every collective in one call (as before overlap existed);
+* ``auto``    — ``parallelize(model, ctx)``: the default, ``overlap="auto"`` (per region the chunk
+  count the cost model chooses on the agreed profile, 1 where chunking does not pay; issue 33:
+  never more calls than ``none`` where it runs one chunk, and no slower than ``ours``);
 * ``overlap`` — ``parallelize(model, ctx, overlap="chunked", chunks=N)``: the same plan, each
   region's collective split into ``N`` chunks pipelined with its matmul (``--chunks``, default 2);
 * ``dtensor`` — ``parallelize_module(model, ctx.mesh["tp"], plan)`` with ``ColwiseParallel`` on
@@ -18,7 +21,8 @@ order rotates each round):
   alone after a barrier, their times summed: the time the step's communication takes without
   compute around it.
 
-Reported: ``ours / dtensor``, ``overlap / dtensor`` and the floor ratios ``ours / (nocomm +
+Reported: ``ours / dtensor``, ``overlap / dtensor``, ``auto / ours`` (with each one's collective
+calls per step) and the floor ratios ``ours / (nocomm +
 alone)`` and ``overlap / (nocomm + alone)`` (1 would mean the step costs exactly its compute plus
 its communication; below 1, communication overlapped compute), each as the median over rounds of
 the per-round ratio of medians; what ``overlap="auto"`` (the default) decides for each region on
@@ -53,7 +57,8 @@ from ops_transformer.layers.overlap_policy import overlap_summary
 from _common import (OtherLoad, add_timing_args, check_counts, finish, format_paired, interleave,
                      job_meta, method_stats, paired_ratio, rel_err, time_steps)
 
-METHODS = ("dtensor", "ours", "overlap", "nocomm", "alone")  # the baseline first (method_stats)
+# the baseline first (method_stats)
+METHODS = ("dtensor", "ours", "auto", "overlap", "nocomm", "alone")
 TP = 2
 SEED = 1234
 
@@ -203,19 +208,13 @@ def exposed_comm(model, ctx, batches, steps: int = 3) -> dict:
             "step_s": [r["step_time_s"] for r in summary["per_rank"]]}
 
 
-def auto_decisions(size: Size, ctx, batch) -> str:
-    """What ``overlap="auto"`` (the default) decides for each region at this size."""
-    model = parallelize(dense_llama(size), ctx)
-    train_step(model, batch)
-    return overlap_summary(model)
-
-
 def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | None,
                chunks: int = 2) -> dict:
     from transformers import set_seed
 
     set_seed(SEED)
     models = {"ours": parallelize(dense_llama(size), ctx, overlap="none"),
+              "auto": parallelize(dense_llama(size), ctx),  # the default: overlap="auto"
               "overlap": parallelize(dense_llama(size), ctx, overlap="chunked", chunks=chunks),
               "dtensor": dtensor_llama(size, ctx.mesh["tp"])}
     gen = torch.Generator().manual_seed(SEED)
@@ -249,14 +248,16 @@ def bench_size(size: Size, ctx, rounds: int, steps: int | None, warmup: int | No
 
     with CommLedger() as chunked:
         train_step(models["overlap"], batches[1])
+    with CommLedger() as auto:
+        train_step(models["auto"], batches[1])
     times = interleave(METHODS, rounds, block)
     exposed = {m: exposed_comm(models[m], ctx, batches) for m in ("ours", "overlap")}
     return {"size": asdict(size), "losses": losses, "logits_rel_err": logits_err,
             "steps": steps, "warmup": warmup,
             "attention": models["ours"].parallel_plan.reason,
             "ledger": ledger.summary(), "by_algorithm": ledger.by_algorithm(),
-            "overlap_ledger": chunked.summary(), "exposed": exposed,
-            "auto": auto_decisions(size, ctx, batches[0]),
+            "overlap_ledger": chunked.summary(), "auto_ledger": auto.summary(),
+            "exposed": exposed, "auto": overlap_summary(models["auto"]),
             "collectives_per_step": len(records), "times": times}
 
 
@@ -289,6 +290,9 @@ def report(per_rank: list[dict]) -> list[dict]:
         s, times = res["size"], res["times"]
         stats = method_stats([r["results"][i]["times"] for r in per_rank], METHODS, "dtensor")
         ratios = {m: paired_ratio(times, m, "dtensor") for m in ("ours", "overlap")}
+        auto_ratio = paired_ratio(times, "auto", "ours")
+        calls = {m: sum(v["calls"] for v in res[key].values())
+                 for m, key in (("ours", "ledger"), ("auto", "auto_ledger"))}
         floors = {m: _floor(times, m) for m in ("ours", "overlap")}
         exposed = {m: max(res["exposed"][m]["exposed_comm_s"]) for m in ("ours", "overlap")}
         dense = res["losses"]["dense"]
@@ -296,19 +300,24 @@ def report(per_rank: list[dict]) -> list[dict]:
               f"{s['heads']} heads / {s['kv_heads']} KV, vocab {s['vocab']}, batch {s['batch']} "
               f"x seq {s['seq']}; {res['warmup']} untimed + {res['steps']} timed steps per block")
         print("  vs dense: loss rel. diff " + ", ".join(
-            f"{m} {abs(res['losses'][m] - dense) / dense:.1e}" for m in ("ours", "overlap",
+            f"{m} {abs(res['losses'][m] - dense) / dense:.1e}" for m in ("ours", "auto", "overlap",
                                                                        "dtensor"))
               + "; logits max rel. err " + ", ".join(
-                  f"{m} {res['logits_rel_err'][m]:.1e}" for m in ("ours", "overlap", "dtensor")))
+                  f"{m} {res['logits_rel_err'][m]:.1e}" for m in ("ours", "auto", "overlap",
+                                                                  "dtensor")))
         print(f"  ours per step: {res['collectives_per_step']} collectives {res['ledger']} "
               f"by algorithm {sorted(res['by_algorithm'])}")
         print(f"  overlap per step: {res['overlap_ledger']}")
         print(f"  overlap='auto' (the default) here: {res['auto']}")
+        print(f"  auto per step: {res['auto_ledger']}; calls auto {calls['auto']} vs none "
+              f"{calls['ours']}")
         print("  rank 0 median ms: " + ", ".join(f"{m} {stats['ms'][m]:.2f}" for m in METHODS))
         for m in ("ours", "overlap"):
             target = s["target"] if m == "ours" or s["name"] != "small" else 0.45
             print(f"  {m:<8} / dtensor  {format_paired(ratios[m])}   "
                   f"{_verdict(ratios[m]['median'], target)}")
+        print(f"  auto     / ours     {format_paired(auto_ratio)}   "
+              f"{_verdict(auto_ratio['median'], 1.0)} (issue 33: no slower than none)")
         for m in ("ours", "overlap"):
             print(f"  floor {m} / (nocomm + alone)  {format_paired(floors[m])}   "
                   f"{_verdict(floors[m]['median'], FLOOR_TARGET)}")
@@ -316,11 +325,12 @@ def report(per_rank: list[dict]) -> list[dict]:
               f"{1e3 * exposed['ours']:.2f} ms, overlap {1e3 * exposed['overlap']:.2f} ms "
               f"({exposed['overlap'] / exposed['ours']:.2f}x; target <= 0.5 at medium)")
         rows.append({"size": s, "ms": stats["ms"], "ours/dtensor": ratios["ours"],
-                     "overlap/dtensor": ratios["overlap"], "floor": floors["ours"],
+                     "overlap/dtensor": ratios["overlap"], "auto/ours": auto_ratio,
+                     "calls_per_step": calls, "floor": floors["ours"],
                      "floor_overlap": floors["overlap"], "exposed_comm_s": exposed,
                      "auto": res["auto"], "losses": res["losses"],
                      "logits_rel_err": res["logits_rel_err"], "ledger": res["ledger"],
-                     "overlap_ledger": res["overlap_ledger"],
+                     "overlap_ledger": res["overlap_ledger"], "auto_ledger": res["auto_ledger"],
                      "by_algorithm": res["by_algorithm"]})
     return rows
 

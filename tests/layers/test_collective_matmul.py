@@ -43,7 +43,7 @@ def _local(full, rank, t, dim=0):
     return full.chunk(t, dim)[rank].clone().requires_grad_()
 
 
-def _entry(sequence_parallel: bool, chunks: int):
+def _entry(sequence_parallel: bool, chunks: int, regather: bool = False):
     ctx = _ctx()
     t, r = ctx.tp_size, ctx.tp_rank
     x, weights, biases, grads = _data(t)
@@ -53,7 +53,7 @@ def _entry(sequence_parallel: bool, chunks: int):
     x_in = (x[rows] if sequence_parallel else x).clone().requires_grad_()
     with CommLedger() as fwd:
         if sequence_parallel:
-            x_full, ys = gather_matmul(x_in, ws, bs, ctx.tp_group, chunks)
+            x_full, ys = gather_matmul(x_in, ws, bs, ctx.tp_group, chunks, regather=regather)
             x_full, ys = x_full.reshape(-1, H), [y.reshape(-1, y.shape[-1]) for y in ys]
         else:
             x_full, ys = copy_matmul(x_in, ws, bs, ctx.tp_group, chunks)
@@ -66,7 +66,8 @@ def _entry(sequence_parallel: bool, chunks: int):
     for w, b, gw, gb in zip(ws, bs, gw_ref, gb_ref):
         assert_rel(w.grad, gw.chunk(t, 0)[r], what="weight grad")
         assert_rel(b.grad, gb.chunk(t, 0)[r], what="bias grad")
-    return fwd.summary(), bwd.summary()
+    labels = sorted({r.label for r in bwd.records if r.kind == "all_gather"})
+    return fwd.summary(), bwd.summary(), labels
 
 
 def _exit(sequence_parallel: bool, chunks: int):
@@ -98,15 +99,26 @@ def _comm(kind, calls, elements):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("chunks", [1, 2, 3])
 def test_sequence_parallel_entry_equals_dense(run_ranks, tp, chunks):
-    fwd, bwd = run_ranks(_entry, tp, True, chunks)[0]
+    fwd, bwd, _ = run_ranks(_entry, tp, True, chunks)[0]
     n = tp * TOKENS_PER_RANK * H
     assert fwd == _comm("all_gather", chunks, n)
     assert bwd == _comm("reduce_scatter", chunks, n)
 
 
 @pytest.mark.parametrize("tp,chunks", [(2, 1), (2, 3), (4, 2)])
+def test_regathering_sequence_parallel_entry_equals_dense(run_ranks, tp, chunks):
+    """``regather=True`` (``sequence_parallel="regather"``): the same op keeping only this
+    rank's share — exact, with one more all-gather of the share in backward (unchunked)."""
+    fwd, bwd, labels = run_ranks(_entry, tp, True, chunks, True)[0]
+    n = tp * TOKENS_PER_RANK * H
+    assert fwd == _comm("all_gather", chunks, n)
+    assert bwd == {**_comm("reduce_scatter", chunks, n), **_comm("all_gather", 1, n)}
+    assert labels == ["sequence_regather.bwd"]
+
+
+@pytest.mark.parametrize("tp,chunks", [(2, 1), (2, 3), (4, 2)])
 def test_tensor_parallel_entry_equals_dense(run_ranks, tp, chunks):
-    fwd, bwd = run_ranks(_entry, tp, False, chunks)[0]
+    fwd, bwd, _ = run_ranks(_entry, tp, False, chunks)[0]
     assert fwd == {}
     assert bwd == _comm("all_reduce", chunks, tp * TOKENS_PER_RANK * H)
 

@@ -14,24 +14,38 @@ import torch
 from helpers import assert_rel
 from ops_transformer import GPT, CommLedger, init_parallel, parallelize
 from ops_transformer.cli.main import main
+from ops_transformer.layers.overlap_regions import ChunkedGatherSequenceRegion
 from ops_transformer.layers.sequence_regather import RegatherColumnLinear
 from ops_transformer.memory import activation_memory
 from ops_transformer.models import preset
 from ops_transformer.planner.memory import fused_activation_bytes_per_layer
 from ops_transformer.planner.strategies import model_comm_per_step
 from test_gpt_parallel import B, CONFIGS, T, _batches
+from test_gpt_parallel import _train as train_dense_or_parallel
 from test_sequence_parallel import _assert_same_training
 from test_sequence_parallel import _train as train_sp
 
 FP32_EXACT = 1e-6  # the issue's bound against plain sequence parallelism
 
 
-def _step(config, sp, recompute="none", n_layers=2, activation_cache="none"):
+def _regathering(model) -> list[str]:
+    """The column layers that keep no input for backward: each ``RegatherColumnLinear``
+    (``overlap="none"``) and the columns a re-gathering entry op computes (``auto``, ``chunked``)."""
+    names = []
+    for name, m in model.named_modules():
+        if isinstance(m, RegatherColumnLinear):
+            names.append(name)
+        elif isinstance(m, ChunkedGatherSequenceRegion) and m.regather:
+            names += [f"{name}.{c}" if c else name for c in m.columns]
+    return sorted(names)
+
+
+def _step(config, sp, recompute="none", n_layers=2, activation_cache="none", overlap="auto"):
     ctx = init_parallel(tp=int(os.environ["WORLD_SIZE"]))
     torch.manual_seed(0)
     model = parallelize(GPT(CONFIGS[config].with_(n_layers=n_layers)), ctx, attention="heads",
                         vocab="parallel", sequence_parallel=sp, recompute=recompute,
-                        activation_cache=activation_cache)
+                        activation_cache=activation_cache, overlap=overlap)
     batch = _batches()[0]
     x, y = batch[:, :-1], batch[:, 1:]
     saved = activation_memory(model, x, y)["per_layer"]
@@ -40,18 +54,20 @@ def _step(config, sp, recompute="none", n_layers=2, activation_cache="none"):
     with CommLedger() as bwd:
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    regathering = sorted(n for n, m in model.named_modules() if isinstance(m, RegatherColumnLinear))
+    regathering = _regathering(model)
     records = [(r.kind, r.elements, r.label) for r in bwd.records]
     return (float(loss), logits.detach(), grads, fwd.summary(), bwd.summary(), records, saved,
             regathering)
 
 
-@pytest.mark.parametrize("config,tp", [("gpt2", 2), ("llama", 2),
-                                       pytest.param("gpt2", 4, marks=pytest.mark.slow),
-                                       pytest.param("llama", 4, marks=pytest.mark.slow)])
-def test_regather_equals_plain_sequence_parallelism(run_ranks, config, tp):
-    plain = run_ranks(_step, tp, config, True)
-    regather = run_ranks(_step, tp, config, "regather")
+@pytest.mark.parametrize("config,tp,overlap", [
+    ("gpt2", 2, "auto"), ("llama", 2, "auto"), ("llama", 2, "none"), ("gpt2", 2, "chunked"),
+    pytest.param("gpt2", 4, "auto", marks=pytest.mark.slow),
+    pytest.param("llama", 4, "chunked", marks=pytest.mark.slow)])
+def test_regather_equals_plain_sequence_parallelism(run_ranks, config, tp, overlap):
+    """At every overlap mode (``chunked``: the re-gathering entries in chunks too, issue 33)."""
+    plain = run_ranks(_step, tp, config, True, overlap=overlap)
+    regather = run_ranks(_step, tp, config, "regather", overlap=overlap)
     bsh = B * T * CONFIGS[config].d_model
     for p, r in zip(plain, regather):
         assert abs(r[0] - p[0]) <= FP32_EXACT * abs(p[0])
@@ -95,6 +111,18 @@ def test_the_cost_model_counts_the_re_gathers(run_ranks):
                         "elements": r[3].get(k, {}).get("elements", 0)
                         + r[4].get(k, {}).get("elements", 0)} for k in set(r[3]) | set(r[4])}
         assert measured == dict(expected), config
+
+
+@pytest.mark.parametrize("nprocs,tp", [(1, 1), (2, 2), pytest.param(4, 4, marks=pytest.mark.slow)])
+def test_chunked_regather_training_equals_dense(run_ranks, nprocs, tp):
+    """Issue 33: ``sequence_parallel="regather"`` with ``overlap="chunked"`` (the re-gathering
+    entries in chunks, each region's columns in its one op) trains like the dense model: the
+    losses and weights of every step (forward, input and weight gradients through the AdamW
+    updates), tp 1, 2 and 4."""
+    reference = run_ranks(train_dense_or_parallel, 1, "llama", "adamw", 1, "heads")[0]
+    _assert_same_training(reference, run_ranks(
+        train_dense_or_parallel, nprocs, "llama", "adamw", tp, "heads", "parallel",
+        sequence_parallel="regather", overlap="chunked"))
 
 
 @pytest.mark.slow
@@ -151,9 +179,13 @@ def test_the_plan_names_the_regathering_styles(run_ranks):
     assert rules["layers.*.attn.wo"] == {"style": "rowwise", "exit": "reduce_scatter"}
     w_in = rules["layers.*.mlp.w_in"]  # (its gate|up sub-blocks too)
     assert (w_in["style"], w_in["entry"], w_in["regather"]) == ("colwise", "sequence", True)
-    # with overlap (issue 26) the re-gathering entries stay whole, the exits run in chunks
-    for name in ("layers.*.attn", "layers.*.attn.wq", "layers.*.mlp.w_in"):
-        assert chunked[name] == rules[name]
+    # with overlap (issue 33) the re-gathering entries run in chunks too, as one op with their
+    # columns (regather an option of the entry); the exits as before
+    extra = {"overlap": "chunked", "chunks": 2}
+    assert chunked["layers.*.attn"] == {**rules["layers.*.attn"], "columns": ["wq", "wk", "wv"],
+                                        **extra}
+    assert chunked["layers.*.attn.wq"] == {"style": "colwise", "fed": True}
+    assert chunked["layers.*.mlp.w_in"] == {**rules["layers.*.mlp.w_in"], **extra}
     assert chunked["layers.*.attn.wo"] == {"style": "rowwise", "exit": "reduce_scatter",
                                            "overlap": "chunked", "chunks": 2}
 

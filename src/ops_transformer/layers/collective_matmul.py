@@ -113,7 +113,7 @@ def _plain(x: torch.Tensor):
 
 class _GatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_share, group, chunks, compute_dtype, labels, *params):
+    def forward(ctx, x_share, group, chunks, compute_dtype, labels, regather, *params):
         weights, biases = params[0::2], params[1::2]
         t, (n, h) = group.size(), x_share.shape
         bounds = chunk_bounds(n, chunks)
@@ -130,22 +130,32 @@ class _GatherMatmul(torch.autograd.Function):
                 y_i = rows.mm(w.t()) if b is None else torch.addmm(b, rows, w.t())
                 y[:, s:s + m].copy_(y_i.view(t, m, -1))
             bufs[i] = None  # a chunk's buffer is not needed once copied
-        # without column weights (the plain entry) backward needs no gathered input
-        ctx.save_for_backward(x_full if weights else None, *weights)
+        # without column weights (the plain entry) backward needs no gathered input; with
+        # ``regather`` it keeps only this rank's share and all-gathers it again in backward
+        kept = None if not weights else (x_share if regather else x_full)
+        ctx.save_for_backward(kept, *weights)
         ctx.group, ctx.bounds, ctx.compute_dtype = group, bounds, compute_dtype
         ctx.shape, ctx.label = (t, n, h), labels[1]
+        ctx.regather = bool(regather and weights)
         ctx.has_bias = [b is not None for b in biases]
         return (x_full, *outs)
 
     @staticmethod
     def backward(ctx, grad_x_full, *grad_outs):
-        x_full, *weights = ctx.saved_tensors
+        kept, *weights = ctx.saved_tensors
         group, bounds, dtype = ctx.group, ctx.bounds, ctx.compute_dtype
-        (t, n, h), like = ctx.shape, (grad_x_full if x_full is None else x_full)
+        (t, n, h), needs = ctx.shape, ctx.needs_input_grad[6:]
+        x_full, pending = kept, None
+        if ctx.regather:  # the re-gather runs while the input gradient is computed
+            x_full = kept.new_empty((t, n, h))
+            pending = C.all_gather_into(x_full.view(t * n, h), kept, group, async_op=True,
+                                        label="sequence_regather.bwd")
+        like = grad_x_full if x_full is None else x_full
         used = [(g, w) for g, w in zip(grad_outs, weights) if g is not None]
         if not ctx.needs_input_grad[0]:  # nobody needs the input gradient: no reduce-scatter
-            return (None, None, None, None, None, *_weight_grads(
-                grad_outs, x_full, dtype, ctx.has_bias, ctx.needs_input_grad[5:]))
+            _wait([pending])
+            return (None,) * 6 + tuple(_weight_grads(grad_outs, x_full, dtype, ctx.has_bias,
+                                                     needs))
         grad_share = like.new_empty((n, h))
         handles, inputs = [], []
         for s, m in bounds:
@@ -153,9 +163,10 @@ class _GatherMatmul(torch.autograd.Function):
             inputs.append(g_x)  # alive until its reduce-scatter is done
             handles.append(C.reduce_scatter_into(grad_share[s:s + m], g_x, group, async_op=True,
                                                  label=ctx.label))
-        grads = _weight_grads(grad_outs, x_full, dtype, ctx.has_bias, ctx.needs_input_grad[5:])
+        _wait([pending])
+        grads = _weight_grads(grad_outs, x_full, dtype, ctx.has_bias, needs)
         _wait(handles)
-        return (grad_share, None, None, None, None, *grads)
+        return (grad_share, None, None, None, None, None, *grads)
 
 
 def _chunk_input_grad(used, grad_x_full, s, m, t, h, like) -> torch.Tensor:
@@ -185,37 +196,45 @@ def _weight_grads(grad_outs, x, dtype, has_bias, needs) -> list:
 
 
 def gather_matmul(x_share: torch.Tensor, weights, biases, group, chunks: int,
-                  labels: tuple[str, str] = ("gather_matmul.fwd", "gather_matmul.bwd")):
+                  labels: tuple[str, str] = ("gather_matmul.fwd", "gather_matmul.bwd"), *,
+                  regather: bool = False):
     """Sequence-parallel entry: ``x_full = all-gather(x_share)`` and ``y_c = x_full W_cᵀ + b_c``
     for every column weight, pipelined in ``chunks``. ``x_share`` ``(n, h)`` rows of this rank;
     returns ``(x_full (t, n, h), [y_c (t, n, out_c)])`` in rank-major token order. With no
     weights and one chunk, the plain entry (:func:`~.sequence_parallel.gather_sequence_region`):
-    all-gather, backward reduce-scatter, nothing kept."""
+    all-gather, backward reduce-scatter, nothing kept. ``regather`` (``sequence_parallel=
+    "regather"``, :mod:`.sequence_regather`): keep ``x_share`` instead of ``x_full`` for the
+    weight gradients, all-gathered again in backward (label ``sequence_regather.bwd``) while the
+    input gradient is computed."""
     dtype, params = _compute(x_share, [p for pair in zip(weights, biases) for p in pair])
     with _plain(x_share):
-        out = _GatherMatmul.apply(x_share.contiguous(), group, chunks, dtype, labels, *params)
+        out = _GatherMatmul.apply(x_share.contiguous(), group, chunks, dtype, labels, regather,
+                                  *params)
     return out[0], list(out[1:])
 
 
 class _CopyMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, chunks, label, *params):
+    def forward(ctx, x, group, chunks, label, input_from, *params):
         weights, biases = params[0::2], params[1::2]
         outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
-        # without column weights (the plain entry) backward needs no input
-        ctx.save_for_backward(x if weights else None, *weights)
+        # without column weights (the plain entry) backward needs no input; with
+        # ``input_from`` it gets it there (a re-gathering region's entry: nothing kept here)
+        ctx.save_for_backward(x if weights and input_from is None else None, *weights)
         ctx.group, ctx.bounds, ctx.label = group, chunk_bounds(x.shape[0], chunks), label
-        ctx.shape = x.shape
+        ctx.shape, ctx.dtype, ctx.input_from = x.shape, x.dtype, input_from
         ctx.has_bias = [b is not None for b in biases]
         return (x.view_as(x), *outs)
 
     @staticmethod
     def backward(ctx, grad_x_own, *grad_outs):
         x, *weights = ctx.saved_tensors
+        if ctx.input_from is not None:  # the input, all-gathered again while ∂x is computed
+            return _CopyMatmul._from_input(ctx, grad_x_own, grad_outs, weights)
         used = [(g, w) for g, w in zip(grad_outs, weights) if g is not None]
         if not ctx.needs_input_grad[0]:  # nobody needs the input gradient: no all-reduce
-            return (None, None, None, None,
-                    *_weight_grads(grad_outs, x, None, ctx.has_bias, ctx.needs_input_grad[4:]))
+            return (None,) * 5 + tuple(_weight_grads(grad_outs, x, None, ctx.has_bias,
+                                                     ctx.needs_input_grad[5:]))
         like = grad_x_own if x is None else x
         grad_x, handles = like.new_empty(ctx.shape), []
         for s, m in ctx.bounds:  # each chunk's all-reduce runs while the next is computed
@@ -232,22 +251,43 @@ class _CopyMatmul(torch.autograd.Function):
             elif not used:
                 g_x.zero_()
             handles.append(C.all_reduce(g_x, ctx.group, async_op=True, label=ctx.label))
-        grads = _weight_grads(grad_outs, x, None, ctx.has_bias, ctx.needs_input_grad[4:])
+        grads = _weight_grads(grad_outs, x, None, ctx.has_bias, ctx.needs_input_grad[5:])
         _wait(handles)
-        return (grad_x, None, None, None, *grads)
+        return (grad_x, None, None, None, None, *grads)
+
+    @staticmethod
+    def _from_input(ctx, grad_x_own, grad_outs, weights):
+        """Backward of a column matmul inside a re-gathering region: ``∂x = Σ ∂Y_c·W_c`` (the
+        region's entry reduce-scatters it: no all-reduce here) while ``input_from()`` re-gathers
+        the input, then the weight gradients from it."""
+        full, pending = ctx.input_from()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_x_own
+            for g, w in zip(grad_outs, weights):
+                if g is not None:
+                    grad_x = g.mm(w) if grad_x is None else grad_x + g.mm(w)
+        _wait([pending])
+        x = full.reshape(ctx.shape).to(ctx.dtype)  # (the compute dtype, as forward's input)
+        grads = _weight_grads(grad_outs, x, None, ctx.has_bias, ctx.needs_input_grad[5:])
+        return (grad_x, None, None, None, None, *grads)
 
 
 def copy_matmul(x: torch.Tensor, weights, biases, group, chunks: int,
-                label: str = "copy_matmul.bwd"):
+                label: str = "copy_matmul.bwd", *, input_from=None):
     """Tensor-parallel entry: ``y_c = x W_cᵀ + b_c`` for every column weight, with one
     copy-to-region for all of them — its backward all-reduce of ``∂L/∂x`` split into ``chunks``
     (each running while the next chunk's input gradient is computed, the last ones behind the
     weight gradients). ``x`` ``(n, h)``; returns ``(x, [y_c])`` (``x``'s own uses in the region
     add their gradient to the all-reduced sum). With no weights and one chunk, the plain
-    ``copy_to_tp_region`` of a region's input (:class:`~.regions.CopyToTPRegion`): nothing kept."""
+    ``copy_to_tp_region`` of a region's input (:class:`~.regions.CopyToTPRegion`): nothing kept.
+    ``input_from`` (a column layer of a re-gathering sequence-parallel region,
+    :mod:`.sequence_regather`): keep no input; backward calls ``input_from() -> (x_full,
+    handle)`` for it (the region's re-gather, waited on after ``∂x``) and all-reduces nothing
+    (pass ``group=None``: the region's entry reduce-scatters ``∂x``)."""
     _, (x, *params) = _compute(x, [x] + [p for pair in zip(weights, biases) for p in pair])
     with _plain(x):
-        out = _CopyMatmul.apply(x.contiguous(), group, chunks, label, *params)
+        out = _CopyMatmul.apply(x.contiguous(), group, chunks, label, input_from, *params)
     return out[0], list(out[1:])
 
 

@@ -217,7 +217,7 @@ def adapter_kind(module: nn.Module) -> type[LoRA] | None:
     regions = [c for c in type(module).__mro__ if Region in c.__bases__]  # the region kinds
     base = base_class(module)
     if issubclass(base, ColumnParallelLinear):  # a chunked entry adds the adapter in its op
-        fused = isinstance(module, _ChunkedEntry)
+        fused = isinstance(module, _ChunkedEntry) and bool(module.columns)
         return LoRAColumn if fused or all(r is GatherSequenceRegion for r in regions) else None
     if issubclass(base, RowParallelLinear):
         return LoRARow if not regions else None

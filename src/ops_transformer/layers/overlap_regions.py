@@ -20,10 +20,15 @@ module                                    replaces               forward        
                                                                                     in chunks
 :class:`ChunkedGatherSequenceRegion`      ``GatherSequence-``    all-gather in      reduce-scatter
                                           ``Region``             chunks ∥ matmuls   in chunks
+``ChunkedGatherSequenceRegion``           ``RegatherSequence-``  the same, keeps    the share all-
+(``regather=True``)                       ``Region``             only the share     gathered again
 ========================================= ====================== ================== ==============
 
-The entry regions subclass the regions they replace (``isinstance`` and their printed names still
-say so). An entry region computes the column layers that read its input (``columns``: child
+Since issue 33 they are no classes of their own: ``ChunkedCopyToTPRegion`` *is*
+:class:`~.regions.CopyToTPRegion` and ``ChunkedGatherSequenceRegion`` *is*
+:class:`~.regions.GatherSequenceRegion` — one class per entry, the fused op an option
+(``columns``, ``overlap``; :mod:`.fused_entry`): without ``columns`` (``overlap="none"``) the
+plain entry, with them the one op. An entry region computes the column layers that read its input (``columns``: child
 names, or ``""`` for the region itself when it is the column layer) in one fused op; each child,
 a :class:`FedColumn` (:func:`as_variant`), returns that op's output when called with the
 region's input (anything else it computes itself, which stays exact). How many chunks:
@@ -34,159 +39,13 @@ model's one formula says pays for this region's sizes on the agreed profile (``"
 
 from __future__ import annotations
 
-import contextlib
-
-import torch
-
-from .collective_matmul import copy_matmul, gather_matmul
-from .linear import ColumnParallelLinear, _autocast_dtype
-from .mixin import mix_into
+from .fused_entry import FedColumn, _ChunkedEntry, _feeding, _with_adapters, as_variant
 from .overlap_policy import OverlapPolicy
-from .regions import CopyToTPRegion, GatherSequenceRegion, _joined, _on_first_input
-from .sequence_parallel import _active
+from .regions import CopyToTPRegion, GatherSequenceRegion
 
-def as_variant(module, mixin: type, **settings):
-    """Turn ``module`` (in place) into ``mixin``'s variant of its class, named
-    ``<prefix><class>`` (``FedColumnParallelLinear``: still a ``ColumnParallelLinear``), with
-    ``settings`` as attributes (:func:`~.mixin.mix_into`); returns it."""
-    return mix_into(module, mixin, mixin.prefix + "{}", **settings)
+# the earlier names of the fused entries: the same classes (one class per entry, an option each)
+ChunkedCopyToTPRegion = CopyToTPRegion
+ChunkedGatherSequenceRegion = GatherSequenceRegion
 
-
-class FedColumn:
-    """A column-parallel layer inside an entry region (:func:`as_variant`: ``FedColumnParallel
-    Linear``): called with the region's input, it returns the output the region's collective
-    matmul computed for it."""
-
-    prefix = "Fed"
-    fed = None  # (input, output) while its region's own forward runs
-
-    def forward(self, x):
-        fed = self.fed
-        if fed is not None and x is fed[0]:
-            return fed[1]
-        return super().forward(x)
-
-    def extra_repr(self) -> str:
-        return (super().extra_repr() + ", output: from its region's collective matmul when called "
-                "with the region's input")
-
-
-@contextlib.contextmanager
-def _feeding(columns, x, outputs):
-    for column, y in zip(columns, outputs):
-        if isinstance(column, FedColumn):
-            column.fed = (x, y)
-    try:
-        yield
-    finally:
-        for column in columns:
-            if isinstance(column, FedColumn):
-                column.fed = None
-
-
-def _with_adapters(columns, x_region, outputs) -> list:
-    """Each column's output plus its LoRA adapter's (:mod:`.lora`), computed on the tensor the
-    fused op returned for the region's input: the adapter's partial input gradient then joins the
-    op's own all-reduce / reduce-scatter of the input gradient — no collective of its own."""
-    return [y + c.adapter(x_region) if hasattr(c, "adapter") else y
-            for c, y in zip(columns, outputs)]
-
-
-class _ChunkedEntry:
-    """What both entry regions share: finding their column layers and feeding them. A chunked
-    entry is its unchunked region (``replaces``) with the collective done by the fused op."""
-
-    columns: tuple[str, ...] = ("",)
-    overlap: OverlapPolicy = None
-    region_name = ""  # the planner formula's region kind
-    replaces: type = None  # the region whose collective this one's fused op performs
-
-    def _columns(self) -> list[ColumnParallelLinear]:
-        found = [self if name == "" else self.get_submodule(name) for name in self.columns]
-        for name, c in zip(self.columns, found):
-            if not isinstance(c, ColumnParallelLinear) or c.gather_output:
-                raise ValueError(f"{type(self).__name__}: column {name or '(itself)'!r} is a "
-                                 f"{type(c).__name__}; a chunked entry computes column-parallel "
-                                 f"layers without a gathered output")
-        return found
-
-    def _run(self, args, kwargs, x_region, columns, outputs):
-        """The region's forward past its collective: ``outputs`` (the fused op's 2-D ones) shaped
-        as ``x_region``, each with its column's adapter added."""
-        lead = x_region.shape[:-1]
-        outputs = _with_adapters(columns, x_region, [y.view(*lead, y.shape[-1]) for y in outputs])
-        if self.columns == ("",):
-            return outputs[0]
-        if args:
-            args = (x_region, *args[1:])
-        else:
-            kwargs = {**kwargs, "hidden_states": x_region}
-        with _feeding(columns, x_region, outputs):  # past the replaced region's collective
-            return super(self.replaces, self).forward(*args, **kwargs)
-
-    def _chunks(self, tokens: int, in_features: int, columns, dtype) -> int:
-        out = sum(c.weight.shape[0] for c in columns)
-        return self.overlap.chunks_for(self.region_name, tokens, in_features, out,
-                                       self.region_group.size(), dtype)
-
-    def _first_input(self, args, kwargs) -> torch.Tensor:
-        if args:
-            return args[0]
-        if "hidden_states" in kwargs:
-            return kwargs["hidden_states"]
-        return _on_first_input(self, args, kwargs, None)  # (its error: no input)
-
-    def _names(self) -> str:
-        return ", ".join(n or "itself" for n in self.columns)
-
-    def extra_repr(self) -> str:  # in place of the replaced region's own line
-        return _joined(self._mine(), super(self.replaces, self).extra_repr())
-
-
-class ChunkedCopyToTPRegion(_ChunkedEntry, CopyToTPRegion):
-    """A tensor-parallel region's entry as one op for its column layers (:func:`copy_matmul`):
-    forward their matmuls, backward the all-reduce of the input gradient in chunks, each running
-    while the next chunk's input gradient is computed (the last ones behind the weight
-    gradients)."""
-
-    region_name, replaces = "tp_entry", CopyToTPRegion
-
-    def forward(self, *args, **kwargs):
-        x = self._first_input(args, kwargs)
-        columns = self._columns()
-        dtype = _autocast_dtype(x) or x.dtype  # the all-reduce runs in the compute dtype
-        chunks = (self._chunks(x.numel() // x.shape[-1], x.shape[-1], columns, dtype)
-                  if torch.is_grad_enabled() else 1)  # (its only collective is in backward)
-        x_same, outputs = copy_matmul(x.reshape(-1, x.shape[-1]), [c.weight for c in columns],
-                                      [c.bias for c in columns], self.region_group, chunks)
-        return self._run(args, kwargs, x_same.view(x.shape), columns, outputs)
-
-    def _mine(self) -> str:
-        return (f"input: copy_to_tp_region {self._over()} (fwd identity, bwd all-reduce of the "
-                f"input gradient) as copy_matmul with {self._names()}: the all-reduce in "
-                f"chunks, overlapped with the input-gradient matmuls, {self.overlap!r}")
-
-
-class ChunkedGatherSequenceRegion(_ChunkedEntry, GatherSequenceRegion):
-    """A tensor-parallel region entered from the sequence-parallel layout, as one op for its
-    column layers (:func:`gather_matmul`): the all-gather of the tokens in chunks, each chunk
-    multiplied while the next arrives; backward the reduce-scatter of the input gradient in
-    chunks. Without autograd, plain tensor parallelism (as :class:`GatherSequenceRegion`)."""
-
-    region_name, replaces = "sp_entry", GatherSequenceRegion
-
-    def forward(self, *args, **kwargs):
-        if not _active(self.region_group):
-            return super().forward(*args, **kwargs)
-        x = self._first_input(args, kwargs)
-        b, s, h, t = x.shape[0], x.shape[1], x.shape[-1], self.region_group.size()
-        columns = self._columns()
-        chunks = self._chunks(x.numel() // h * t, h, columns, x.dtype)
-        x_full, outputs = gather_matmul(x.reshape(-1, h), [c.weight for c in columns],
-                                        [c.bias for c in columns], self.region_group, chunks)
-        return self._run(args, kwargs, x_full.view(b, s * t, *x.shape[2:]), columns, outputs)
-
-    def _mine(self) -> str:
-        return (f"input: gather_sequence_region {self._over()} (fwd all-gather of the tokens, bwd "
-                f"reduce-scatter) as gather_matmul with {self._names()}: each chunk multiplied "
-                f"while the next arrives, {self.overlap!r}")
+__all__ = ["ChunkedCopyToTPRegion", "ChunkedGatherSequenceRegion", "FedColumn", "OverlapPolicy",
+           "_ChunkedEntry", "_feeding", "_with_adapters", "as_variant"]

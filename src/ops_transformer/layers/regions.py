@@ -47,9 +47,10 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.primitives import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region
 from .collective_matmul import copy_matmul
+from .fused_entry import _ChunkedEntry
 from .linear import to_compute_dtype
 from .mixin import mix_into
-from .sequence_parallel import gather_sequence, gather_sequence_region, scatter_sequence
+from .sequence_parallel import _active, gather_sequence, gather_sequence_region, scatter_sequence
 from .sequence_regather import gather_sequence_regather
 
 
@@ -97,12 +98,18 @@ def _on_first_input(module: Region, args, kwargs, fn):
                      f"positional input or a hidden_states keyword")
 
 
-class CopyToTPRegion(Region):
+class CopyToTPRegion(_ChunkedEntry, Region):
     """The column-parallel children that share this module's input (Q, K, V; gate and up) need one
     backward all-reduce of its gradient between them: ``copy_to_tp_region`` on the input, in
-    autocast's dtype (so the all-reduce runs in it too)."""
+    autocast's dtype (so the all-reduce runs in it too). With ``columns`` (a plan's
+    ``region(columns=…)``, :mod:`.fused_entry`) the entry and those children are one
+    ``copy_matmul``, its all-reduce in the ``overlap`` policy's chunks."""
+
+    region_name = "tp_entry"
 
     def forward(self, *args, **kwargs):
+        if self.columns and C.group_size(self.region_group) > 1:
+            return self._copy_forward(args, kwargs)
         args, kwargs = _on_first_input(self, args, kwargs, self._copy_to_region)
         return super().forward(*args, **kwargs)
 
@@ -115,9 +122,13 @@ class CopyToTPRegion(Region):
         return x_same.view(x.shape)
 
     def extra_repr(self) -> str:
-        mine = (f"input: copy_to_tp_region {self._over()} (fwd identity, bwd "
-                f"all-reduce of the input gradient)")
+        mine = self._copy_repr() if self.columns else (
+            f"input: copy_to_tp_region {self._over()} (fwd identity, bwd "
+            f"all-reduce of the input gradient)")
         return _joined(mine, super().extra_repr())
+
+
+CopyToTPRegion.replaces = CopyToTPRegion  # (the fused op runs past the region's own collective)
 
 
 class GatherInput(Region):
@@ -194,11 +205,18 @@ class ScatterSequence(Region):
         return _joined(mine, super().extra_repr())
 
 
-class GatherSequenceRegion(Region):
+class GatherSequenceRegion(_ChunkedEntry, Region):
     """A tensor-parallel region entered from the sequence-parallel layout: all-gather the tokens
-    (backward: reduce-scatter of the column layers' partial input gradients)."""
+    (backward: reduce-scatter of the column layers' partial input gradients). With ``columns``
+    (:mod:`.fused_entry`) the entry and those children are one ``gather_matmul``, in the
+    ``overlap`` policy's chunks; ``regather`` then keeps only this rank's share for backward.
+    Without autograd, plain tensor parallelism."""
+
+    region_name = "sp_entry"
 
     def forward(self, *args, **kwargs):
+        if self.columns and _active(self.region_group):
+            return self._gather_forward(args, kwargs)
         args, kwargs = _on_first_input(self, args, kwargs, self._gather)
         return super().forward(*args, **kwargs)
 
@@ -206,20 +224,29 @@ class GatherSequenceRegion(Region):
         return gather_sequence_region(x, self.region_group)
 
     def extra_repr(self) -> str:
-        mine = (f"input: gather_sequence_region {self._over()} (fwd all-gather "
-                f"of the tokens, bwd reduce-scatter)")
+        mine = self._gather_repr() if self.columns else (
+            f"input: gather_sequence_region {self._over()} (fwd all-gather "
+            f"of the tokens, bwd reduce-scatter)")
         return _joined(mine, super().extra_repr())
 
 
+GatherSequenceRegion.replaces = GatherSequenceRegion
+
+
 class RegatherSequenceRegion(GatherSequenceRegion):
-    """:class:`GatherSequenceRegion` that keeps only this rank's share of the tokens for backward:
-    the region's :class:`~.sequence_regather.RegatherColumnLinear` layers all-gather it again
-    there (one more all-gather per region, :mod:`.sequence_regather`)."""
+    """:class:`GatherSequenceRegion` with ``regather=True`` and no ``columns``
+    (``overlap="none"``): keeps only this rank's share of the tokens for backward; the region's
+    :class:`~.sequence_regather.RegatherColumnLinear` layers all-gather it again there (one more
+    all-gather per region, :mod:`.sequence_regather`)."""
+
+    regather = True
 
     def _gather(self, x):
         return gather_sequence_regather(x, self.region_group)
 
     def extra_repr(self) -> str:
+        if self.columns:
+            return super().extra_repr()
         mine = (f"input: gather_sequence_regather {self._over()} (fwd all-gather of the tokens, "
                 f"keeps this rank's share; bwd reduce-scatter, the share all-gathered again)")
         return _joined(mine, super(GatherSequenceRegion, self).extra_repr())

@@ -15,9 +15,9 @@ gradients. Here each rank keeps only its ``(b, s/t, h)`` share, and backward all
 piece                             forward                           backward
 ================================= ================================= ================================
 :func:`gather_sequence_regather`  all-gather (keeps the share)      reduce-scatter of ``∂x``
-:class:`RegatherColumnLinear`     local matmul, keeps no input      all-gather of the share (once
-                                                                    per region, async, overlapped
-                                                                    with ``∂x = ∂Y·W``)
+:class:`RegatherColumnLinear`     its collective matmul (``copy_     all-gather of the share (once
+                                  matmul(input_from=)``), keeps no  per region, async, overlapped
+                                  input                             with ``∂x = ∂Y·W``)
 ================================= ================================= ================================
 
 Per region that is the plain layout's all-gather and reduce-scatter of ``b·s·h`` elements plus
@@ -30,16 +30,23 @@ How the linears find the share: the gathered tensor is the output of the entry's
 re-gathered input. A
 :class:`RegatherColumnLinear` whose input comes from somewhere else runs as a plain column layer
 (it keeps its input): nothing is silently wrong, only less is saved.
+
+That is the ``overlap="none"`` form. Under ``overlap="chunked"`` or ``"auto"`` (the default) the
+region's entry is one op with its column layers — :func:`~.collective_matmul.gather_matmul` with
+``regather=True`` (:class:`~.overlap_regions.ChunkedGatherSequenceRegion`): it keeps the share,
+re-gathers it in backward while the input gradient is computed, and runs its all-gather and
+reduce-scatter in the policy's chunks (the re-gather itself is one call).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch.nn.functional as F
 
 from ..comm import collectives as C
-from .collective_matmul import gather_matmul
-from .linear import ColumnParallelLinear, _autocast_dtype
+from .collective_matmul import copy_matmul, gather_matmul
+from .linear import ColumnParallelLinear
 from .sequence_parallel import SEQ_DIM, _active
 
 
@@ -102,50 +109,24 @@ def gather_sequence_regather(x: torch.Tensor, group) -> torch.Tensor:
     return _GatherKeepingShare.apply(full, x, group)
 
 
-class _RegatheringLinear(torch.autograd.Function):
-    """``F.linear(x, W, b)`` on ``(tokens, in)`` rows that keeps no input: backward takes ``x``
-    from the region entry's re-gather, overlapping its all-gather with ``∂x = ∂Y·W``. (2-D in and
-    out: its output is then a tensor of its own, not a view of one made inside ``forward``.)"""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, entry):
-        dtype = _autocast_dtype(x)
-        if dtype is not None:  # as autocast's F.linear would; backward casts the re-gathered x
-            weight = weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        ctx.save_for_backward(weight)
-        ctx.entry, ctx.dtype, ctx.has_bias = entry, dtype, bias is not None
-        return F.linear(x if dtype is None else x.to(dtype), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (weight,) = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        full, pending = regathered(ctx.entry)
-        grad_x = grad.matmul(weight) if need_x else None  # while the all-gather runs
-        if pending is not None:
-            pending.wait()
-        grad_w = grad_b = None
-        if need_w:
-            x = full if ctx.dtype is None else full.to(ctx.dtype)
-            grad_w = grad.t().mm(x.reshape(-1, x.shape[-1]))  # (out/tp, in)
-        if need_b and ctx.has_bias:
-            grad_b = grad.sum(0)
-        return grad_x, grad_w, grad_b, None
-
-
 def linear_regathering_input(x: torch.Tensor, weight, bias, entry) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for an ``x`` made by the region entry ``entry``
-    (:func:`entry_of`), keeping nothing of ``x`` for backward."""
-    rows = _RegatheringLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, entry)
-    return rows.view(*x.shape[:-1], rows.shape[-1])
+    (:func:`entry_of`), keeping nothing of ``x`` for backward: the column layer's collective matmul
+    (:func:`~.collective_matmul.copy_matmul`) with ``input_from`` the region's re-gather
+    (overlapped with ``∂x = ∂Y·W``) and no all-reduce (the entry reduce-scatters ``∂x``)."""
+    _, (y,) = copy_matmul(x.reshape(-1, x.shape[-1]), [weight], [bias], None, 1,
+                          input_from=functools.partial(regathered, entry))
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class RegatherColumnLinear(ColumnParallelLinear):
     """A :class:`ColumnParallelLinear` inside a re-gathering sequence-parallel region: its input,
     made by :func:`gather_sequence_regather`, is not kept for backward; the weight gradient uses
     the region's re-gathered input. No input-gradient all-reduce (the entry reduce-scatters it).
-    Outside such a region (another input, no autograd, one rank) it is the plain layer."""
+    Outside such a region (another input, no autograd, one rank) it is the plain layer. Under
+    ``overlap="chunked"`` / ``"auto"`` the region's entry computes these layers itself
+    (:func:`~.collective_matmul.gather_matmul` with ``regather=True``, the layers fed): this
+    class is the ``overlap="none"`` form."""
 
     @classmethod
     def from_column(cls, layer: ColumnParallelLinear) -> RegatherColumnLinear:

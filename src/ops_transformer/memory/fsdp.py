@@ -63,7 +63,19 @@ def shard_parameters(model: nn.Module, ctx, *, reshard_after_forward: bool = Tru
     FSDP2 ``MixedPrecisionPolicy`` (e.g. ``param_dtype=torch.bfloat16, reduce_dtype=
     torch.float32``): the parameters are gathered and computed in ``param_dtype`` while the shards
     the optimizer steps stay in their own dtype (fp32 masters)."""
-    state = _check(model, ctx, reshard_after_forward, mixed_precision)
+    state = check_shardable(model, ctx, reshard_after_forward, mixed_precision)
+    state.sharding = fully_shard_layers(model, ctx, reshard_after_forward, mixed_precision)
+    state.reducers.replace_averaging(fsdp_reducers(model, ctx, state.sharding,
+                                     bucket_bytes=getattr(state.options, "bucket_bytes",
+                                                          DEFAULT_BUCKET_BYTES),
+                                     reduce_dtype=_reduce_dtype(state.reducers)))
+    return model
+
+
+def fully_shard_layers(model: nn.Module, ctx, reshard_after_forward: bool = True,
+                       mixed_precision=None) -> DataSharding:
+    """The FSDP2 units of :func:`shard_parameters` (each layer's experts, each layer, the LM head,
+    the root), the gradient reducers left as they are; what was sharded."""
     unsharded = tuple(_unsharded(model, ctx))
     common = {"reshard_after_forward": reshard_after_forward,
               "mp_policy": mixed_precision or MixedPrecisionPolicy(),
@@ -74,7 +86,8 @@ def shard_parameters(model: nn.Module, ctx, *, reshard_after_forward: bool = Tru
             if not p.is_contiguous() and p not in common["ignored_params"]:
                 p.data = p.data.contiguous()
     units = []
-    roots = state.pipeline_modules or (model,)  # pp: each stage is a root (pipelining runs it)
+    state = parallel_state_of(model)
+    roots = getattr(state, "pipeline_modules", None) or (model,)  # pp: each stage is a root
     for layer in transformer_layers(model):
         if not any(True for _ in layer.parameters()):  # a layer another pipeline stage holds
             continue
@@ -93,14 +106,14 @@ def shard_parameters(model: nn.Module, ctx, *, reshard_after_forward: bool = Tru
         unit.set_custom_reduce_scatter(LedgerReduceScatter())
         unit.set_force_sum_reduction_for_comms(True)
     _restore_attributes(model, attributes)
-    _step_aside(model, ctx, state, units, unsharded)
-    state.sharding = DataSharding(tuple(units), unsharded, reshard_after_forward, mixed_precision)
-    return model
+    return DataSharding(tuple(units), unsharded, reshard_after_forward, mixed_precision)
 
 
-def _check(model: nn.Module, ctx, reshard_after_forward, mixed_precision):
+def check_shardable(model: nn.Module, ctx, reshard_after_forward, mixed_precision, *,
+                    who: str = "shard_parameters"):
+    """The model's parallel state, or a ``ValueError`` saying why it cannot be sharded."""
     if fully_shard is None or not hasattr(FSDPModule, "set_custom_all_gather"):
-        raise RuntimeError(f"shard_parameters needs FSDP2 with custom collectives "
+        raise RuntimeError(f"{who} needs FSDP2 with custom collectives "
                            f"(torch >= 2.8); this is torch {torch.__version__}")
     state = parallel_state_of(model)
     if state is None or state.plan is None:
@@ -108,9 +121,9 @@ def _check(model: nn.Module, ctx, reshard_after_forward, mixed_precision):
                          "parallelize(model, ctx) first (at tp 1 too), then shard_parameters, "
                          "then build the optimizer")
     if state.sharding is not None:
-        raise ValueError("shard_parameters: this model's parameters are already sharded")
+        raise ValueError(f"{who}: this model's parameters are already sharded")
     if ctx.dp_ep_size * ctx.cp_size == 1:
-        raise ValueError(f"shard_parameters shards over the data-parallel ranks, but dp "
+        raise ValueError(f"{who} shards over the data-parallel ranks, but dp "
                          f"({ctx.dp_size}) × ep ({ctx.ep_size}) is 1: run more processes than "
                          f"tp ({ctx.tp_size})")  # (and cp is 1: cp ranks shard too)
     if not isinstance(reshard_after_forward, bool):
@@ -120,7 +133,7 @@ def _check(model: nn.Module, ctx, reshard_after_forward, mixed_precision):
         raise ValueError(f"mixed_precision must be None or a torch.distributed.fsdp."
                          f"MixedPrecisionPolicy, got {mixed_precision!r}")
     if any(getattr(p, "_zero_bucketed", False) for p in model.parameters()):
-        raise ValueError("shard_parameters: a ZeRO optimizer already holds this model's "
+        raise ValueError(f"{who}: a ZeRO optimizer already holds this model's "
                          "parameters; shard first, then build a plain torch.optim optimizer")
     return state
 
@@ -169,28 +182,27 @@ def _restore_attributes(model: nn.Module, attributes: dict) -> None:
                     setattr(p, key, value)
 
 
-def _step_aside(model: nn.Module, ctx, state, units, unsharded) -> None:
-    """The chain after sharding: FSDP2's reduce-scatters first (:class:`FSDPGradSync`), then the
-    averaging of the parameters left whole (partial gradients, over ``dp × ep``), then the rest
-    of the chain as it was (the partial sums over TP)."""
-    reducers = state.reducers
-    old = [r for r in (reducers.get("dp"), reducers.get("dp_experts")) if r is not None]
-    new = [FSDPGradSync(model, units)]
-    dense = [p for p in unsharded if expert_shard(p) is None]
-    experts = [p for p in unsharded if expert_shard(p) is not None]
-    dtype = getattr(old[0], "reduce_dtype", None) if old else None
-    buckets = getattr(state.options, "bucket_bytes", DEFAULT_BUCKET_BYTES)
+def fsdp_reducers(model: nn.Module, ctx, sharding: DataSharding, *, bucket_bytes: int,
+                  reduce_dtype=None) -> list:
+    """The data-parallel reducers of a sharded model: FSDP2's reduce-scatters
+    (:class:`FSDPGradSync`), then the averaging of the dense parameters left whole (partial
+    gradients, over ``dp × ep``); the experts left whole (``dp = 1``) need averaging only over
+    ``cp`` (replicated there)."""
+    new = [FSDPGradSync(model, sharding.units)]
+    dense = [p for p in sharding.unsharded if expert_shard(p) is None]
+    experts = [p for p in sharding.unsharded if expert_shard(p) is not None]
     if dense:
-        new.append(GradSync(dense, ctx.grad_group, bucket_bytes=buckets, reduce_dtype=dtype))
-    if experts and ctx.cp_size > 1:  # whole experts (dp 1), replicated over cp: averaged there
-        new.append(GradSync(experts, ctx.expert_grad_group, bucket_bytes=buckets,
-                            reduce_dtype=dtype, name="dp_experts"))
-    if old:
-        reducers.replace(old[0], new)
-        for extra in old[1:]:
-            reducers.replace(extra, [])
-    else:
-        reducers.insert(0, new)
+        new.append(GradSync(dense, ctx.grad_group, bucket_bytes=bucket_bytes,
+                            reduce_dtype=reduce_dtype))
+    if experts and getattr(ctx, "cp_size", 1) > 1:  # whole experts (dp 1), replicated over cp
+        new.append(GradSync(experts, ctx.expert_grad_group, bucket_bytes=bucket_bytes,
+                            reduce_dtype=reduce_dtype, name="dp_experts"))
+    return new
+
+
+def _reduce_dtype(reducers):
+    sync = reducers.get("dp")
+    return getattr(sync, "reduce_dtype", None)
 
 
 def sharding_of(model: nn.Module) -> DataSharding | None:

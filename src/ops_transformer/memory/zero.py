@@ -35,6 +35,8 @@ piece ``j`` of ``layout["pieces"]``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -49,29 +51,62 @@ from .zero_buckets import ZeroBucket, make_buckets
 STAGES = (1, 2)
 
 
+@dataclass
+class ZeroLayout:
+    """The ZeRO buckets of a model (``model.parallel_state.zero``): laid out by
+    ``parallelize(..., data_parallel={"zero": stage})`` — the reducer chain then built in the
+    stage's form — or by :class:`ZeroOptimizer` itself; ``optimizer``: the one that steps them
+    (``None`` until :func:`zero_optimizer` is called)."""
+
+    stage: int
+    buckets: list
+    bucket_bytes: int
+    optimizer: object = None
+
+
+def lay_out_zero(model: nn.Module, ctx, stage: int, bucket_bytes: int) -> ZeroLayout:
+    """The parameters that train moved into ZeRO buckets (:func:`make_buckets`), for
+    :func:`zero_reducers` and a later :func:`zero_optimizer`."""
+    buckets = make_buckets(model, ctx, bucket_bytes, stage)
+    if not buckets:
+        raise ValueError("zero_optimizer: the model has no parameter that requires grad")
+    return ZeroLayout(stage, buckets, bucket_bytes)
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """An optimizer whose state (stage 1) and gradients (stage 2) are sharded over each
     parameter's data-parallel group; see the module docstring. Build it with
     :func:`zero_optimizer`."""
 
-    def __init__(self, model: nn.Module, ctx, optimizer_cls, *, stage: int = 1,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, **optimizer_kwargs):
-        if stage not in STAGES:
+    def __init__(self, model: nn.Module, ctx, optimizer_cls, *, stage: int | None = None,
+                 bucket_bytes: int | None = None, **optimizer_kwargs):
+        if stage not in STAGES + (None,):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
         state = parallel_state_of(model, create=True)
         if state.sharding is not None:
             raise ValueError("zero_optimizer: this model's parameters are sharded already "
                              "(shard_parameters, ZeRO-3): its optimizer state is sharded with "
                              "them; use a plain torch.optim optimizer")
-        reducers = state.reducers
-        if ctx.dp_ep_size * ctx.cp_size > 1 and reducers.get("dp") is None:
-            raise ValueError("zero_optimizer shards over data-parallel ranks and needs their "
-                             "gradient averaging: build the model with parallelize(model, ctx) "
-                             "first")
-        self.ctx, self.stage = ctx, stage
-        self.buckets = make_buckets(model, ctx, bucket_bytes, stage)
-        if not self.buckets:
-            raise ValueError("zero_optimizer: the model has no parameter that requires grad")
+        layout = getattr(state, "zero", None)
+        if layout is None:
+            reducers = state.reducers
+            if ctx.dp_ep_size * ctx.cp_size > 1 and reducers.get("dp") is None:
+                raise ValueError("zero_optimizer shards over data-parallel ranks and needs their "
+                                 "gradient averaging: build the model with parallelize(model, "
+                                 "ctx) first")
+            layout = lay_out_zero(model, ctx, stage or 1, bucket_bytes or DEFAULT_BUCKET_BYTES)
+            layout.optimizer = self  # (claimed: see below)
+            if layout.stage == 2:
+                reducers.replace_averaging(zero_reducers(layout, _reduce_dtype(reducers)))
+            state.zero = layout
+        elif layout.optimizer is not None:
+            raise ValueError(f"zero_optimizer: this model's parameters belong to a ZeRO "
+                             f"optimizer already (stage {layout.stage}); build one per model")
+        elif stage not in (None, layout.stage):
+            raise ValueError(f"zero_optimizer: stage={stage!r}, but parallelize laid out ZeRO "
+                             f"stage {layout.stage} (data_parallel zero={layout.stage}): pass "
+                             f"stage={layout.stage} or leave it out")
+        self.ctx, self.stage, self.buckets = ctx, layout.stage, layout.buckets
         self.pieces = [(b, piece) for b in self.buckets for piece in b.pieces]
         shards = [piece.shard for _, piece in self.pieces]
         if not shards:  # every chunk of this rank is padding: nothing to step
@@ -82,8 +117,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._laid_out = True
         self._model_params = [p for b in self.buckets for p in b.params]
         self._grads_gathered = False
-        if stage == 2:
-            _swap_in_reduce_scatter(reducers, self.buckets, bucket_bytes)
+        layout.optimizer = self
+        for r in state.reducers:
+            if isinstance(r, ReduceScatterGradSync):
+                r.unclaimed = None
 
     def _share_inner_state(self) -> None:
         """The wrapper shows the inner optimizer's groups and state (an LR scheduler built on the
@@ -206,26 +243,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"inner={type(self.inner).__name__})")
 
 
-def _swap_in_reduce_scatter(reducers, buckets: list[ZeroBucket], bucket_bytes: int) -> None:
-    """Stage 2's reduction in place of the model's data-parallel averaging (``dp``, and
-    ``dp_experts`` with experts; first in the chain when there is none, dp = 1): a reduce-scatter
-    for the plain buckets, the usual all-reduce for the partial-gradient buckets (whose TP sums,
-    later in the chain, must find their gradients)."""
-    sync, experts = reducers.get("dp"), reducers.get("dp_experts")
-    dtype = getattr(sync, "reduce_dtype", None)
-    swapped = [ReduceScatterGradSync(buckets, reduce_dtype=dtype)]
-    for group_buckets in _by_group(b for b in buckets if not b.reduce_scattered):
+def zero_reducers(layout: ZeroLayout, reduce_dtype=None) -> list:
+    """The data-parallel reducers of ZeRO stage 2 (``[]`` for stage 1: the plain averaging stays):
+    a reduce-scatter for the plain buckets, the usual all-reduce for the partial-gradient buckets
+    (whose TP sums, later in the chain, must find their gradients). The experts' buckets are
+    among them (over ``dp``)."""
+    if layout.stage != 2:
+        return []
+    reducers = [ReduceScatterGradSync(layout.buckets, reduce_dtype=reduce_dtype)]
+    if layout.optimizer is None:
+        reducers[0].unclaimed = (
+            "data_parallel zero=2 reduce-scatters the gradients into ZeRO buckets that only "
+            "ot.zero_optimizer(model, ctx, torch.optim.AdamW, ...) steps: build it before the "
+            "first backward (a plain torch.optim optimizer would see no gradient)")
+    for group_buckets in _by_group(b for b in layout.buckets if not b.reduce_scattered):
         if group_buckets[0].group_size > 1:
             partial = [p for b in group_buckets for p in b.params]
-            name = "dp_partial" if not swapped[1:] else f"dp_partial_{len(swapped)}"
-            swapped.append(GradSync(reversed(partial), group_buckets[0].group,
-                                    bucket_bytes=bucket_bytes, reduce_dtype=dtype, name=name))
-    if experts is not None:
-        reducers.replace(experts, [])
-    if sync is None:
-        reducers.insert(0, swapped)
-    else:
-        reducers.replace(sync, swapped)
+            name = "dp_partial" if not reducers[1:] else f"dp_partial_{len(reducers)}"
+            reducers.append(GradSync(reversed(partial), group_buckets[0].group,
+                                     bucket_bytes=layout.bucket_bytes, reduce_dtype=reduce_dtype,
+                                     name=name))
+    return reducers
+
+
+def _reduce_dtype(reducers):
+    return getattr(reducers.get("dp"), "reduce_dtype", None)
 
 
 def _by_group(buckets) -> list[list[ZeroBucket]]:
@@ -235,10 +277,11 @@ def _by_group(buckets) -> list[list[ZeroBucket]]:
     return list(groups.values())
 
 
-def zero_optimizer(model: nn.Module, ctx, optimizer_cls, stage: int = 1,
+def zero_optimizer(model: nn.Module, ctx, optimizer_cls, stage: int | None = None,
                    **optimizer_kwargs) -> ZeroOptimizer:
     """``optimizer_cls(model.parameters(), **optimizer_kwargs)``, sharded over each parameter's
     data-parallel group with ZeRO ``stage`` 1 (optimizer state) or 2 (and gradients); see
     :mod:`.zero`. Call it after :func:`~ops_transformer.parallelize` (it moves the parameters into
-    flat buckets)."""
+    flat buckets, unless ``parallelize(..., data_parallel={"zero": stage})`` did: the optimizer
+    then steps those, and ``stage`` defaults to theirs; otherwise to 1)."""
     return ZeroOptimizer(model, ctx, optimizer_cls, stage=stage, **optimizer_kwargs)

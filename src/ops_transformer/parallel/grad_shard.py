@@ -36,9 +36,12 @@ class ReduceScatterGradSync(BucketedReducer):
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._ready: dict[int, set[int]] = {id(b): set() for b in self.buckets}
         self._started: dict[int, tuple] = {}
+        self.unclaimed: str | None = None  # why a backward is refused until an optimizer claims
         self._hook([p for b in self.buckets for p in b.params])
 
     def grad_ready(self, param: nn.Parameter) -> None:
+        if self.unclaimed is not None:  # the gradients would vanish into buckets nobody steps
+            raise RuntimeError(self.unclaimed)
         bucket = self._bucket_of[id(param)]
         ready = self._ready[id(bucket)]
         ready.add(id(param))

@@ -71,6 +71,19 @@ class GradReducers:
         self._reducers.remove(old)
         self.insert(at, new)
 
+    def replace_averaging(self, new: list[BucketedReducer]) -> None:
+        """Put ``new`` (ZeRO-2's or FSDP2's reducers) where the data-parallel averaging was
+        (``dp``, and ``dp_experts`` with experts), or first in the chain when there is none
+        (dp = 1): the step :func:`~ops_transformer.zero_optimizer` and
+        :func:`~ops_transformer.shard_parameters` take on a model prepared without them."""
+        old = [r for r in (self.get("dp"), self.get("dp_experts")) if r is not None]
+        if not old:
+            self.insert(0, new)
+            return
+        self.replace(old[0], new)
+        for extra in old[1:]:
+            self.replace(extra, [])
+
     def __iter__(self):
         return iter(list(self._reducers))
 
@@ -117,7 +130,8 @@ class ParallelState:
     prepared by hand); ``options``: the :class:`~ops_transformer.parallelize.ParallelOptions`;
     ``reducers``: the gradient reducers, in the order they finish at the end of backward;
     ``sharding``: the parameters' data-parallel sharding (:class:`DataSharding`, ZeRO-3), or
-    ``None``; ``lora``: the :class:`~ops_transformer.parallelize.lora.LoRAConfig` of the adapters
+    ``None``; ``zero``: the ZeRO-1/2 buckets (:class:`~ops_transformer.memory.zero.ZeroLayout`),
+    or ``None``; ``lora``: the :class:`~ops_transformer.parallelize.lora.LoRAConfig` of the adapters
     :func:`~ops_transformer.lora` added (``None``: none)."""
 
     plan: object = None
@@ -125,6 +139,7 @@ class ParallelState:
     reducers: GradReducers = field(default_factory=GradReducers)
     sharding: DataSharding | None = None
     lora: object = None
+    zero: object = None  # the ZeroLayout of ZeRO 1/2 (memory.zero): its buckets, its optimizer
     context_parallel: object = None  # the ContextParallelChoice at cp > 1 (strategy, reason)
     pipeline_stages: tuple[int, ...] | None = None  # the stages this rank holds (pp > 1)
     pipeline_modules: tuple = ()  # their modules (GPTStage / HFStage): ZeRO-3's roots under pp

@@ -19,6 +19,7 @@ from ..planner.search import chosen_layout, is_planner_output
 from ..layers.fp8_linear import convert_to_fp8
 from .compile import apply_compile, transformer_blocks
 from .context_plan import apply_context_parallel, check_context_parallel
+from .data_parallel import prepare_data_parallel
 from .dropout import apply_dropout
 from .gpt_plan import gpt_plan
 from .hf_plans import FAMILIES, hf_plan
@@ -86,7 +87,8 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     or its dict, or a planner result (:func:`resolve_plan`). ``options``: a
     :class:`ParallelOptions` (attention, vocabulary split, loss parallelism, sequence parallelism,
     recompute, activation cache, gradient-reduction dtype and bucket size, ``tp_plan``, overlap
-    and its ``chunks``, MoE statistics, LoRA adapters added before the reducers); keyword
+    and its ``chunks``, MoE statistics, LoRA adapters, ZeRO 1/2/3 laid out last: the gradient
+    reducers are built once, after every other step); keyword
     arguments named like its fields build it or change it. Hugging Face models return what the
     unsharded model returns (full logits, so ``generate`` works), unless ``loss_parallel``.
     What was applied is ``model.parallel_state`` (plan, options, gradient reducers);
@@ -103,35 +105,33 @@ def parallelize(model: nn.Module, ctx, plan="auto", options: ParallelOptions | N
     options = check_context_parallel(model, ctx, ParallelOptions.of(options, **option_kwargs))
     resolved = resolve_plan(model, ctx, plan, options.plan_attention, options.loss_parallel,
                             options.vocab, options.tp_plan)
-    if ctx.ep_size > 1:
-        check_expert_parallel(model, resolved, ctx)
+    check_expert_parallel(model, resolved, ctx)
     if options.sequence_parallel and ctx.tp_size > 1:
         resolved = sequence_parallel_plan(resolved, model, regather=options.regathers)
     if options.overlap != "none" and max(ctx.tp_size, ctx.ep_size) > 1:
         resolved = overlap_plan(resolved, options.overlap, options.chunks)
     if ctx.tp_size > 1:
         apply_plan(model, resolved, ctx)
-        _parallel_loss(model, ctx, resolved, options.loss_parallel)
-        if options.sequence_parallel:
-            check_partial_marked(model)
+        _parallel_loss(model, ctx, resolved, options)
     elif ctx.ep_size > 1:  # experts only
         apply_plan(model, Plan({k: r for k, r in resolved.rules.items()
                                 if r["style"] == "moe"}), ctx)
     if materialize is not None:
         materialize(model)
-    adapters = adapt_layers(model, ctx, options)  # MoE statistics, LoRA: before the reducers
-    model.parallel_state = ParallelState(resolved, options, gradient_reducers(model, ctx, options),
-                                         lora=adapters)
+    model.parallel_state = state = ParallelState(resolved, options)
     model.parallel_plan = resolved  # the same plan, for readers of the earlier attribute
+    state.lora = adapt_layers(model, ctx, options)  # MoE statistics, fp8, LoRA
     apply_dropout(model, ctx, attention=resolved.attention,  # before recompute wraps the core
                   sequence_parallel=bool(options.sequence_parallel) and ctx.tp_size > 1)
-    model.parallel_state.context_parallel = apply_context_parallel(model, ctx, options)
+    state.context_parallel = apply_context_parallel(model, ctx, options)
     apply_memory_options(model, recompute=options.recompute,
                          activation_cache=options.activation_cache)
+    prepare_data_parallel(model, ctx, options)  # ZeRO 1/2 buckets, FSDP2 units; the reducers
+    state.reducers = gradient_reducers(model, ctx, options)  # once, over what trains at the end
     if options.compile:  # last: the graphs see every other option
         apply_compile(model, options.compile_backend)
-    log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size,
-             ctx.ep_size, resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
+    log.info("parallelize: tp=%d dp=%d ep=%d attention=%s%s", ctx.tp_size, ctx.dp_size, ctx.ep_size,
+             resolved.attention, f" ({resolved.reason})" if resolved.reason else "")
     return model
 
 
@@ -176,8 +176,12 @@ def check_model_device(model: nn.Module, ctx) -> None:
                          f"pass materialize=")
 
 
-def _parallel_loss(model: nn.Module, ctx, plan: Plan, loss_parallel: bool) -> None:
-    """``loss_parallel`` for a Hugging Face model: its loss on the sharded logits."""
+def _parallel_loss(model: nn.Module, ctx, plan: Plan, options: ParallelOptions) -> None:
+    """``loss_parallel`` for a Hugging Face model: its loss on the sharded logits; and, under
+    sequence parallelism, the check that every partial gradient is marked for its TP sum."""
+    if options.sequence_parallel:
+        check_partial_marked(model)
+    loss_parallel = options.loss_parallel
     if loss_parallel and is_hf(model) and plan.vocab == "parallel":
         model.loss_function = vocab_parallel_causal_lm_loss(model, ctx)
     elif loss_parallel and is_hf(model):

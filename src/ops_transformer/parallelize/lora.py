@@ -79,9 +79,11 @@ def lora(model: nn.Module, ctx, *, rank: int, alpha: float | None = None, target
     if state.pipeline_stages is not None:
         raise ValueError("lora must come before pipeline: its factors are drawn in the dense "
                          "model's order of layers, which a model split into stages lacks")
-    if any(isinstance(r, ReduceScatterGradSync) for r in state.reducers):
-        raise ValueError("lora must come before zero_optimizer: the optimizer is built over the "
-                         "parameters that train, which lora changes")
+    if getattr(state, "zero", None) is not None or \
+            any(isinstance(r, ReduceScatterGradSync) for r in state.reducers):
+        raise ValueError("lora must come before zero_optimizer (ZeRO's buckets are laid out over "
+                         "the parameters that train, which lora changes): pass "
+                         "parallelize(..., lora={...}, data_parallel={...}) or call lora first")
     config = add_lora(model, ctx, rank=rank, alpha=alpha, targets=targets, dropout=dropout,
                       seed=seed, base=base)
     for reducer in state.reducers:

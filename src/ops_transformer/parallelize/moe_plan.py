@@ -22,7 +22,10 @@ def n_experts_of(model: nn.Module) -> int:
 
 
 def check_expert_parallel(model: nn.Module, plan: Plan, ctx) -> None:
-    """``ep > 1`` needs expert layers in the plan and ``n_experts`` divisible by ``ep``."""
+    """``ep > 1`` needs expert layers in the plan and ``n_experts`` divisible by ``ep`` (nothing to
+    check at ``ep = 1``)."""
+    if ctx.ep_size == 1:
+        return
     n_experts = n_experts_of(model)
     if not any(rule["style"] == "moe" for rule in plan.rules.values()):
         raise ValueError(f"ep ({ctx.ep_size}) > 1 needs a mixture-of-experts model, but "

@@ -18,8 +18,9 @@ input gradient
 ``moe``                         dispatch and combine all-to-alls in chunks
 =============================== ========================================================================
 
-A re-gathering entry (``regather=True``) stays unchunked; a rule that sets ``overlap`` itself keeps
-it. Everything else (the embedding and head, strategy B, gathered outputs) keeps its rule. With
+A re-gathering entry (``regather=True``) is chunked like the others, its ``regather`` option kept
+(its op keeps only this rank's share and all-gathers it again in backward); a rule that sets
+``overlap`` itself keeps it. Everything else (the embedding and head, strategy B, gathered outputs) keeps its rule. With
 ``overlap="chunked"`` every chunked region runs ``chunks`` chunks; with ``"auto"`` each decides
 at its first call of each size whether chunks pay on the agreed profile
 (:class:`~ops_transformer.layers.overlap_regions.OverlapPolicy`,
@@ -30,21 +31,24 @@ from __future__ import annotations
 
 import dataclasses
 
-_FED_DROPS = ("reduce_input_grad", "gather_output")  # colwise options a fed column does not take
+_OWN_DROPS = ("reduce_input_grad", "gather_output")  # colwise options its own entry op replaces
+# ... and a fed column, whose region's op keeps what regather would keep
+_FED_DROPS = _OWN_DROPS + ("regather",)
 
 
 def _is_fed_column(rule: dict) -> bool:
-    return (rule["style"] == "colwise" and rule.get("reduce_input_grad", True) is False
-            and not rule.get("gather_output") and rule.get("entry", "copy") == "copy"
-            and not rule.get("regather"))
+    # (a re-gathering region's children reduce no input gradient either: its entry does)
+    return (rule["style"] == "colwise"
+            and (rule.get("reduce_input_grad", True) is False or rule.get("regather", False))
+            and not rule.get("gather_output") and rule.get("entry", "copy") == "copy")
 
 
 def region_columns(rules: dict) -> dict[str, list[str]]:
     """``{region pattern: [child names]}``: the column children (no input-gradient all-reduce of
-    their own, no gathered output) of each ``region`` rule (a re-gathering one stays unchunked)."""
+    their own, no gathered output) of each ``region`` rule."""
     out = {}
     for pattern, rule in rules.items():
-        if rule["style"] != "region" or rule.get("regather"):
+        if rule["style"] != "region":
             continue
         names = [child[len(pattern) + 1:] for child, r in rules.items()
                  if child.startswith(pattern + ".") and "." not in child[len(pattern) + 1:]
@@ -56,14 +60,14 @@ def region_columns(rules: dict) -> dict[str, list[str]]:
 
 def _chunked_rule(pattern: str, rule: dict, columns: dict, fed: set, extra: dict) -> dict:
     style = rule["style"]
-    if rule.get("regather") or rule.get("fed") or "overlap" in rule or "chunks" in rule:
-        return rule  # re-gathering entries stay unchunked; a rule's own overlap / chunks win
+    if rule.get("fed") or "overlap" in rule or "chunks" in rule:
+        return rule  # a rule's own overlap / chunks win
     if pattern in columns:
         return {**rule, "columns": columns[pattern], **extra}
     if pattern in fed:
         return {**{k: v for k, v in rule.items() if k not in _FED_DROPS}, "fed": True}
     if style == "colwise" and rule.get("reduce_input_grad", True) and not rule.get("gather_output"):
-        return {**{k: v for k, v in rule.items() if k not in _FED_DROPS}, **extra}
+        return {**{k: v for k, v in rule.items() if k not in _OWN_DROPS}, **extra}
     if style in ("rowwise", "moe"):
         return {**rule, **extra}
     return rule

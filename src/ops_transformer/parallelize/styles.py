@@ -76,15 +76,17 @@ Sixteen kinds; what were renamed variants are options of the communicating kinds
   ``entry="sequence"`` behind its own :class:`RegatherSequenceRegion`); ``fed=True``: inside a
   chunked region, its output from the region's collective matmul; ``overlap="chunked"|"auto"``:
   the layer's own entry op (``copy_matmul``) runs in the policy's chunks (behind
-  ``entry="sequence"``: its own chunked entry, :mod:`ops_transformer.layers.overlap_regions`);
-  ``chunks=1`` / ``overlap="none"`` is the same class in one chunk.
+  ``entry="sequence"``: its own :class:`GatherSequenceRegion` with the layer as its column, one
+  ``gather_matmul``, ``regather`` an option of it); ``chunks=1`` / ``overlap="none"`` is the same
+  class in one chunk.
 * ``rowwise(exit="all_reduce"|"reduce_scatter", overlap=, chunks=)`` — ``reduce_scatter``:
   :class:`SequenceParallelRowLinear`; ``overlap``: the matmul and its exit collective in chunks
   (the same class: its exit op is ``matmul_all_reduce`` / ``matmul_reduce_scatter`` at any chunk
   count, the policy an attribute).
-* ``region(entry="copy"|"sequence", regather=, columns=, overlap=, chunks=)`` — ``sequence``: a
-  :class:`GatherSequenceRegion` (``regather``: :class:`RegatherSequenceRegion`); ``overlap``:
-  the entry and its ``columns`` children as one collective matmul.
+* ``region(entry="copy"|"sequence", regather=, columns=, overlap=, chunks=)`` — a
+  :class:`CopyToTPRegion` (``sequence``: a :class:`GatherSequenceRegion`; ``regather`` without
+  ``overlap``: :class:`RegatherSequenceRegion`); ``overlap``: the same class with ``columns``,
+  the entry and those children as one collective matmul (:mod:`ops_transformer.layers.fused_entry`).
 * ``moe(sequence=, overlap=, chunks=)`` — ``sequence``: on the gathered sequence
   (:class:`FullSequenceRegion`); ``overlap``: dispatch and combine in chunks
   (:mod:`ops_transformer.layers.moe_overlap`).
@@ -117,8 +119,7 @@ from ..layers.linear_variants import (PackedRowParallelLinear, PaddedColumnParal
                                       PaddedRowParallelLinear)
 from ..layers.moe import ParallelExperts, to_expert_parallel
 from ..layers.overlap_policy import OverlapPolicy
-from ..layers.overlap_regions import (ChunkedCopyToTPRegion, ChunkedGatherSequenceRegion,
-                                      FedColumn, as_variant)
+from ..layers.fused_entry import FedColumn, as_variant
 from ..layers.regions import (CopyToTPRegion, FullSequenceRegion, GatherInput, GatherSequenceOutput,
                               GatherSequenceRegion, ReduceOutput, RegatherSequenceRegion,
                               RopeGradRegion, ScatterSequence)
@@ -208,15 +209,17 @@ def colwise(module, ctx, model, *, sub_blocks=None, kv_heads=None, reduce_input_
     own = reduce_input_grad and entry == "copy" and not regather
     layer = _column_layer(module, ctx, sub_blocks, kv_heads, reduce_input_grad=own,
                           gather_output=gather_output, pad=pad)
-    if regather:
+    fused = overlap != "none" and entry == "sequence" and reduce_input_grad and not gather_output
+    if regather and not fused:
         layer = RegatherColumnLinear.from_column(layer)
         return RegatherSequenceRegion.wrap(layer, ctx.tp_group) if entry == "sequence" else layer
     if overlap != "none" and own:  # its own entry op, the chunks from the policy
         layer.overlap = _policy(ctx, overlap, chunks)
     if entry != "sequence":
         return layer
-    if overlap != "none" and reduce_input_grad and not gather_output:
-        return _entry(ChunkedGatherSequenceRegion, layer, ctx, ("",), overlap, chunks)
+    if fused:  # the entry's op computes the layer (and, regather, keeps only the share)
+        return _entry(GatherSequenceRegion, layer, ctx, ("",), overlap, chunks,
+                      regather=regather)
     return GatherSequenceRegion.wrap(layer, ctx.tp_group)
 
 
@@ -264,11 +267,16 @@ def region(module, ctx, model, *, set=None, entry="copy", regather=False, column
     its ``columns`` children (``fed`` column layers) as one collective matmul in ``chunks``."""
     entry, overlap = _entry_of("region", entry), _overlap_of("region", overlap, chunks)
     module = attrs(module, ctx, model, set=set)
-    if overlap != "none" and not regather:
+    if overlap != "none":
         if not columns:
             raise ValueError("region: overlap needs columns (the column children it computes)")
-        cls = ChunkedGatherSequenceRegion if entry == "sequence" else ChunkedCopyToTPRegion
-        return _entry(cls, module, ctx, columns, overlap, chunks)
+        if regather and entry != "sequence":
+            raise ValueError("region: regather=True re-gathers a sequence entry "
+                             "(entry='sequence')")
+        if entry == "sequence":
+            return _entry(GatherSequenceRegion, module, ctx, columns, overlap, chunks,
+                          regather=regather)
+        return _entry(CopyToTPRegion, module, ctx, columns, overlap, chunks)
     if entry == "copy":
         return CopyToTPRegion.wrap(module, ctx.tp_group)
     cls = RegatherSequenceRegion if regather else GatherSequenceRegion
@@ -355,9 +363,9 @@ def _policy(ctx, overlap, chunks) -> OverlapPolicy:
     return OverlapPolicy(overlap, chunks, getattr(ctx, "profile", None))  # agreed by every rank
 
 
-def _entry(cls, module, ctx, columns, overlap, chunks):
+def _entry(cls, module, ctx, columns, overlap, chunks, **settings):
     return cls.wrap(module, ctx.tp_group, columns=tuple(columns),
-                    overlap=_policy(ctx, overlap, chunks))
+                    overlap=_policy(ctx, overlap, chunks), **settings)
 
 
 STYLES = {style.__name__: style for style in (

@@ -177,18 +177,17 @@ def decoder_overlap_calls(*, b: int, s: int, h: int, qkv_out: int, ffn_in: int, 
     for SwiGLU); ``attention``: the strategy (its output projection is a chunked exit only for
     ``heads``; ``kv_split`` and ``naive`` have no chunked attention region); ``ffn_layers``: the
     layers with a dense FFN (default all; an MoE FFN's chunks are :func:`moe_chunk_calls`');
-    ``regather``: the re-gathering sequence-parallel entries
-    (``sequence_parallel="regather"``), which stay whole — only the exits are chunked."""
+    ``regather``: the re-gathering sequence-parallel entries (``sequence_parallel="regather"``),
+    chunked like the plain ones; the re-gather of their backward stays one call (no more calls)."""
     tokens, rows = b * s, (b * s // tp if sequence_parallel else b * s)
     entry, exit_ = ("sp_entry", "sp_exit") if sequence_parallel else ("tp_entry", "tp_exit")
     dense = layers if ffn_layers is None else ffn_layers
     regions = []  # (region, in, out, replayed by full recompute, layers)
-    if attention in ("heads", "heads_allgather") and not regather:
+    if attention in ("heads", "heads_allgather"):
         regions.append((entry, h, qkv_out, True, layers))
     if attention == "heads":
         regions.append((exit_, h // tp, h, True, layers))
-    if not regather:
-        regions.append((entry, h, ffn_in, True, dense))
+    regions.append((entry, h, ffn_in, True, dense))
     regions.append((exit_, ffn // tp, h, False, dense))
     out = Comm()
     for region, n_in, n_out, replayed, count in regions:

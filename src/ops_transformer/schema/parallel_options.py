@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # annotations only: this module imports no torch
     import torch
 
 log = logging.getLogger("ops_transformer")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def check_grad_reduce_dtype(grad_reduce_dtype) -> None:
@@ -77,6 +78,39 @@ class LoRAOptions:
 
 
 @dataclass(frozen=True)
+class DataParallelOptions:
+    """The data-parallel section of :class:`ParallelOptions` (``parallelize(...,
+    data_parallel={"zero": 2})``): how the data-parallel ranks share the training state, laid out
+    inside ``parallelize`` after every other option and before the gradient reducers, which are
+    built once, in the form that layout needs (:mod:`ops_transformer.parallelize.data_parallel`).
+
+    * ``zero`` — ``0``: each rank holds everything, gradients all-reduced; ``1``: the parameters
+      laid out in ZeRO buckets whose optimizer state :func:`~ops_transformer.zero_optimizer`
+      shards; ``2``: as 1, the gradients reduce-scattered into the buckets (build the optimizer
+      with ``ot.zero_optimizer`` before the first backward: a plain one is refused there);
+      ``3``: the parameters sharded with FSDP2 (:func:`~ops_transformer.shard_parameters`), a
+      plain ``torch.optim`` optimizer built afterwards holds ``1/n`` of the state.
+    * ``reshard_after_forward``, ``mixed_precision`` — those of ``shard_parameters`` (``zero=3``).
+    """
+
+    zero: int = 0
+    reshard_after_forward: bool = True
+    mixed_precision: object = None
+
+    def __post_init__(self):
+        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
+            raise ValueError(f"data_parallel: zero must be one of {ZERO_STAGES}, got "
+                             f"{self.zero!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"data_parallel: reshard_after_forward must be True or False, got "
+                             f"{self.reshard_after_forward!r}")
+        if self.zero != 3 and (not self.reshard_after_forward or
+                               self.mixed_precision is not None):
+            raise ValueError(f"data_parallel: reshard_after_forward and mixed_precision apply "
+                             f"to zero=3 (FSDP2), got zero={self.zero!r}")
+
+
+@dataclass(frozen=True)
 class ParallelOptions:
     """What ``parallelize`` does besides applying the plan.
 
@@ -113,6 +147,10 @@ class ParallelOptions:
     * ``lora`` — LoRA adapters added inside ``parallelize`` (a :class:`LoRAOptions` or its
       dict: ``rank``, ``alpha``, ``targets``, ``dropout``, ``seed``), every other weight frozen,
       before the gradient reducers are built; ``None``: none (``ot.lora`` adds them afterwards).
+    * ``data_parallel`` — ZeRO 1/2/3 laid out inside ``parallelize``, last before the gradient
+      reducers (a :class:`DataParallelOptions` or its dict: ``zero``, ``reshard_after_forward``,
+      ``mixed_precision``); the default, ``zero=0``, shards nothing (``ot.zero_optimizer`` and
+      ``ot.shard_parameters`` do the same steps afterwards).
     * ``context_parallel`` — with ``cp > 1`` (``init_parallel(cp=)``), how attention spans the
       split sequence (SPEC F18): ``ring``, ``allgather_kv`` or ``auto`` (the cost model chooses,
       the reason recorded in ``model.parallel_state.context_parallel``); ignored at ``cp = 1``.
@@ -147,6 +185,7 @@ class ParallelOptions:
     chunks: int = 2
     moe_statistics: str = "local"
     lora: LoRAOptions | None = None
+    data_parallel: DataParallelOptions = DataParallelOptions()
     context_parallel: str = "auto"
     compile: bool = False
     compile_backend: str = "inductor"
@@ -202,6 +241,17 @@ class ParallelOptions:
         if self.lora is not None and not isinstance(self.lora, LoRAOptions):
             raise ValueError(f"lora must be None, a LoRAOptions or its dict (rank=, alpha=, "
                              f"targets=, dropout=, seed=), got {type(self.lora).__name__}")
+        if isinstance(self.data_parallel, Mapping):
+            unknown = sorted(set(self.data_parallel) - {f.name for f in
+                                                        fields(DataParallelOptions)})
+            if unknown:
+                raise ValueError(f"data_parallel: unknown key(s) {unknown}; valid: zero, "
+                                 f"reshard_after_forward, mixed_precision")
+            object.__setattr__(self, "data_parallel", DataParallelOptions(**self.data_parallel))
+        if not isinstance(self.data_parallel, DataParallelOptions):
+            raise ValueError(f"data_parallel must be a DataParallelOptions or its dict (zero=, "
+                             f"reshard_after_forward=, mixed_precision=), got "
+                             f"{self.data_parallel!r}")
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
             raise ValueError(f"tp_plan must be a {{pattern: style}} dict, got "
                              f"{type(self.tp_plan).__name__}")

@@ -91,6 +91,7 @@ def _run(code: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProc
                           capture_output=True, timeout=timeout)
 
 
+@pytest.mark.slow  # a fresh interpreter loading transformers (~6 s on 2 cores)
 def test_finetuning_from_pretrained_example_runs(tmp_path_factory, tmp_path):
     """The example names ``llama-small``: a tiny Llama of that name stands in for it."""
     import shutil

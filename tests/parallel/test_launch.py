@@ -100,6 +100,7 @@ def _square(x):
     return x * x
 
 
+@pytest.mark.slow  # two fresh interpreters importing torch (~6 s on 2 cores)
 def test_spawn_start_method():
     assert launch(_square, 2, 3, start_method="spawn", timeout=120) == [9, 9]
 

@@ -98,6 +98,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch (~7 s on 2 cores)
 def test_a_script_that_simply_returns_tears_its_group_down(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)

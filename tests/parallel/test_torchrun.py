@@ -65,6 +65,7 @@ LAUNCH_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a torchrun job (~10 s on 2 cores)
 def test_launch_inside_torchrun_runs_on_the_jobs_ranks(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(LAUNCH_SCRIPT)

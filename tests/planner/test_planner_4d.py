@@ -259,12 +259,14 @@ def validation():
     return P.validate_published()
 
 
-def test_holdout_median_within_10_percent_and_every_run_fits(validation):
-    assert validation["median_abs_step_error_holdout"] <= 0.10
-    assert validation["not_fitting"] == []
-    assert set(validation["holdout_rows"]).isdisjoint(validation["fit_rows"])
+def test_holdout_median_within_10_percent_and_every_run_fits():
+    report = P.report()  # the figures validate_published adds the planner's choices to (~1 s)
+    assert report["median_abs_step_error_holdout"] <= 0.10
+    assert report["not_fitting"] == []
+    assert set(report["holdout_rows"]).isdisjoint(report["fit_rows"])
 
 
+@pytest.mark.slow  # the planner's search on every pp/cp row (~15 s); two rows are checked above
 def test_the_dataset_has_pp_and_cp_runs_each_with_the_planners_choice(validation):
     rows = [r for r in validation["rows"] if r["uses_pp_or_cp"]]
     assert sum(r["pp"] > 1 for r in rows) >= 8 and sum(r["cp"] > 1 for r in rows) >= 6

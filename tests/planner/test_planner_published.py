@@ -49,7 +49,8 @@ def test_holdout_median_step_time_error_is_at_most_15_percent(report):
     assert report["median_abs_step_error_holdout"] <= 0.15
 
 
-def test_built_in_constants_are_the_fit():
+@pytest.mark.slow  # the golden-section fit over every 'fit' row (~5 s); the constants' accuracy
+def test_built_in_constants_are_the_fit():  # is checked by the hold-out tests above
     found = P.fit()
     assert found["by_gpu"] == {g: v for g, v in E.FITTED_BY_GPU.items() if g in found["by_gpu"]}
     assert found["by_stack"] == E.FITTED_BY_STACK

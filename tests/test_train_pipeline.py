@@ -36,6 +36,32 @@ def test_train_pp_equals_one_process(tmp_path, flags):
     assert piped["grad_norm_last"] == pytest.approx(one["grad_norm_last"], rel=1e-5)  # clipped
 
 
+MOE = ["--preset", "moe-tiny", "--steps", "3", "--batch", "4", "--seq", "32", "--clip-grad",
+       "0.05", "--no-progress"]
+
+
+@pytest.mark.parametrize("one_flags, pp_flags", [
+    (("--nproc", "1", "--grad-accum", "2"), ("--nproc", "2", "--pp", "2", "--microbatches", "2")),
+    pytest.param(("--nproc", "2", "--ep", "2", "--grad-accum", "2"),
+                 ("--nproc", "4", "--pp", "2", "--ep", "2", "--microbatches", "2"),
+                 marks=pytest.mark.slow),
+])
+def test_train_pp_moe_equals_the_same_micro_batches(tmp_path, one_flags, pp_flags):
+    """``--pp 2 --microbatches m`` on the MoE preset (``--ep 2`` inside each stage too) equals
+    one stage with ``--grad-accum m``: each micro-batch routed by itself, every stage's
+    load-balancing loss in the loss and the gradients (the clipped norm), the MoE statistics."""
+    def run(name, flags):
+        out = tmp_path / name
+        assert main(["train", *flags, *MOE, "--out", str(out)]) == 0
+        return json.loads((out / "metrics.json").read_text())
+
+    one, piped = run("one", one_flags), run("pp", pp_flags)
+    assert piped["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert piped["grad_norm_last"] == pytest.approx(one["grad_norm_last"], rel=1e-5)  # clipped
+    for key in ("aux_loss", "dropped_fraction"):
+        assert piped["moe"][key] == pytest.approx(one["moe"][key], rel=1e-5)
+
+
 @pytest.mark.parametrize("flags, match", [
     (["--nproc", "2", "--pp", "2", "--pp-schedule", "interleaved", "--stages-per-rank", "2"],
      "--pp 2: pp \\(2\\) × stages_per_rank \\(2\\) = 4 stages, more than the model's 2 layers"),

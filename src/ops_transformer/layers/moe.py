@@ -364,10 +364,15 @@ def to_expert_parallel(module: nn.Module, ctx) -> nn.Module:
 
 def scale_expert_grads(params, ep: int) -> list:
     """Divide the gradient of each expert parameter by ``ep`` as it is produced (see the module
-    docstring); returns the hook handles."""
+    docstring), once however often it is called; returns the hook handles it registered."""
     if ep == 1:
         return []
-    return [p.register_hook(lambda grad: grad / ep) for p in params]
+    handles = []
+    for p in params:  # once per parameter: a rebuilt reducer chain (pipeline, LoRA) calls again
+        if getattr(p, "_ep_grad_hook", None) is None:
+            p._ep_grad_hook = p.register_hook(lambda grad: grad / ep)
+            handles.append(p._ep_grad_hook)
+    return handles
 
 
 def split_expert_params(params) -> tuple[list, list]:

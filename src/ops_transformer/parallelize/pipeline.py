@@ -20,6 +20,9 @@ One step (:meth:`Pipeline.step`), ``m`` micro-batches of ``b`` rows::
     accumulation (n)       : n schedules per step, each piece's loss CE_i / (n·m)
     dropout                : each stage's forward of a micro-batch seeks the seeds one device
                              draws before its first site (_DropoutStream), its rows' masks
+    MoE (reference GPT)    : each micro-batch routed by itself (as one device with grad_accum
+                             n·m); each stage adds c · its layers' aux loss / (n·m) through its
+                             output's backward (:mod:`.pipeline_moe`), ``ep`` inside the stage
     after the schedule     : a tied embedding's gradient summed between the first and the last
                              stage (``ctx.pp_ends_group()``), then the stage's gradient reducers
                              (dp averaging or ZeRO-2's reduce-scatter, partial sums over tp): the
@@ -55,6 +58,7 @@ from .moe_plan import n_experts_of
 from .options import ParallelOptions
 from .pipeline_hf import FAMILIES as HF_FAMILIES
 from .pipeline_hf import HFStage, n_layers_of, prune_hf, tied_names
+from .pipeline_moe import StageAux
 from .pipeline_split import SCHEDULES, check_pipeline, rank_stages, stage_layers
 from .reducers import gradient_reducers
 
@@ -82,6 +86,8 @@ class GPTStage(nn.Module):
         self.blocks = nn.ModuleList(model.layers[i] for i in layers)
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        # MoE: the stage's load-balancing loss into the backward (pipeline_moe)
+        self.aux = StageAux(model.cfg.moe_aux_loss_coef) if model.cfg.n_experts else None
 
     def forward(self, x):
         with self.autocast():
@@ -101,8 +107,8 @@ class GPTStage(nn.Module):
         for block in self.blocks:
             x = block(x, rope)
         if self.last:
-            return self.lm_head(self.norm(x))[0]  # (B, T, V): full logits
-        return x
+            x = self.lm_head(self.norm(x))[0]  # (B, T, V): full logits
+        return x if self.aux is None else self.aux.add(self, x)
 
     def extra_repr(self) -> str:
         ends = "embedding, " if self.first else ""
@@ -146,8 +152,10 @@ class RecordedStage(_pp.PipelineStage):
             self.busy_s += time.perf_counter() - start
 
     def forward_one_chunk(self, chunk, *args, **kwargs):
-        return self._timed(self._masked, super().forward_one_chunk, chunk, *args, forward=True,
-                           **kwargs)
+        aux = getattr(self.submod, "aux", None)  # MoE: a micro-batch's statistics count (the
+        with aux.counting() if aux is not None else contextlib.nullcontext():  # first step's
+            return self._timed(self._masked, super().forward_one_chunk, chunk, *args,  # shape
+                               forward=True, **kwargs)  # inference forward does not)
 
     def backward_one_chunk(self, chunk, *args, **kwargs):  # (a full recompute replays the
         return self._timed(self._masked, super().backward_one_chunk, chunk, *args, **kwargs)
@@ -315,7 +323,10 @@ class Pipeline:
         self.loss_fn.scale = 1.0 if scaler is None else scaler.scale_value
         self.loss_fn.accumulate = n
         self.loss_fn.per_target = target_weight
+        aux_weight = self.loss_fn.scale / (n * m)  # × the coefficient: one device's CE / (n·m)
         for stage in self.stages:
+            if getattr(stage, "aux", None) is not None:
+                stage.aux.begin(stage.aux.coef * aux_weight)
             stage.seq_len = idx.shape[1]
             stage.autocast = (contextlib.nullcontext if policy is None else
                               lambda: policy.autocast(self.ctx.device))
@@ -363,11 +374,26 @@ class Pipeline:
                      policy=None, grad_accum: int = 1, **more) -> dict:
         """:meth:`step` for ``optimizer_step(metrics=...)``, which averages each metric over the
         ``pp × dp × ep`` ranks of a TP position: the last stage's loss counts ``pp`` times, the
-        other stages' 0, so the average is the dense loss on every rank (no extra collective)."""
+        other stages' 0, so the average is the dense loss on every rank (no extra collective).
+        MoE: each rank adds ``c ·`` its stages' mean aux loss to the loss and reports their
+        statistics (``moe_aux_loss``, ``moe_dropped``, ``moe_slots``), ``pp`` times too, so the
+        average is their sum over the stages: one device's micro-batch means."""
         loss = self.step(idx, targets, scaler=scaler, policy=policy, grad_accum=grad_accum,
                          **more)
         weight = float(self.ctx.pp_size) if loss is not None else 0.0
-        return {"loss": (loss if loss is not None else torch.zeros(())) * weight}
+        auxes = [s.aux for s in self.stages if getattr(s, "aux", None) is not None]
+        if not auxes:
+            return {"loss": (loss if loss is not None else torch.zeros(())) * weight}
+        weight, loss = float(self.ctx.pp_size), (loss if loss is not None else
+                                                 torch.zeros((), device=self.ctx.device))
+        # MoE: every stage adds its layers' micro-batch means (each rank's share × pp)
+        pieces = grad_accum * self.microbatches
+        moe = [a.metrics(pieces) for a in auxes]
+        metrics = {k: sum(part[k].to(loss.device) for part in moe).float() * weight
+                   for k in moe[0]}
+        aux = metrics["moe_aux_loss"] * auxes[0].coef
+        metrics["loss"] = aux + loss * weight
+        return metrics
 
 
 def pipeline(model: nn.Module, ctx, schedule: str = "1f1b", *, microbatches: int = 1,
@@ -386,10 +412,10 @@ def pipeline(model: nn.Module, ctx, schedule: str = "1f1b", *, microbatches: int
         raise ValueError(f"pipeline splits the reference GPT (ops_transformer.GPT) and Hugging "
                          f"Face causal LMs ({', '.join(HF_FAMILIES)}); got {type(model).__name__}")
     n_layers = n_layers_of(model) if hf else model.cfg.n_layers
-    experts = n_experts_of(model) if hf else model.cfg.n_experts
-    if experts:
-        raise ValueError(f"pipeline does not split MoE models yet (n_experts {experts}): their "
-                         f"auxiliary loss spans every stage")
+    if hf and n_experts_of(model):
+        raise ValueError(f"pipeline does not split Hugging Face MoE models yet (n_experts "
+                         f"{n_experts_of(model)}): their routers keep their own auxiliary loss; "
+                         f"the reference GPT's MoE presets split")
     if ctx.pp_size < 2:
         raise ValueError(f"pipeline needs a pp axis of 2 or more stages, but ctx has pp "
                          f"{ctx.pp_size}: use init_parallel(pp=2, ...) (pp 1 is the model itself)")

@@ -84,6 +84,6 @@ def _pipeline_problem(pp: int, *, ep: int, experts: int, sequence_parallel: bool
     """What ``train --pp`` does not combine with yet (docs/pipeline.md)."""
     # (ZeRO-1/2 run per stage: the optimizer shards over each stage's dp; ZeRO-3: FSDP2 with
     # each stage module a root, its syncs driven by pipelining)
-    if ep > 1 or experts > 1:
-        return f"--pp {pp} does not split {model} yet (MoE): use a dense preset or --pp 1"
+    # (MoE, --ep inside each stage: each stage adds its layers' load-balancing loss, routed per
+    # micro-batch as one process with --grad-accum m routes it: parallelize/pipeline_moe.py)
     return None

@@ -47,7 +47,7 @@ from ..parallelize.pipeline_split import SCHEDULES, check_pipeline
 from ..planner.layout import CostOptions, Layout
 from ..planner.strategies import model_comm_per_step
 from ..precision import DynamicLossScaler, optimizer_step, precision_policy, read_reports
-from .preflight import check_batch
+from .preflight import check_batch, check_train_ep
 from .schedule import check_schedule, lr_at, set_lr
 from ..utils.plot import write_line_plot_png
 from ..utils.progress import Progress
@@ -324,16 +324,6 @@ def _pipeline_hf_layers(cfg: TrainConfig) -> int:
 def micro_batch(cfg: TrainConfig, dp_ep: int) -> int:
     """Sequences per forward on one rank: ``batch / (grad_accum · dp · ep)``."""
     return cfg.batch // (cfg.grad_accum * dp_ep)
-
-
-def check_train_ep(model_cfg: GPTConfig, preset_name: str, ep: int) -> None:
-    """``--ep`` needs an MoE preset whose experts divide by it."""
-    if ep > 1 and not model_cfg.n_experts:
-        raise ValueError(f"--ep ({ep}) needs a mixture-of-experts preset (moe-tiny, moe-small); "
-                         f"{preset_name!r} has a dense FFN")
-    if model_cfg.n_experts and model_cfg.n_experts % ep:
-        raise ValueError(f"--ep ({ep}) must divide the preset's n_experts "
-                         f"({model_cfg.n_experts})")
 
 
 def expected_comm_per_step(model_cfg: GPTConfig, tp: int, attention: str, batch: int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..models.config import check_ffn_split, preset
+from ..models.config import GPTConfig, check_ffn_split, preset
 from ..schema.mesh import check_mesh_degrees
 from .config import RunConfig
 
@@ -27,6 +27,8 @@ def preflight(run: RunConfig, world_size: int) -> tuple[int, int, int, int]:
                          f"({world_size})")
     dp, ep, cp, tp = check_mesh_degrees(world_size, tp=layout.tp, dp=layout.dp, ep=layout.ep,
                                         cp=layout.cp, pp=layout.pp)
+    if run.model.dir is None:  # the experts before the batch: --ep's own message first
+        check_train_ep(preset(run.model.preset), run.model.preset, ep)
     check_batch(run.run.batch, dp, ep, run.run.grad_accum)
     if run.model.dir is None:
         check_ffn_split(preset(run.model.preset), tp)
@@ -34,6 +36,16 @@ def preflight(run: RunConfig, world_size: int) -> tuple[int, int, int, int]:
         limit = position_limit(json_config(run.model.dir))
         check_positions(run.run.seq, limit, run.model.dir)
     return dp, ep, cp, tp
+
+
+def check_train_ep(model_cfg: GPTConfig, preset_name: str, ep: int) -> None:
+    """``--ep`` needs an MoE preset whose experts divide by it."""
+    if ep > 1 and not model_cfg.n_experts:
+        raise ValueError(f"--ep ({ep}) needs a mixture-of-experts preset (moe-tiny, moe-small); "
+                         f"{preset_name!r} has a dense FFN")
+    if model_cfg.n_experts and model_cfg.n_experts % ep:
+        raise ValueError(f"--ep ({ep}) must divide the preset's n_experts "
+                         f"({model_cfg.n_experts})")
 
 
 def json_config(model_dir: str) -> dict:

@@ -309,9 +309,9 @@ def given_settings(args) -> set[str]:
 
 
 def _dry_run(args, cfg: TrainConfig) -> int:
-    """``train --dry-run``: what each rank would build, on ``meta`` (:mod:`.training.dry_run`);
+    """``train --dry-run``: what each rank would build, on ``meta`` (:mod:`ops_transformer.training.meta_run`);
     the table, or with ``--json`` the whole report; nothing written."""
-    from ..training.dry_run import dry_run, table
+    from ..training.meta_run import dry_run, table
 
     report = dry_run(cfg, nproc=launch_size(args, cfg))
     if args.json:

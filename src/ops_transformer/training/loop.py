@@ -477,7 +477,7 @@ def join(cfg: TrainConfig, profile=None):
 
 def setup_training(cfg: TrainConfig, ctx, *, with_data: bool = True) -> TrainState:
     """Build the parallel model, its optimizer and loss scaler on this rank of ``ctx``;
-    ``with_data=False`` (the dry run, :mod:`.dry_run`): no corpus is read for a preset
+    ``with_data=False`` (the dry run, :mod:`.meta_run`): no corpus is read for a preset
     (``data`` is ``None``)."""
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
     policy = precision_policy(cfg.precision)

@@ -21,7 +21,7 @@ $(STAMP): $(PY) pyproject.toml
 	@echo "make: [2/3] $(TORCH_SPEC), the largest download"
 	$(PY) -m pip install --progress-bar on "$(TORCH_SPEC)"
 	@echo "make: [3/3] ops-transformer with its test, profiler, checkpoint and lora extras"
-	$(PY) -m pip install --progress-bar on -e ".[test,profiler,checkpoint,lora]"
+	$(PY) -m pip install --progress-bar on -e ".[test,profiler,checkpoint,lora,yaml]"
 	touch $(STAMP)
 	@echo "make: installed; the next make demo / make test start at once"
 

@@ -333,3 +333,38 @@ def test_a_field_without_its_flag_stops_the_parser(monkeypatch):
                                                    "nope": {"help": ""}})
     with pytest.raises(RuntimeError, match=r"flags without a field \[\('run', 'nope'\)\]"):
         _train_parser()
+
+
+# --- YAML: the same sections, read by PyYAML's safe_load -------------------------------------------
+
+def _as_yaml(run_toml: Path) -> str:
+    """The YAML form of a TOML run configuration (each section a mapping, each value plain)."""
+    import tomllib
+
+    import yaml
+
+    return yaml.safe_dump(tomllib.loads(run_toml.read_text()), sort_keys=False)
+
+
+def test_a_yaml_file_is_the_same_run_as_its_toml(tmp_path, capsys):
+    """``--config run.yaml`` resolves to exactly the run of the TOML file it was written from:
+    the same ``RunConfig``, the same fields set, the same ``--print-config``."""
+    path = tmp_path / "run.yaml"
+    path.write_text(_as_yaml(EXAMPLE))
+    assert load_toml(path) == load_toml(EXAMPLE)
+    assert _resolved(capsys, "--config", str(path)) == _resolved(capsys, "--config", str(EXAMPLE))
+
+
+@pytest.mark.parametrize("text, says", [
+    ("run:\n  stepz: 1\n", "unknown key 'stepz' in [run]"),
+    ("run:\n  batch: 0\n", "[run] batch = 0: --batch must be at least 1, got 0"),
+    ("- 1\n- 2\n", "a YAML run configuration is a mapping of sections"),
+    ("run: [1, 2\n", "is not a YAML file"),
+])
+def test_bad_yaml_is_one_line_naming_the_file(tmp_path, text, says):
+    path = tmp_path / "run.yml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_toml(path)
+    assert says in str(err.value) and f"--config {str(path)!r}" in str(err.value)
+    assert "\n" not in str(err.value)

@@ -291,6 +291,29 @@ def section_summary(name: str) -> str:
     return doc.split(". ")[0].rstrip(".")
 
 
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def _yaml_sections(text: str, where: str) -> dict:
+    """A YAML file's sections (PyYAML's ``safe_load``: plain values only); one line when PyYAML
+    is missing, the text is not YAML or its top level is not a mapping of sections."""
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError(f"{where}: reading YAML needs PyYAML (pip install pyyaml), or write the "
+                         f"file as TOML") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{where} is not a YAML file: {' '.join(str(exc).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a YAML run configuration is a mapping of sections "
+                         f"({', '.join(SECTION_ORDER)}), got a {type(data).__name__}")
+    return data
+
+
 def section_keys(name: str) -> tuple[str, ...]:
     """The keys a TOML file may give in section ``[name]``."""
     if name == "parallel":
@@ -307,16 +330,24 @@ def key_flags() -> dict[tuple[str, str], str]:
 
 
 def load_toml(path: str | Path) -> tuple[RunConfig, set[str]]:
-    """The run of a TOML file, and the ``TrainConfig`` fields the file sets. Any fault — not a
-    file, not TOML, an unknown section or key, a wrong type, a value out of range — is one
+    """The run of a TOML file (or a YAML one, by its suffix ``.yaml`` / ``.yml``: the same
+    sections as mappings), and the ``TrainConfig`` fields the file sets. Any fault — not a file,
+    not TOML (YAML), an unknown section or key, a wrong type, a value out of range — is one
     ``ValueError`` line naming the file, the key, the value and what is valid."""
     where = f"--config {str(path)!r}"
+    kind = "YAML" if Path(path).suffix in YAML_SUFFIXES else "TOML"
     try:
-        data = tomllib.loads(Path(path).read_text())
+        text = Path(path).read_text()
     except OSError as exc:
         raise ValueError(f"{where} cannot be read: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{where} is not a TOML file: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where} is not a {kind} file: {exc}") from None
+    data = _yaml_sections(text, where) if kind == "YAML" else None
+    if data is None:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{where} is not a TOML file: {exc}") from None
     values, keys = {}, key_flags()
     for name, table in data.items():
         if name not in SECTION_ORDER or not isinstance(table, dict):

@@ -74,3 +74,8 @@ def test_cli_dry_run_prints_a_table_and_writes_nothing(tmp_path, capsys, monkeyp
     assert cli_main(["train", "--dry-run", "--preset", "tiny", "--tp", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["ops-transformer train: error: d_ff (256) is not divisible by tp (3)"]
+
+
+def test_a_model_dry_run_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"a --model dry run is not done yet"):
+        training.dry_run(TrainConfig(model=str(tmp_path), tp=2), nproc=2)

@@ -3,7 +3,7 @@ and every option (``parallelize``, LoRA, the ZeRO layout, the pipeline stages), 
 on the ``meta`` device, and what it built, without data, a step or parameter storage.
 
 :func:`dry_run` checks the run as ``train`` does (:func:`~.loop.validate`: the same one-line
-errors), forks its ranks (the process groups are real; every collective is faked and held to
+errors; a ``--model`` run is refused, not done yet), forks its ranks (the process groups are real; every collective is faked and held to
 ``meta`` by :class:`~ops_transformer.testing.devices.DeviceCheck`), runs
 :func:`~.loop.setup_training` on each with ``meta`` as the device, and returns a plain dict: per
 rank its coordinates, local parameter count and bytes and a short summary of the local shapes;
@@ -38,6 +38,9 @@ def dry_run(config: RunConfig | TrainConfig, nproc: int | None = None) -> dict:
         nproc = cfg.tp * cfg.ep * cfg.cp * cfg.pp * (cfg.dp or 1)
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    if cfg.model:  # from_pretrained reads values while it loads: not on meta yet
+        raise ValueError(f"--dry-run builds the reference GPT presets; a --model dry run is not "
+                         f"done yet (got --model {cfg.model})")
     validate(cfg, nproc)
     ranks = launch(_build_rank, nproc, cfg)
     first = ranks[0]

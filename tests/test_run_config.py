@@ -252,8 +252,8 @@ def test_sweep_takes_a_config_file_as_every_configurations_base(tmp_path, capsys
 
 # the command line and the sections: a field cannot exist without its flag, nor a flag without
 # its field (but the launcher's and the output's), and train --help shows them by section
-CLI_ONLY = {"--help", "--debug", "--config", "--print-config", "--nproc", "--plan", "--json",
-            "--launch-timeout"}
+CLI_ONLY = {"--help", "--debug", "--config", "--print-config", "--dry-run", "--nproc", "--plan",
+            "--json", "--launch-timeout"}
 
 
 def _train_parser():

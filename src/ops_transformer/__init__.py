@@ -45,7 +45,7 @@ EXPORTS = {  # public name → the module that defines it
     "CheckpointError": "checkpoint",
     "from_pretrained": "loading",
     "check_parity": "parity", "ParityReport": "parity",
-    "TrainConfig": "training.loop",
+    "TrainConfig": "training.loop", "dry_run": "training.meta_run",
 }
 __all__ = list(EXPORTS)
 

@@ -308,6 +308,19 @@ def given_settings(args) -> set[str]:
                                  for w in words)}
 
 
+def _dry_run(args, cfg: TrainConfig) -> int:
+    """``train --dry-run``: what each rank would build, on ``meta`` (:mod:`ops_transformer.training.meta_run`);
+    the table, or with ``--json`` the whole report; nothing written."""
+    from ..training.meta_run import dry_run, table
+
+    report = dry_run(cfg, nproc=launch_size(args, cfg))
+    if args.json:
+        print_json(report)
+    else:
+        print(table(report))
+    return 0
+
+
 def run(args) -> int:
     fields, in_file = train_fields(args, "train"), set()
     if getattr(args, "config", None):
@@ -316,6 +329,8 @@ def run(args) -> int:
     if getattr(args, "print_config", False):
         print(to_toml(cfg.run_config()), end="")
         return 0
+    if getattr(args, "dry_run", False):
+        return _dry_run(args, cfg)
     cfg, kept = resumed_settings(cfg, given_settings(args) | in_file)
     if kept:
         status(f"ops-transformer train: {kept}")

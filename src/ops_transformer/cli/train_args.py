@@ -72,6 +72,9 @@ def add_parser(p) -> None:
     add_config_argument(p)
     p.add_argument("--print-config", action="store_true", help="print the resolved run as TOML "
                    "(the file, the flags over it) and exit without starting a rank")
+    p.add_argument("--dry-run", action="store_true", help="build what the run builds on each "
+                   "rank (the model, its plan and options, the optimizer) on the meta device, "
+                   "print it (--json: all of it) and exit: no data, no step, nothing written")
     add_training_arguments(p, skip=())
 
 

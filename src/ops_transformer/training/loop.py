@@ -463,8 +463,10 @@ def join(cfg: TrainConfig, profile=None):
                          pp=cfg.pp)
 
 
-def setup_training(cfg: TrainConfig, ctx) -> TrainState:
-    """Build the parallel model, its optimizer and loss scaler on this rank of ``ctx``."""
+def setup_training(cfg: TrainConfig, ctx, *, with_data: bool = True) -> TrainState:
+    """Build the parallel model, its optimizer and loss scaler on this rank of ``ctx``;
+    ``with_data=False`` (the dry run, :mod:`.meta_run`): no corpus is read for a preset
+    (``data`` is ``None``)."""
     torch.manual_seed(cfg.seed)  # the same dense init on every rank; each keeps its slices
     policy = precision_policy(cfg.precision)
     if cfg.model:
@@ -473,7 +475,7 @@ def setup_training(cfg: TrainConfig, ctx) -> TrainState:
             return _pipelined(cfg, ctx, model, data, policy)
         return _with_optimizer(cfg, ctx, model, data, policy)
     model_cfg = cfg.model_config()
-    data = load_corpus(cfg.data)
+    data = load_corpus(cfg.data) if with_data else None
     options = cfg.parallel_options(grad_reduce_dtype=policy.grad_reduce_dtype)
     plan = gpt_plan(model_cfg, ctx.tp_size, options.plan_attention,
                     batch=micro_batch(cfg, ctx.dp_ep_size), seq=cfg.seq,

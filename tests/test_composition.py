@@ -59,6 +59,8 @@ KNOWN_LIMITS = {
     # pipeline parallelism (SPEC F19) does not compose with these yet (docs/pipeline.md)
     **{(name, "pp"): f"--pp 2 does not combine with {flag} yet" for name, flag in (
         ("cp", "--cp"),)},
+    # pp 2 × tp 2 × ep 2 aborted once in gloo (a size mismatch): refused at tp > 1 for now
+    ("moe-ep", "pp"): "--pp 2 does not split an MoE preset at --tp 2 yet",
     # torch.compile per block (SPEC F20) does not compose with these yet (docs/compile.md)
     ("regather", "compile"): "--compile does not combine with sequence_parallel='regather'",
     ("overlap-chunked", "compile"): "--compile does not combine with overlap='chunked'",
@@ -99,9 +101,11 @@ LIMITS = (
     "per direction more than a reduce-scatter exit); the cell is exact.",
     "The `moe-ep` column uses `--moe-statistics global`; with the default `local` MoE at "
     "dp × ep > 1 differs from one process by design (docs/moe.md).",
-    "The `moe-ep`+`pp` cell's reference (tp 1, one stage) runs `--grad-accum` × the pp cell's "
-    "`--microbatches`: a pipelined MoE routes each micro-batch by itself, as Megatron-LM and "
-    "torchtitan do (docs/pipeline.md); against one pass over the batch it differs by ~1e-3.",
+    "`moe-ep`+`pp` is refused at tp 2 (pp 2 × tp 2 × ep 2 aborted once in gloo on a size mismatch "
+    "of a tp all-reduce of the expert outputs: not yet understood); at tp 1 a pipelined MoE, ep "
+    "inside each stage, equals one stage with `--grad-accum` × `--microbatches` "
+    "(`tests/test_train_pipeline.py`): each micro-batch routed by itself, as Megatron-LM and "
+    "torchtitan do (docs/pipeline.md).",
 )
 # int8 cache: each rank quantises its own shard of a saved activation (blocks of 128 values), so
 # at tp 2 the blocks, hence the rounding, differ from tp 1's: after the first step the weights
@@ -222,7 +226,7 @@ SINGLES = [(name,) for name in FEATURES]
 SAMPLE = [("sp", "lora"), ("overlap-chunked", "lora"), ("zero2", "grad-accum"),
           ("regather", "overlap-chunked"), ("sp", "moe-ep"), ("lora", "zero3"),
           ("grad-accum", "cp"), ("zero2", "cp"), ("clip", "pp"), ("zero2", "pp"),
-          ("grad-accum", "pp"), ("moe-ep", "pp"),
+          ("grad-accum", "pp"),
           ("moe-ep", "compile"), ("zero2", "fp8"), ("sp", "fp8"), ("zero3", "model"),
           ("regather", "model")]  # compile's own cells: tests/compile (~9 s a cell)
 

@@ -50,6 +50,9 @@ def runtime_problem(*, tp: int, dp: int, ep: int = 1, pp: int = 1, cp: int = 1,
             return problem
         if cp > 1:
             return f"--pp {pp} does not combine with --cp yet: drop one of them"
+        if tp > 1 and experts > 1:
+            return (f"--pp {pp} does not split an MoE preset at --tp {tp} yet: use --tp 1 "
+                    f"(--ep inside each stage works)")
     if cp > 1:
         if attention not in SEQUENCE_PARALLEL_ATTENTION:
             return f"--cp {cp} splits the tokens of --attention heads (or auto), got {attention!r}"

@@ -32,6 +32,10 @@ def build(family: str):
         return tr.LlamaForCausalLM(tr.LlamaConfig(**{**_small(), "intermediate_size": 130}))
     if family == "qwen2":  # Q/K/V biases
         return tr.Qwen2ForCausalLM(tr.Qwen2Config(**_small()))
+    if family == "mistral":
+        return tr.MistralForCausalLM(tr.MistralConfig(**_small()))
+    if family == "qwen3":  # Q/K norms over each head
+        return tr.Qwen3ForCausalLM(tr.Qwen3Config(**_small(), head_dim=16))
     if family == "gpt2":  # Conv1D weights, fused QKV, tied embeddings; no dropout
         return tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=VOCAB, n_positions=128, n_embd=64,
                                                 n_layer=2, n_head=4, resid_pdrop=0.0,

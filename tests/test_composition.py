@@ -63,7 +63,6 @@ KNOWN_LIMITS = {
     ("moe-ep", "pp"): "--pp 2 does not split an MoE preset at --tp 2 yet",
     # torch.compile per block (SPEC F20) does not compose with these yet (docs/compile.md)
     ("regather", "compile"): "--compile does not combine with sequence_parallel='regather'",
-    ("overlap-chunked", "compile"): "--compile does not combine with overlap='chunked'",
     ("moe-ep", "compile"): "--compile does not combine with an MoE preset",
     ("cp", "compile"): "--compile does not combine with --cp 2",
     ("int8-cache", "compile"): "--compile does not combine with activation_cache='int8'",

@@ -1,6 +1,7 @@
-"""A Hugging Face Llama under ``compile=True`` (issue 38, item 1): each decoder layer compiles
-with 0 graph breaks at tp 2; compiled training equals eager (losses and gradients over 5 steps,
-the ledger over 3), from ``ot.from_pretrained`` and from ``train --model DIR --compile``."""
+"""Hugging Face decoders under ``compile=True`` (issue 38, item 1): each decoder layer of Llama,
+Mistral, Qwen2, Qwen3 and GPT-2 compiles with 0 graph breaks at tp 2 (plain TP, and sequence
+parallelism for those it supports: all but Qwen3); compiled training equals eager (losses and gradients over 5 steps, the ledger over
+3), from ``ot.from_pretrained`` and from ``train --model DIR --compile``."""
 
 from __future__ import annotations
 
@@ -19,39 +20,56 @@ tr.logging.set_verbosity_error()
 B, T = 2, 16
 
 
-def _model(path, compile):
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+SP_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")  # those sequence_parallel=True supports
+CASES = [pytest.param(family, options, id=f"{family}-{name}") for family in FAMILIES
+         for name, options in (("tp", {}), ("sp", {"sequence_parallel": True}))
+         if name == "tp" or family in SP_FAMILIES]
+
+
+def _model(path, compile, **options):
     torch.set_num_threads(1)
     ctx = init_parallel(tp=2)
-    model = from_pretrained(path, ctx, dtype=torch.float32, overlap="none", compile=compile,
-                            compile_backend="aot_eager")
+    model = from_pretrained(path, ctx, dtype=torch.float32, **{"overlap": "none", **options},
+                            compile=compile, compile_backend="aot_eager")
     model.config.use_cache = False
     return model.train()
 
 
-def _graph_breaks(path):
-    model = _model(path, False)
-    x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(T)[None].expand(B, T)
-    rope = model.model.rotary_emb(x, positions)
+def _graph_breaks(path, options):
+    """Each decoder layer explained with the arguments the model passes it (caught by a forward
+    pre-hook in one eager forward)."""
+    from ops_transformer.parallelize.compile import transformer_blocks
+
+    model = _model(path, False, **options)
+    layers, calls = transformer_blocks(model), []
+    hooks = [layer.register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append((m, args, kwargs)), with_kwargs=True)
+        for layer in layers]
+    ids = torch.randint(0, hf_tiny.VOCAB, (B, T), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    for h in hooks:
+        h.remove()
     found = []
-    for layer in model.model.layers:
-        explained = torch._dynamo.explain(
-            lambda x: layer(x, position_embeddings=rope, position_ids=positions))(x)
+    for layer, args, kwargs in calls:
+        explained = torch._dynamo.explain(layer)(*args, **kwargs)
         found.append((explained.graph_break_count, [str(r) for r in explained.break_reasons]))
     return found
 
 
-@pytest.mark.slow  # ~7 s on 2 cores
-def test_hf_llama_decoder_layers_compile_without_graph_breaks(run_ranks, tmp_path_factory):
-    path = hf_tiny.checkpoint(tmp_path_factory, "llama")
-    for rank, layers in enumerate(run_ranks(_graph_breaks, 2, path)):
+@pytest.mark.slow  # ~3 s per family and layout on 2 cores
+@pytest.mark.parametrize("family,options", CASES)
+def test_hf_decoder_layers_compile_without_graph_breaks(run_ranks, tmp_path_factory, family,
+                                                        options):
+    path = hf_tiny.checkpoint(tmp_path_factory, family)
+    for rank, layers in enumerate(run_ranks(_graph_breaks, 2, path, options)):
         assert len(layers) == 2
         for i, (breaks, reasons) in enumerate(layers):
-            assert breaks == 0, f"rank {rank} layer {i}: {breaks} graph breaks: {reasons}"
+            assert breaks == 0, f"{family} rank {rank} layer {i}: {breaks} graph breaks: {reasons}"
 
 
-def _train(path, compile, steps):
-    model = _model(path, compile)
+def _train(path, compile, steps, **options):
+    model = _model(path, compile, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(0)
     losses, grads, ledgers = [], [], []
@@ -69,13 +87,14 @@ def _train(path, compile, steps):
 
 
 @pytest.mark.slow
-def test_hf_llama_compiled_training_equals_eager(run_ranks, tmp_path_factory):
-    path = hf_tiny.checkpoint(tmp_path_factory, "llama")
-    eager = run_ranks(_train, 2, path, False, 5)
-    compiled = run_ranks(_train, 2, path, True, 5)
+@pytest.mark.parametrize("family,options", CASES)
+def test_hf_compiled_training_equals_eager(run_ranks, tmp_path_factory, family, options):
+    path = hf_tiny.checkpoint(tmp_path_factory, family)
+    eager = run_ranks(_train, 2, path, False, 5, **options)
+    compiled = run_ranks(_train, 2, path, True, 5, **options)
     for rank, ((el, eg, ele), (cl, cg, cle)) in enumerate(zip(eager, compiled)):
-        assert_rel(cl, el, 1e-6, what=f"rank {rank} losses")
-        assert cle[:3] == ele[:3] and ele[0]
+        assert_rel(cl, el, 1e-6, what=f"{family} rank {rank} losses")
+        assert cle[:3] == ele[:3] and ele[0], f"{family} rank {rank} ledgers"
         for step, (e, c) in enumerate(zip(eg, cg)):
             for n in e:
                 assert_rel(c[n], e[n], 1e-6, what=f"rank {rank} step {step} grad {n}",

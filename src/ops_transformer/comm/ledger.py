@@ -216,19 +216,34 @@ def record(kind: str, tensor: torch.Tensor, elements: int, group_ranks: tuple[in
 # which the compiled graph keeps (it is marked side-effecting) and calls on every run. Its fake
 # (tracing) form records nothing; its real form is :func:`record`, on the real tensor.
 
+# ``seq`` makes every record of a graph a node of its own: AOTAutograd's common-subexpression
+# pass merges calls with equal arguments even when they are marked side-effecting, and two chunks'
+# all-gathers record equal arguments (fresh output buffers of one shape, one label) — measured:
+# half the chunked all-gathers went unrecorded before it.
+
 @torch.library.custom_op("ops_transformer::ledger_record", mutates_args=())
 def _ledger_record(tensor: torch.Tensor, kind: str, elements: int, group_ranks: list[int],
-                   label: str, level: str) -> None:
+                   label: str, level: str, seq: int) -> None:
     if ledger_active():
         record(kind, tensor, elements, tuple(group_ranks), label, level=level)
 
 
 @_ledger_record.register_fake
-def _(tensor, kind, elements, group_ranks, label, level) -> None:
+def _(tensor, kind, elements, group_ranks, label, level, seq) -> None:
     return None
 
 
 torch.fx.node.has_side_effect(torch.ops.ops_transformer.ledger_record.default)
+
+_TRACED = [0]  # records traced so far in this process
+
+
+@torch.compiler.assume_constant_result
+def _next_traced() -> int:
+    """A number no other record of any graph has: evaluated once, while Dynamo traces, and kept
+    in the graph as a constant (no guard, no recompile)."""
+    _TRACED[0] += 1
+    return _TRACED[0]
 
 
 def record_compiled(kind: str, tensor: torch.Tensor, elements: int, group_ranks: tuple[int, ...],
@@ -236,4 +251,4 @@ def record_compiled(kind: str, tensor: torch.Tensor, elements: int, group_ranks:
     """:func:`record` from inside a compiled graph: one call of the graph, one record (the op
     runs on every call; the collectives of a compiled graph run flat)."""
     torch.ops.ops_transformer.ledger_record(tensor, kind, int(elements), list(group_ranks),
-                                            label, level)
+                                            label, level, _next_traced())

@@ -43,7 +43,8 @@ class OverlapPolicy:
                 element = torch.empty((), dtype=dtype).element_size()
                 choice = choose_chunks(pieces, self.chunks, self.profile, element)
             self.decisions[key] = choice
-            log.debug("overlap %s (%d tokens): %s", region, tokens, choice.reason)
+            if not torch.compiler.is_compiling():  # a log call is a graph break under Dynamo
+                log.debug("overlap %s (%d tokens): %s", region, tokens, choice.reason)
         return choice.chunks
 
     def __repr__(self) -> str:

@@ -207,14 +207,11 @@ class ParallelOptions:
             raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise ValueError(f"chunks must be an integer >= 1, got {self.chunks!r}")
-        if self.compile and self.overlap == "chunked":
-            raise ValueError("compile does not combine with overlap='chunked' (use 'none', or "
-                             "'auto', which then runs as 'none'): the chunked regions issue "
-                             "async collectives, which torch.compile cannot trace")
-        if self.compile and self.sequence_parallel == "regather":
-            raise ValueError("compile does not combine with sequence_parallel='regather' yet (its "
-                             "regions read grad_fn, which torch.compile cannot trace); use "
-                             "sequence_parallel=True")
+        if self.compile and self.regathers:
+            raise ValueError("compile does not combine with sequence_parallel='regather' yet: "
+                             "AOTAutograd places the backward re-gather (it needs no gradient) "
+                             "in the forward graph, so the gathered input is saved and gathered "
+                             "twice; use sequence_parallel=True")
         if self.compile and self.activation_cache != "none":
             raise ValueError(f"compile does not combine with activation_cache="
                              f"{self.activation_cache!r} yet (Dynamo cannot enter the cache's "
@@ -234,7 +231,7 @@ class ParallelOptions:
                                  "fp32 ones; drop one of them")
             if self.overlap == "auto":  # the fp8 layers have no chunked form
                 object.__setattr__(self, "overlap", "none")
-        if self.compile and self.overlap == "auto":  # the compiler schedules; see above
+        if self.compile and self.overlap == "auto":  # auto's choice prices eager overlap
             object.__setattr__(self, "overlap", "none")
         if isinstance(self.lora, Mapping):
             object.__setattr__(self, "lora", LoRAOptions(**self.lora))

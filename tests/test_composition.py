@@ -73,8 +73,7 @@ KNOWN_LIMITS = {
     # fp8 linear layers (SPEC F20) do not compose with these yet (docs/compile.md)
     **{(name, "fp8"): f"--precision='fp8' does not combine with {what}" for name, what in (
         ("regather", "sequence_parallel='regather'"),
-        ("int8-cache", "activation_cache='int8'"), ("overlap-chunked", "overlap='chunked'"),
-        ("compile", "compile"))},
+        ("int8-cache", "activation_cache='int8'"), ("overlap-chunked", "overlap='chunked'"))},
     **{(name, "fp8"): f"--precision fp8 does not combine with {flag} yet" for name, flag in (
         ("moe-ep", "an MoE preset"), ("cp", "--cp"))},
     # train --model DIR (a tiny Hugging Face Llama): Hugging Face models keep their config's

@@ -35,6 +35,10 @@ OPTIONS = {  # a test per option: the block compiled at tp 2 under it
     # inside the graph (comm.collectives), the ledger through record_compiled
     "overlap_chunked": {"overlap": "chunked"},
     "overlap_chunked_sp": {"overlap": "chunked", "sequence_parallel": True},
+    # fp8 linear layers: the amax all-reduces (MAX) and torch._scaled_mm inside the graph
+    "fp8": {"precision": "fp8"},
+    "fp8_sp": {"precision": "fp8", "sequence_parallel": True},
+    "fp8_fp32_backward": {"precision": "fp8", "fp8_backward": "fp32"},
 }
 
 
@@ -184,7 +188,7 @@ def test_unsupported_combinations_are_refused(options, match):
 
 
 LIFTED = ("lora", "lora_dropout", "dropout", "bf16_autocast", "zero3", "overlap_chunked",
-          "overlap_chunked_sp")  # asserted one by one
+          "overlap_chunked_sp", "fp8", "fp8_sp", "fp8_fp32_backward")  # asserted one by one
 
 
 @pytest.mark.slow

@@ -97,7 +97,6 @@ def test_fp8_sequence_parallel_matches_dense_fp8(run_ranks, backward):
     ({"sequence_parallel": "regather"},
      "precision='fp8' does not combine with sequence_parallel='regather'"),
     ({"overlap": "chunked"}, "precision='fp8' does not combine with overlap='chunked'"),
-    ({"compile": True}, "precision='fp8' does not combine with compile"),
     ({"activation_cache": "int8"}, "precision='fp8' does not combine with activation_cache"),
 ])
 def test_fp8_refused_in_one_line(flags, line):

@@ -162,7 +162,7 @@ class ParallelOptions:
       (tensorwise dynamic scales agreed over the TP group; :mod:`ops_transformer.layers.fp8_linear`);
       ``fp32`` / ``bf16`` / ``fp16`` leave the layers as they are (16 bits: the caller's
       autocast, as ``train`` does). fp8 does not combine with ``sequence_parallel="regather"``,
-      chunked overlap (``auto`` runs as ``none``), the int8 cache, compile, or LoRA under
+      chunked overlap (``auto`` runs as ``none``), the int8 cache, or LoRA under
       sequence parallelism yet.
     * ``fp8_backward`` — with ``precision="fp8"``, the backward's matmuls: ``e5m2`` (the output
       gradient cast to e5m2 by its dense amax, torchao's tensorwise recipe) or ``fp32``
@@ -220,8 +220,7 @@ class ParallelOptions:
             for name, on in (("sequence_parallel='regather'",
                               self.sequence_parallel == "regather"),
                              ("overlap='chunked'", self.overlap == "chunked"),
-                             ("activation_cache='int8'", self.activation_cache != "none"),
-                             ("compile", self.compile)):
+                             ("activation_cache='int8'", self.activation_cache != "none")):
                 if on:
                     raise ValueError(f"precision='fp8' does not combine with {name} yet: drop "
                                      f"one of them")

@@ -8,10 +8,13 @@ step: forward ``24·s·h² + 4·s²·h`` (the GEMMs and both attention matmuls, 
 causal half, as Megatron-LM's MFU does), backward twice that. Timed with CUDA events over
 ``--steps`` steps after ``--warmup``; prints one JSON object.
 
-``--methods eager,compiled`` times the block eager and under ``torch.compile(fullgraph=True)``
-(``--backend``, default ``inductor``; the compile is paid in the warm-up, its seconds reported):
-per method ``step_ms``, ``tokens_per_s`` and ``achieved_tflops`` (``make gpu-check``'s
-``block_compile`` section adds MFU), and ``compiled/eager``. The top-level figures stay the first
+``--methods eager,compiled,compiled_fp8`` times the block eager, under
+``torch.compile(fullgraph=True)`` (``--backend``, default ``inductor``; the compile is paid in the
+warm-up, its seconds reported) and compiled with its linear layers in fp8 (``precision="fp8"``:
+tensorwise dynamic e4m3 scales through ``torch._scaled_mm``, the e5m2 backward; the FLOPs counted
+are the same): per method ``step_ms``, ``tokens_per_s`` and ``achieved_tflops`` (``make
+gpu-check``'s ``block_compile`` section adds MFU), and ``compiled/eager``,
+``compiled_fp8/eager``. The top-level figures stay the first
 method's. ``--device cpu`` with small sizes (``--hidden 64 --heads 4 --seq 32``) runs the same
 script where no GPU is (timed with ``perf_counter``; what the test suite does).
 """
@@ -29,7 +32,7 @@ from ops_transformer.models.gpt import GPT, GPTConfig
 from ops_transformer.parallel.context import ParallelContext
 
 
-METHODS = ("eager", "compiled")
+METHODS = ("eager", "compiled", "fp8", "compiled_fp8")
 
 
 def main(argv=None) -> None:
@@ -62,8 +65,9 @@ def main(argv=None) -> None:
            "step_ms": first["step_ms"], "flops_per_step": flops,
            "achieved_flops": first["achieved_flops"], "achieved_tflops": first["achieved_tflops"],
            "methods": results}
-    if "eager" in results and "compiled" in results:
-        out["compiled/eager"] = results["compiled"]["step_s"] / results["eager"]["step_s"]
+    for other in ("compiled", "fp8", "compiled_fp8"):
+        if "eager" in results and other in results:
+            out[f"{other}/eager"] = results[other]["step_s"] / results["eager"]["step_s"]
     if device.type == "cuda":
         out["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
     print(json.dumps(out))
@@ -76,8 +80,9 @@ def time_block(method: str, args, device) -> dict:
                     max_seq_len=s)
     torch.manual_seed(0)
     ctx = ParallelContext.single(device)
-    model = parallelize(GPT(cfg).to(device), ctx, compile=method == "compiled",
-                        compile_backend=args.backend)
+    model = parallelize(GPT(cfg).to(device), ctx, compile=method.startswith("compiled"),
+                        compile_backend=args.backend,
+                        precision="fp8" if method.endswith("fp8") else "fp32")
     block = model.layers[0]
     x = torch.randn(1, s, h, device=device, requires_grad=True)
     grad = torch.randn(1, s, h, device=device)

@@ -11,8 +11,9 @@ run):
 * ``block``        — one TP=1 Transformer block (hidden 4096, 32 heads, FFN 16384, sequence 2048,
   batch 1), forward + backward under bf16 autocast, timed with CUDA events: achieved TFLOP/s and
   MFU (goal ≥ 50 %);
-* ``block_compile`` — the same block eager and compiled (``torch.compile(fullgraph=True)``,
-  inductor): tokens/s, TFLOP/s and MFU of each, and compiled / eager (issue 38);
+* ``block_compile`` — the same block eager, compiled (``torch.compile(fullgraph=True)``,
+  inductor) and compiled with fp8 linear layers (``precision="fp8"``): tokens/s, TFLOP/s and MFU
+  of each, compiled / eager and compiled + fp8 / eager (issue 38);
 * ``hf``           — ``generate`` from a tiny Llama and ``embed`` from a tiny BERT written with
   ``save_pretrained`` (bf16), on CUDA;
 * ``checkpoint``   — ``train --ckpt-dir`` on CUDA, ``--resume``, then ``checkpoint export`` (which
@@ -116,7 +117,7 @@ def section_block(limit, info, tmp):
 
 def section_block_compile(limit, info, tmp):
     rc, out, _ = run([PY, str(Path(__file__).with_name("gpu_block.py")), "--methods",
-                      "eager,compiled"], limit)
+                      "eager,compiled,compiled_fp8"], limit)
     if rc:
         return rc, out, {}
     m = last_json(out)

@@ -213,7 +213,7 @@ def test_each_option_compiled_equals_eager(run_ranks, name):
 @pytest.mark.slow
 def test_gpu_block_eager_and_compiled_run_on_a_cpu():
     """``make gpu-check``'s ``block_compile`` section (benchmarks/gpu_block.py) at a tiny size on
-    a CPU: both methods time the block and report their figures."""
+    a CPU: eager, compiled and compiled + fp8 time the block and report their figures."""
     import json
     import subprocess
     import sys
@@ -222,12 +222,13 @@ def test_gpu_block_eager_and_compiled_run_on_a_cpu():
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "benchmarks/gpu_block.py", "--device", "cpu",
                            "--hidden", "64", "--heads", "4", "--seq", "32", "--steps", "1",
-                           "--warmup", "1", "--methods", "eager,compiled", "--backend",
+                           "--warmup", "1", "--methods", "eager,compiled,compiled_fp8", "--backend",
                            "aot_eager"], cwd=root, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(result["methods"]) == {"eager", "compiled"} and result["compiled/eager"] > 0
+    assert set(result["methods"]) == {"eager", "compiled", "compiled_fp8"}
+    assert result["compiled/eager"] > 0 and result["compiled_fp8/eager"] > 0
     assert all(m["tokens_per_s"] > 0 and m["achieved_tflops"] > 0
                for m in result["methods"].values())
 

@@ -76,9 +76,7 @@ KNOWN_LIMITS = {
         ("int8-cache", "activation_cache='int8'"), ("overlap-chunked", "overlap='chunked'"))},
     **{(name, "fp8"): f"--precision fp8 does not combine with {flag} yet" for name, flag in (
         ("moe-ep", "an MoE preset"), ("cp", "--cp"))},
-    # train --model DIR (a tiny Hugging Face Llama): Hugging Face models keep their config's
-    # dropout; an MoE preset is another model
-    ("dropout", "model"): "--dropout sets a reference preset's dropout; a Hugging Face model",
+    # train --model DIR (a tiny Hugging Face Llama): an MoE preset is another model
     ("moe-ep", "model"): "moe-ep and model both choose the model",
 }
 # What the matrix does not show, listed with it in docs/composition.md.
@@ -89,8 +87,8 @@ LIMITS = (
     "`fp8` × `model` is held to 5e-4 (the other fp8 cells to 1e-4): the tiny Hugging Face Llama "
     "at tp 2 equals tp 1's fp8 at step 1 (6.9e-8), then re-quantisation flips drift to 2.5e-4 by "
     "step 3 with the e5m2 backward (3.7e-5 with the fp32 one; fp32 without fp8: 9e-8).",
-    "`train --model DIR --dropout P` is refused in one line: Hugging Face models keep their "
-    "config's dropout (one-device masks for Hugging Face families are not done).",
+    "`dropout` × `model` sets the tiny Llama's attention dropout (its only dropout); GPT-2's "
+    "embedding and residual dropout are tested in `tests/parallelize/test_hf_dropout.py`.",
     "ZeRO-3 leaves the parameters with partial gradients whole (SP norms, KV replicas, LoRA's "
     "replicated factors): exact, averaged by our own reducer, but not sharded.",
     "`sequence_parallel=\"regather\"` under `--overlap chunked`: the entries' all-gathers and "
@@ -308,8 +306,7 @@ def write_table(path: Path, only: str | None = None) -> None:
               "Two values of one flag (or two models: `moe-ep` is a preset), the options "
               "context parallelism (`cp`, docs/context_parallel.md), pipeline parallelism (`pp`, "
               "docs/pipeline.md), `torch.compile` (`compile`, docs/compile.md) and fp8 (`fp8`) "
-              "do not compose with yet, and `--dropout` with a Hugging Face model (`model`); no "
-              "other pair of features is refused.", ""]
+              "do not compose with yet; no other pair of features is refused.", ""]
     lines += [f"- {', '.join('+'.join(p) for p, v in cells.items() if v == r)}: "
               f"{r[len('refused: '):]}" for r in refusals] or ["- none"]
     lines += ["", "## Known limits (not in the matrix, or not exact in every resource)", "",

@@ -183,19 +183,18 @@ def _hf_gpt2(tp, attn_pdrop):
     model = tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=101, n_positions=32, n_embd=64, n_layer=2,
                                              n_head=4, resid_pdrop=P, embd_pdrop=P,
                                              attn_pdrop=attn_pdrop)).train()
-    if tp > 1:
-        parallelize(model, ctx)
+    parallelize(model, ctx)  # at tp 1 too: the one-device masks (parallelize/dropout.py)
     ids = torch.randint(0, 101, (2, T), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(1)
     return float(model(input_ids=ids, labels=ids).loss)
 
 
 @pytest.mark.slow
-def test_hugging_face_replicated_dropout_matches_when_attention_dropout_is_0(run_ranks):
-    """Hugging Face models keep torch's dropout (docs/memory.md): in plain TP, with no dropout on
-    the attention probabilities, every dropout sees a replicated tensor and draws what the
-    unsharded model draws; attention dropout on a rank's heads does not."""
-    dense = run_ranks(_hf_gpt2, 1, 1, 0.0)[0]
-    assert abs(run_ranks(_hf_gpt2, 2, 2, 0.0)[0] - dense) <= FP32_EXACT * abs(dense)
-    with_attention = run_ranks(_hf_gpt2, 1, 1, P)[0]
-    assert abs(run_ranks(_hf_gpt2, 2, 2, P)[0] - with_attention) > 1e-4 * abs(with_attention)
+def test_hugging_face_dropout_matches_one_device(run_ranks):
+    """``parallelize`` gives a Hugging Face GPT-2 the one-device masks (embedding, residual and,
+    through its attention function, the attention probabilities on a rank's heads): tp 2 equals
+    tp 1 with and without attention dropout (tests/parallelize/test_hf_dropout.py: gradients,
+    SP, Llama)."""
+    for attn_pdrop in (0.0, P):
+        dense = run_ranks(_hf_gpt2, 1, 1, attn_pdrop)[0]
+        assert abs(run_ranks(_hf_gpt2, 2, 2, attn_pdrop)[0] - dense) <= FP32_EXACT * abs(dense)

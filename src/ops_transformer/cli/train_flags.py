@@ -39,8 +39,9 @@ FLAGS: dict[str, dict[str, dict]] = {
         "dir": _flag("fine-tune this Hugging Face causal LM (a local save_pretrained directory, "
                      "safetensors weights) instead of a preset; each rank loads only its shards "
                      "(docs/finetuning.md)", metavar="DIR"),
-        "dropout": _flag("the preset's dropout probability (one-device masks at any dp × tp; "
-                         "default: the preset's own)", metavar="P"),
+        "dropout": _flag("the dropout probability: the preset's, or every dropout of the "
+                         "--model checkpoint (one-device masks at any dp × tp; default: the "
+                         "model's own)", metavar="P"),
         "lora_rank": _flag("train LoRA adapters of rank R on the attention and FFN linears (or "
                            "--lora-targets), every other weight frozen", metavar="R"),
         "lora_alpha": _flag("the adapters' alpha: their output is scaled by A/R (default: R)",

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..checkpoint.errors import CheckpointError
 from ..parallelize import parallelize
+from ..parallelize.dropout import set_hf_dropout
 from .keys import model_sources
 from .materialize import init_buffers, load_shards
 from .sources import INDEX, SINGLE, CheckpointFiles
@@ -22,7 +23,7 @@ BIN_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 def from_pretrained(path, ctx, *, auto_class: str = "AutoModelForCausalLM",
                     dtype: torch.dtype | str | None = None, strict: bool = True,
-                    **parallelize_kwargs) -> nn.Module:
+                    dropout: float | None = None, **parallelize_kwargs) -> nn.Module:
     """The ``transformers`` model saved in the directory ``path`` (``save_pretrained``), parallelised
     over ``ctx`` by :func:`~ops_transformer.parallelize` (``parallelize_kwargs``: its options,
     e.g. ``vocab=``, ``loss_parallel=``, ``sequence_parallel=``), in eval mode.
@@ -41,6 +42,10 @@ def from_pretrained(path, ctx, *, auto_class: str = "AutoModelForCausalLM",
     file and the key; ``strict=False`` turns stored keys the model does not have into a warning
     (a checkpoint with a task head, loaded as its base model: ``auto_class="AutoModel"``). A directory with only ``pytorch_model.bin`` weights falls back to loading the
     whole model on every rank first (a warning says how much that is).
+
+    ``dropout``: every dropout of the model set to it before it is parallelised
+    (:func:`~ops_transformer.parallelize.dropout.set_hf_dropout`; ``None``: the config's); with
+    dropout above 0 every rank draws the one-device masks of its part (``parallelize``).
     """
     transformers = _transformers()
     root = Path(path).resolve()
@@ -50,13 +55,15 @@ def from_pretrained(path, ctx, *, auto_class: str = "AutoModelForCausalLM",
                               f"config.json)")
     cls = _auto_class(transformers, auto_class)
     if not (root / SINGLE).is_file() and not (root / INDEX).is_file() and _bin_files(root):
-        return _from_bin(transformers, cls, root, ctx, dtype, parallelize_kwargs)
+        return _from_bin(transformers, cls, root, ctx, dtype, parallelize_kwargs, dropout)
     config = transformers.AutoConfig.from_pretrained(root)
     with CheckpointFiles(root) as files:
         dtype = dtype or files.floating_dtype() or torch.get_default_dtype()
         with torch.device("meta"):
             model = cls.from_config(config, dtype=dtype)
         model.config.name_or_path = str(root)  # as transformers' from_pretrained sets it
+        if dropout is not None:
+            set_hf_dropout(model, dropout)
         sources = model_sources(model, files.tensors, str(files.described), strict=strict)
         init_buffers(model, ctx.device)
         model = parallelize(model, ctx, materialize=lambda m: load_shards(m, sources, ctx.device),
@@ -103,7 +110,8 @@ def _bin_files(root: Path) -> list[Path]:
     return [root / n for n in BIN_FILES if (root / n).is_file()]
 
 
-def _from_bin(transformers, cls, root: Path, ctx, dtype, parallelize_kwargs) -> nn.Module:
+def _from_bin(transformers, cls, root: Path, ctx, dtype, parallelize_kwargs,
+              dropout=None) -> nn.Module:
     """The whole-model path for ``torch.save`` checkpoints, which cannot be read by slices."""
     size = sum(f.stat().st_size for f in root.glob("pytorch_model*.bin"))
     warnings.warn(f"{root} holds only pytorch_model.bin weights (no safetensors): every rank "
@@ -116,6 +124,8 @@ def _from_bin(transformers, cls, root: Path, ctx, dtype, parallelize_kwargs) -> 
         raise CheckpointError(f"cannot load the model in {str(root)!r}: "
                               f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
                               ) from None
+    if dropout is not None:
+        set_hf_dropout(model, dropout)
     model = parallelize(model, ctx, materialize=lambda m: m.to(ctx.device), **parallelize_kwargs)
     return model.eval()
 

@@ -55,6 +55,7 @@ from ..models.gpt import GPT, Attention, rope_tables
 from ..models.hf import is_hf
 from ..parallel.state import no_sync, parallel_state_of
 from .moe_plan import n_experts_of
+from .dropout import hf_dropout_sites
 from .options import ParallelOptions
 from .pipeline_hf import FAMILIES as HF_FAMILIES
 from .pipeline_hf import HFStage, n_layers_of, prune_hf, tied_names
@@ -428,6 +429,10 @@ def pipeline(model: nn.Module, ctx, schedule: str = "1f1b", *, microbatches: int
                          "loss_parallel=True is not supported with pp yet")
     if getattr(model, "sequence_split", None) is not None:
         raise ValueError("pipeline does not split a context-parallel model (cp > 1) yet")
+    if hf and hf_dropout_sites(model):
+        raise ValueError("pipeline does not split a Hugging Face model with dropout above 0 yet "
+                         "(its stages would not seek the seeds one device draws before them): "
+                         "set its dropout to 0 (train --dropout 0)")
     cls_name, _, placement = SCHEDULES[schedule]
     n_stages = ctx.pp_size * stages_per_rank
     mine = rank_stages(ctx.pp_rank, ctx.pp_size, stages_per_rank, placement)

@@ -85,7 +85,8 @@ def build(cfg, ctx, policy):
     """``(model, data)`` on this rank: the parallel model in training mode, fp32 parameters (the
     master weights ``--precision`` autocasts from), and the packed corpus."""
     options = cfg.parallel_options(grad_reduce_dtype=policy.grad_reduce_dtype, loss_parallel=True)
-    model = from_pretrained(cfg.model, ctx, dtype=torch.float32, options=options)
+    model = from_pretrained(cfg.model, ctx, dtype=torch.float32, dropout=cfg.dropout,
+                            options=options)
     model.config.use_cache = False  # training: no key/value cache
     data = packed_corpus(cfg.data, cfg.model, cfg.seq,
                          model.config.get_text_config().vocab_size)

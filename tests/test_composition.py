@@ -89,8 +89,9 @@ LIMITS = (
     "step 3 with the e5m2 backward (3.7e-5 with the fp32 one; fp32 without fp8: 9e-8).",
     "`dropout` × `model` sets the tiny Llama's attention dropout (its only dropout); GPT-2's "
     "embedding and residual dropout are tested in `tests/parallelize/test_hf_dropout.py`.",
-    "ZeRO-3 leaves the parameters with partial gradients whole (SP norms, KV replicas, LoRA's "
-    "replicated factors): exact, averaged by our own reducer, but not sharded.",
+    "ZeRO-3 shards the SP norms (FSDP2 units, their TP sums in its all-reduce hooks) but leaves "
+    "the other partial-gradient parameters whole (a row layer's bias under SP, KV replicas, "
+    "LoRA's replicated factors): exact, averaged by our own reducer, not sharded.",
     "`sequence_parallel=\"regather\"` under `--overlap chunked`: the entries' all-gathers and "
     "reduce-scatters run in chunks, the backward re-gather of the share is one call.",
     "MoE under sequence parallelism all-gathers its input and cuts its output (one all-gather "

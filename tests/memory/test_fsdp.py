@@ -259,3 +259,29 @@ def test_an_overflow_in_one_shard_skips_the_step_on_every_rank(run_ranks):
     # skipped everywhere, weights untouched; the same scale on every rank (hysteresis 2: the first
     # overflow keeps it)
     assert run_ranks(_overflow_on_one_rank, 4) == [(False, True, 2.0 ** 10)] * 4
+
+
+def _sp_sharding():
+    ctx = init_parallel(tp=2)
+    torch.manual_seed(0)
+    model = shard_parameters(parallelize(GPT(CONFIG), ctx, attention="heads",
+                                         sequence_parallel=True), ctx)
+    norms = {n: type(p).__name__ for n, p in model.named_parameters() if "norm" in n}
+    state = model.parallel_state
+    return norms, len(state.sharding.unsharded), [r.name for r in state.reducers]
+
+
+def test_sp_norms_are_sharded_and_summed_over_tp_by_the_hook(run_ranks):
+    """ZeRO-3 under SP shards the norms (partial gradients over TP) too: each is an FSDP2 unit
+    whose all-reduce hook sums its reduce-scattered gradient over TP — one ``fsdp_partial_sums``
+    call per norm and step, on the TP group — and the chain has no reducer of its own left (the
+    SP variant of the 5-step test above checks the values against the unsharded model)."""
+    for norms, unsharded, chain in run_ranks(_sp_sharding, 4):
+        assert norms and set(norms.values()) == {"DTensor"}, norms
+        assert unsharded == 0 and chain == ["fsdp"]
+    for rank, result in enumerate(run_ranks(_train, 4, 2, True, True)):
+        tp = (rank - rank % 2, rank - rank % 2 + 1)
+        sums = [r for r in result[4] if r[1] == "fsdp_partial_sums"]
+        n_norms = 2 * CONFIG.n_layers + 1
+        assert len(sums) == n_norms * STEPS and all(r[0] == "all_reduce" and r[2] == tp
+                                                    for r in sums)

@@ -14,8 +14,13 @@ experts (``expert_shard``)  ``dp``       the experts' module of each layer, its 
                                          tokens were summed by the all-to-all)
 dense (everything else)     ``dp × ep``  each Transformer layer; the LM head (unless tied to
                                          the embeddings); the root (embeddings, final norm)
-partial gradients (SP norms ``—``        not sharded: averaged by the chain's ``GradSync``
-and row biases, KV replicas)             and summed over TP by its ``GradSums``, as before
+partial gradients of norms  ``dp × ep``  each norm its own unit: FSDP2 reduce-scatters the
+(sequence parallelism)                   gradient over dp, its all-reduce hook sums the shard
+                                         over TP (``fsdp_partial_sums``), one call per norm
+other partial gradients     ``—``        not sharded: averaged by the chain's ``GradSync``
+(a row layer's bias under                and summed over TP by its ``GradSums``, as before
+SP, KV replicas, LoRA's
+replicated factors)
 =========================== ============ ===================================================
 
 FSDP2 all-gathers a unit's parameters before its forward (and again before its backward when it
@@ -34,16 +39,26 @@ tensor. An optimizer built after sharding (a plain ``torch.optim`` one) holds ``
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 from torch import nn
 
+from ..comm import collectives as C
 from ..comm.bucketing import DEFAULT_BUCKET_BYTES, partial_grad_group
 from ..comm.fsdp_comm import LedgerAllGather, LedgerReduceScatter
 from ..layers.moe import expert_shard
 from ..models.hf import transformer_layers
-from ..parallel.grad_reduce import GradSync
+from ..parallel.grad_reduce import GradSums, GradSync
 from ..parallel.grad_shard import FSDPGradSync
 from ..parallel.state import DataSharding, parallel_state_of
+
+# The final norm under SP is its own unit (a partial gradient) whose output is the sequence
+# all-gather's view; FSDP2 warns that an in-place op on such a view would skip its pre-backward
+# hook. Nothing writes into it in place (the LM head reads it), so this one warning is noise.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGatherSequenceOutput",
+                        category=UserWarning)
 
 try:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -65,10 +80,17 @@ def shard_parameters(model: nn.Module, ctx, *, reshard_after_forward: bool = Tru
     the optimizer steps stay in their own dtype (fp32 masters)."""
     state = check_shardable(model, ctx, reshard_after_forward, mixed_precision)
     state.sharding = fully_shard_layers(model, ctx, reshard_after_forward, mixed_precision)
+    buckets = getattr(state.options, "bucket_bytes", DEFAULT_BUCKET_BYTES)
     state.reducers.replace_averaging(fsdp_reducers(model, ctx, state.sharding,
-                                     bucket_bytes=getattr(state.options, "bucket_bytes",
-                                                          DEFAULT_BUCKET_BYTES),
+                                     bucket_bytes=buckets,
                                      reduce_dtype=_reduce_dtype(state.reducers)))
+    sums = state.reducers.get("partial_sums")
+    if sums is not None:  # the TP sums left to GradSums: those FSDP2's hooks do not run
+        pairs = [(p, partial_grad_group(p)) for p in dict.fromkeys(model.parameters())
+                 if p.requires_grad and partial_grad_group(p) is not None
+                 and not getattr(p, "_sums_in_fsdp", False)]
+        state.reducers.replace(sums, [GradSums(pairs, dtype=sums.dtype, bucket_bytes=buckets)]
+                               if pairs else [])
     return model
 
 
@@ -76,7 +98,9 @@ def fully_shard_layers(model: nn.Module, ctx, reshard_after_forward: bool = True
                        mixed_precision=None) -> DataSharding:
     """The FSDP2 units of :func:`shard_parameters` (each layer's experts, each layer, the LM head,
     the root), the gradient reducers left as they are; what was sharded."""
-    unsharded = tuple(_unsharded(model, ctx))
+    partial_units = _partial_modules(model)
+    summed = {id(p) for module, _ in partial_units for p in module.parameters()}
+    unsharded = tuple(p for p in _unsharded(model, ctx) if id(p) not in summed)
     common = {"reshard_after_forward": reshard_after_forward,
               "mp_policy": mixed_precision or MixedPrecisionPolicy(),
               "ignored_params": set(unsharded)}
@@ -86,6 +110,10 @@ def fully_shard_layers(model: nn.Module, ctx, reshard_after_forward: bool = True
             if not p.is_contiguous() and p not in common["ignored_params"]:
                 p.data = p.data.contiguous()
     units = []
+    for module, group in partial_units:  # inside the layers: sharded before them (bottom-up)
+        unit = fully_shard(module, mesh=ctx.data_mesh(), **common)
+        unit.set_all_reduce_hook(functools.partial(_sum_over, group=group))
+        units.append(unit)
     state = parallel_state_of(model)
     roots = getattr(state, "pipeline_modules", None) or (model,)  # pp: each stage is a root
     for layer in transformer_layers(model):
@@ -106,7 +134,39 @@ def fully_shard_layers(model: nn.Module, ctx, reshard_after_forward: bool = True
         unit.set_custom_reduce_scatter(LedgerReduceScatter())
         unit.set_force_sum_reduction_for_comms(True)
     _restore_attributes(model, attributes)
+    for module, _ in partial_units:
+        for p in module.parameters():
+            p._sums_in_fsdp = True  # its TP sum is the unit's hook: not GradSums'
     return DataSharding(tuple(units), unsharded, reshard_after_forward, mixed_precision)
+
+
+def _partial_modules(model: nn.Module) -> list[tuple[nn.Module, object]]:
+    """``[(module, group)]``: the normalisation modules (a class named ``*Norm*``: the SP norms)
+    every parameter of which has a partial gradient over one ``group`` (``mark_partial_grad``),
+    outside the experts; each becomes an FSDP2 unit whose all-reduce hook sums its
+    reduce-scattered gradient over ``group``. Only modules whose own ``forward`` runs can be units
+    (FSDP2 gathers in their forward hooks): a column layer of KV replicas may be fed by its
+    region's collective matmul, and a LoRA factor is read by its layer, so those stay whole."""
+    found, taken = [], set()
+    for module in model.modules():
+        params = list(module.parameters())
+        if (not params or any(id(p) in taken for p in params)
+                or not any("Norm" in k.__name__ for k in type(module).__mro__)):
+            continue
+        groups = {id(partial_grad_group(p)) for p in params}
+        if (len(groups) != 1 or partial_grad_group(params[0]) is None
+                or any(expert_shard(p) is not None for p in params)):
+            continue
+        found.append((module, partial_grad_group(params[0])))
+        taken.update(id(p) for p in params)
+    return found
+
+
+def _sum_over(reduce_output: torch.Tensor, group) -> None:
+    """FSDP2's all-reduce hook of a partial-gradient unit: this backward's reduce-scattered
+    gradient shard summed over the parameters' partial group, before it is accumulated (the
+    same rows on every rank of ``group``: the layout over dp is the same on each)."""
+    C.all_reduce(reduce_output, group, label="fsdp_partial_sums")
 
 
 def check_shardable(model: nn.Module, ctx, reshard_after_forward, mixed_precision, *,

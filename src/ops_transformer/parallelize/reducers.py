@@ -53,7 +53,8 @@ def gradient_reducers(model: nn.Module, ctx, options: ParallelOptions,
             reducers.append(GradSync(experts, ctx.expert_grad_group, bucket_bytes=buckets,
                                      reduce_dtype=dtype, name="dp_experts"))
     pairs = [(p, partial_grad_group(p)) for p in dict.fromkeys(chosen)
-             if partial_grad_group(p) is not None]
+             if partial_grad_group(p) is not None
+             and not getattr(p, "_sums_in_fsdp", False)]  # ZeRO-3: its unit's hook sums it
     if pairs:
         reducers.append(GradSums(pairs, dtype=dtype, bucket_bytes=buckets))
     if params is None:

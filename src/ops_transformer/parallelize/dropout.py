@@ -103,7 +103,10 @@ def apply_hf_dropout(model: nn.Module, ctx, *, sequence_parallel: bool) -> int:
     from ..models.hf import is_hf, transformer_layers
 
     config = getattr(model, "config", None)
-    layers = list(transformer_layers(model)) if is_hf(model) else []
+    try:  # a model whose layers are not found keeps torch's dropout (as every HF model did)
+        layers = list(transformer_layers(model)) if is_hf(model) else []
+    except ValueError:
+        layers = []
     attentions = [m for layer in layers for m in layer.modules() if _attention_p(m) is not None]
     drops = [(n, m) for n, m in model.named_modules()
              if type(m) is nn.Dropout and m.p > 0 and not n.endswith("attn_dropout")]

@@ -99,14 +99,14 @@ def _selective_attention(implementation: str | None) -> str:
         return name
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        inner = _hf_attention_function(module, implementation)
+        inner = hf_attention_function(module, implementation)
         return checkpointed(inner)(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(name, attention)
     return name
 
 
-def _hf_attention_function(module: nn.Module, implementation: str):
+def hf_attention_function(module: nn.Module, implementation: str):
     if implementation == "eager":  # each model file defines its own eager attention
         return sys.modules[type(module).__module__].eager_attention_forward
     from transformers import AttentionInterface

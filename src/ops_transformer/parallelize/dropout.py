@@ -51,17 +51,13 @@ def _core_with_dropout(attn: Attention):
     def core(q, k, v, document_ids=None):  # (B, nh, T, hd), (B, nkv, T, hd)
         if not attn.training or attn.dropout == 0.0:
             return fused(q, k, v) if document_ids is None else fused(q, k, v, document_ids)
-        if k.shape[1] != q.shape[1]:  # GQA: each KV head serves a group of query heads
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         T = q.shape[-2]
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, nh, T, T)
         # an additive -inf bias above the diagonal (an addition keeps nothing for backward)
-        causal = torch.full((T, T), float("-inf"), dtype=scores.dtype, device=q.device).triu(1)
+        causal = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
         if document_ids is not None:  # and never across a packed document: (B, 1, T, T)
             causal = causal.masked_fill(~document_mask(document_ids), float("-inf"))
-        probs = F.softmax(scores + causal, dim=-1)
-        return dropout(probs, attn.dropout, attn.dropout_layout) @ v  # (B, nh, T, hd)
+        return _dropped_attention(q, k, v, causal, 1.0 / math.sqrt(q.shape[-1]), attn.dropout,
+                                  attn.dropout_layout)  # (B, nh, T, hd)
 
     return core
 
@@ -184,9 +180,9 @@ def _hf_dropout_attention(implementation: str | None) -> str:
                   **kwargs):
         layout = getattr(module, "dropout_layout", None)
         if dropout == 0.0 or not module.training or layout is None:
-            from ..memory.recompute import _hf_attention_function
+            from ..memory.recompute import hf_attention_function
 
-            inner = _hf_attention_function(module, implementation)
+            inner = hf_attention_function(module, implementation)
             return inner(module, query, key, value, attention_mask, dropout=dropout,
                          scaling=scaling, **kwargs)
         return _explicit_attention(query, key, value, attention_mask, dropout, scaling,
@@ -204,18 +200,29 @@ def _explicit_attention(q, k, v, mask, p: float, scaling, layout) -> torch.Tenso
     probabilities: ``(B, nh, T, hd)`` in, ``(B, T, nh, hd)`` out (what ``transformers``' eager
     attention returns); ``mask`` as Hugging Face builds it (``None``: causal; booleans: kept;
     floats: added)."""
+    T, S = q.shape[-2], k.shape[-2]
+    if mask is None:
+        bias = torch.full((T, S), float("-inf"), dtype=q.dtype, device=q.device).triu(S - T + 1)
+    elif mask.dtype == torch.bool:
+        bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(
+            ~mask[..., :S], float("-inf"))
+    else:
+        bias = mask[..., :S]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = _dropped_attention(q, k, v, bias, scale, p, layout, softmax_dtype=torch.float32)
+    return out.transpose(1, 2).contiguous()
+
+
+def _dropped_attention(q, k, v, bias, scale: float, p: float, layout, softmax_dtype=None):
+    """``dropout(softmax(q kᵀ · scale + bias)) v`` with the one-device mask of ``layout``'s part
+    (the GQA key/value heads repeated for their query heads); ``bias`` added in the scores'
+    dtype; the softmax in ``softmax_dtype`` (``transformers``' eager attention: float32, then
+    cast back to ``q``'s), else in the scores' dtype."""
     if k.shape[1] != q.shape[1]:  # GQA: each KV head serves a group of query heads
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     scores = (q @ k.transpose(-2, -1)) * scale
-    T, S = scores.shape[-2:]
-    if mask is None:
-        scores = scores + torch.full((T, S), float("-inf"), dtype=scores.dtype,
-                                     device=q.device).triu(S - T + 1)
-    elif mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask[..., :S], float("-inf"))
-    else:
-        scores = scores + mask[..., :S]
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return (dropout(probs, p, layout) @ v).transpose(1, 2).contiguous()
+    probs = F.softmax(scores + bias.to(scores.dtype), dim=-1, dtype=softmax_dtype)
+    if softmax_dtype is not None:
+        probs = probs.to(q.dtype)
+    return dropout(probs, p, layout) @ v
